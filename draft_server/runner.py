@@ -1,0 +1,111 @@
+"""The draft's model runner: ingest the target's hidden states, then propose a chain of k tokens.
+
+Position alignment (REFERENCE.md): the draft row at position p takes (target feature of p, token x[p+1]).
+For a request whose committed tokens are x[0..P+1] (x[P+1] has no target KV yet), the target sends
+rows p = s..P. Ingesting them fills draft KV for s..P; row P predicts d_1 = x[P+2]. Step j (j >= 2) is
+the row at position P + j - 1, taking (draft hidden of the previous step, d_{j-1}) and predicting d_j.
+Example: prompt of 5 tokens, first token c -> rows 0..4 with tokens x1..x4, c; row 4 predicts d_1;
+the row at position 5 takes (hidden of row 4, d_1) and predicts d_2.
+Draft KV written by steps j >= 2 is speculative: the next ingest truncates back to its start position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.layers.kv_cache import PagedKVCache, SequenceKV
+from tandem.models.eagle3 import Eagle3Draft
+
+
+class DraftRequestError(ValueError):
+    """Rows that do not continue the request's draft KV; the message says where the gap is."""
+
+
+@dataclass(frozen=True)
+class TargetRows:
+    """Committed rows from the target: features of positions [start, start + n) and the tokens after them."""
+
+    start_position: int
+    next_tokens: Sequence[int]  # [n]
+    features: torch.Tensor  # [n, num_aux * target_hidden]
+
+
+@dataclass(frozen=True)
+class ProposeInput:
+    request_id: str
+    rows: TargetRows
+    num_steps: int
+
+
+@dataclass
+class DraftRequest:
+    kv: SequenceKV = field(default_factory=SequenceKV)
+
+
+@dataclass(frozen=True)
+class DraftCacheSettings:
+    num_blocks: int = 1024
+    block_size: int = 16
+
+
+class DraftRunner:
+    def __init__(self, model: Eagle3Draft, cache: DraftCacheSettings) -> None:
+        parameter = next(model.parameters())
+        layer = model.config.layer
+        self.model = model
+        self.cache = PagedKVCache(
+            1, cache.num_blocks, cache.block_size, layer.num_kv_heads, layer.head_dim, parameter.dtype, parameter.device
+        )
+        self.requests: dict[str, DraftRequest] = {}
+
+    @torch.inference_mode()
+    def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]:
+        """Ingests each request's rows, then drafts num_steps tokens per request; batched across requests."""
+        requests = []
+        for item in inputs:
+            request = self.requests.setdefault(item.request_id, DraftRequest())
+            self.cache.truncate(request.kv, item.rows.start_position)
+            if request.kv.length != item.rows.start_position:
+                raise DraftRequestError(
+                    f"request {item.request_id!r}: rows start at position {item.rows.start_position} "
+                    f"but the draft holds positions up to {request.kv.length}"
+                )
+            requests.append(request)
+        device = self.cache.device
+        metadata = self.cache.plan(
+            [(request.kv, len(item.rows.next_tokens)) for request, item in zip(requests, inputs, strict=True)]
+        )
+        features = torch.cat([item.rows.features for item in inputs]).to(device=device, dtype=self._dtype)
+        input_ids = torch.tensor([t for item in inputs for t in item.rows.next_tokens], device=device)
+        step = self.model(input_ids, self.model.project_features(features), metadata, self.cache)
+        last_rows = torch.tensor([span.query_start + span.query_len - 1 for span in metadata.spans], device=device)
+        hidden = step.hidden[last_rows]  # [num_requests, hidden]
+        tokens = self.model.to_target_ids(step.logits[last_rows].argmax(dim=-1))  # [num_requests]
+        proposals: list[list[int]] = [[int(t)] for t in tokens.tolist()]
+        active = list(range(len(inputs)))
+        for step_index in range(1, max(item.num_steps for item in inputs)):
+            active = [i for i in active if inputs[i].num_steps > step_index]
+            if not active:
+                break
+            selector = torch.tensor(active, device=device)
+            hidden, tokens = hidden[selector], tokens[selector]
+            metadata = self.cache.plan([(requests[i].kv, 1) for i in active])
+            step = self.model(tokens, hidden, metadata, self.cache)
+            hidden = step.hidden
+            tokens = self.model.to_target_ids(step.logits.argmax(dim=-1))
+            for i, token in zip(active, tokens.tolist(), strict=True):
+                proposals[i].append(int(token))
+        return proposals
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                self.cache.release(request.kv)
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.cache.keys.dtype

@@ -1,0 +1,151 @@
+"""The `tandem` command: serve, one service per process, and a streaming generate client."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from draft_server.runner import DraftCacheSettings
+from draft_server.service import DraftSettings
+from orchestrator.scheduler import SchedulerSettings
+from orchestrator.service import OrchestratorSettings
+from tandem.launcher import ServeSettings, serve
+from tandem.models.aux_layers import CONVENTIONS
+from tandem.serving import ListenSettings, configure_logging
+from target_server.main import TargetSettings
+from target_server.runner import CacheSettings
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _add_listen(parser: argparse.ArgumentParser, default_port: int = ListenSettings.port) -> None:
+    parser.add_argument("--host", default=ListenSettings.host)
+    parser.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
+    parser.add_argument("--ready-file", type=Path, help="write the bound host:port here once serving")
+
+
+def _listen(args: argparse.Namespace) -> ListenSettings:
+    return ListenSettings(host=args.host, port=args.port, ready_file=args.ready_file)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve_parser = commands.add_parser("serve", help="start target, draft and orchestrator on loopback")
+    serve_parser.add_argument("--target", type=Path, required=True, help="target model directory (Hugging Face)")
+    serve_parser.add_argument("--draft", type=Path, help="draft head directory; none: target-only")
+    serve_parser.add_argument("--host", default=ServeSettings.host)
+    serve_parser.add_argument("--port", type=int, default=ServeSettings.port)
+    serve_parser.add_argument("--speculative-num-steps", type=int, default=ServeSettings.num_steps)
+    serve_parser.add_argument("--aux-layer-convention", choices=CONVENTIONS, default=ServeSettings.aux_layer_convention)
+    serve_parser.add_argument("--dtype", choices=DTYPES, default=ServeSettings.dtype)
+    serve_parser.add_argument("--max-batch-size", type=int, default=ServeSettings.max_batch_size)
+
+    target_parser = commands.add_parser("target", help="run the target service")
+    target_parser.add_argument("--model", type=Path, required=True)
+    target_parser.add_argument("--dtype", choices=DTYPES, default=TargetSettings.dtype)
+    target_parser.add_argument("--max-context", type=int, default=TargetSettings.max_context)
+    target_parser.add_argument("--kv-blocks", type=int, default=CacheSettings.num_blocks)
+    target_parser.add_argument("--block-size", type=int, default=CacheSettings.block_size)
+    _add_listen(target_parser)
+
+    draft_parser = commands.add_parser("draft", help="run one draft replica")
+    draft_parser.add_argument("--model", type=Path, required=True)
+    draft_parser.add_argument("--target-address", required=True)
+    draft_parser.add_argument("--replica-id", default=f"draft-{socket.gethostname()}-{os.getpid()}")
+    draft_parser.add_argument("--speculative-num-steps", type=int, default=DraftSettings.num_steps)
+    draft_parser.add_argument("--aux-layer-convention", choices=CONVENTIONS, default=DraftSettings.aux_layer_convention)
+    draft_parser.add_argument("--dtype", choices=DTYPES, default=DraftSettings.dtype)
+    draft_parser.add_argument("--kv-blocks", type=int, default=DraftCacheSettings.num_blocks)
+    draft_parser.add_argument("--block-size", type=int, default=DraftCacheSettings.block_size)
+    _add_listen(draft_parser)
+
+    orchestrator_parser = commands.add_parser("orchestrator", help="run the public orchestrator service")
+    orchestrator_parser.add_argument("--target-address", required=True)
+    orchestrator_parser.add_argument("--draft-address", action="append", default=[], help="repeat per replica")
+    orchestrator_parser.add_argument("--tokenizer", type=Path, required=True, help="directory with tokenizer files")
+    orchestrator_parser.add_argument("--speculative-num-steps", type=int, default=SchedulerSettings.num_steps)
+    orchestrator_parser.add_argument("--max-batch-size", type=int, default=SchedulerSettings.max_batch_size)
+    orchestrator_parser.add_argument(
+        "--default-max-new-tokens", type=int, default=OrchestratorSettings.default_max_new_tokens
+    )
+    _add_listen(orchestrator_parser, default_port=ServeSettings.port)
+
+    generate_parser = commands.add_parser("generate", help="stream a completion from a running Tandem")
+    generate_parser.add_argument("prompt")
+    generate_parser.add_argument("--address", default=f"127.0.0.1:{ServeSettings.port}")
+    generate_parser.add_argument("--max-new-tokens", type=int, default=0, help="0: the server default")
+    generate_parser.add_argument("--temperature", type=float, default=0.0)
+    generate_parser.add_argument("--top-p", type=float, default=0.0, help="0: no nucleus filtering")
+    generate_parser.add_argument("--top-k", type=int, default=0)
+    generate_parser.add_argument("--seed", type=int, default=0)
+    generate_parser.add_argument("--stop", action="append", default=[])
+    generate_parser.add_argument("--ignore-eos", action="store_true")
+    generate_parser.add_argument("--no-speculation", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        settings = ServeSettings(
+            target_dir=args.target,
+            draft_dir=args.draft,
+            host=args.host,
+            port=args.port,
+            num_steps=args.speculative_num_steps,
+            aux_layer_convention=args.aux_layer_convention,
+            dtype=args.dtype,
+            max_batch_size=args.max_batch_size,
+        )
+        return serve(settings)
+    if args.command == "generate":
+        from tandem.client import generate
+
+        return generate(args)
+    configure_logging(args.command)
+    if args.command == "target":
+        from target_server.main import serve_target
+
+        target = TargetSettings(
+            model_dir=args.model,
+            dtype=args.dtype,
+            max_context=args.max_context,
+            cache=CacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
+        )
+        asyncio.run(serve_target(target, _listen(args)))
+    elif args.command == "draft":
+        from draft_server.main import serve_draft
+
+        draft = DraftSettings(
+            model_dir=args.model,
+            target_address=args.target_address,
+            replica_id=args.replica_id,
+            num_steps=args.speculative_num_steps,
+            aux_layer_convention=args.aux_layer_convention,
+            cache=DraftCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
+            dtype=args.dtype,
+        )
+        asyncio.run(serve_draft(draft, _listen(args)))
+    elif args.command == "orchestrator":
+        from orchestrator.main import serve_orchestrator
+
+        orchestrator = OrchestratorSettings(
+            target_address=args.target_address,
+            draft_addresses=tuple(args.draft_address),
+            tokenizer_dir=args.tokenizer,
+            scheduler=SchedulerSettings(num_steps=args.speculative_num_steps, max_batch_size=args.max_batch_size),
+            default_max_new_tokens=args.default_max_new_tokens,
+        )
+        asyncio.run(serve_orchestrator(orchestrator, _listen(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

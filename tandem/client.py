@@ -1,0 +1,44 @@
+"""`tandem generate`: stream one completion from a running orchestrator and print its stats."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from tandem.grpc_util import channel_options
+from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
+
+
+def generate(args: argparse.Namespace) -> int:
+    request = orchestrator_pb2.GenerateRequest(
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        disable_speculation=args.no_speculation,
+    )
+    with grpc.insecure_channel(args.address, options=channel_options()) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        try:
+            for response in stub.Generate(request, wait_for_ready=True, timeout=3600):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                if response.finish_reason:
+                    stats = response.stats
+                    mean_acceptance = 1 + stats.accepted_tokens / stats.rounds if stats.rounds else 0.0
+                    print(
+                        f"\n[finish_reason={response.finish_reason} prompt_tokens={stats.prompt_tokens} "
+                        f"completion_tokens={stats.completion_tokens} rounds={stats.rounds} "
+                        f"draft_tokens={stats.draft_tokens} accepted_tokens={stats.accepted_tokens} "
+                        f"mean_acceptance_length={mean_acceptance:.2f}]"
+                    )
+        except grpc.RpcError as error:
+            print(f"\ntandem generate: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,99 @@
+"""gRPC plumbing shared by every Tandem service: channel options, server creation, health and reflection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Hidden-state batches and verify responses of large batches exceed gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+# Answers of a health check that mean "not up yet" rather than "wrong or broken peer".
+_NOT_READY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+# Pause between health checks while waiting for a server that answers but is not SERVING yet.
+HEALTH_POLL_INTERVAL_S = 0.05
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """Options for both channels and servers; each side ignores the keys meant for the other.
+
+    The services talk over loopback or a cluster network through long-lived streams (SubscribeHidden) that can
+    sit idle between requests, so clients ping to keep them open and servers must accept those pings.
+    """
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        # Client: ping every 30 s, also with no call in flight, and drop the connection after 10 s without an ack.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Server: by default it answers pings more often than every 5 min with GOAWAY (too_many_pings).
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        # A restarted peer comes back within seconds; gRPC's default backoff would wait up to 2 min to retry.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
+        # Peers are addressed directly; an http_proxy variable in the environment must not reroute them.
+        ("grpc.enable_http_proxy", 0),
+    ]
+
+
+def create_server(options: Sequence[tuple[str, int]] | None = None) -> grpc.aio.Server:
+    """A grpc.aio server with `options`, channel_options() when None. Add ports and services, then start it."""
+    return grpc.aio.server(options=channel_options() if options is None else list(options))
+
+
+async def add_standard_services(
+    server: grpc.aio.Server, service_full_names: Sequence[str]
+) -> health.aio.HealthServicer:
+    """Registers grpc.health.v1 and server reflection on a server; call before server.start().
+
+    Health reports SERVING for "" (the whole server) and for each named service. Reflection lists the named
+    services and the health and reflection services themselves. The health servicer is returned so that the
+    caller can report NOT_SERVING when it shuts down (`enter_graceful_shutdown`). This is a coroutine because
+    the asyncio health servicer's `set` is one.
+    """
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", *service_full_names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection((*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return health_servicer
+
+
+async def wait_for_ready(address: str, timeout_s: float, service: str = "") -> None:
+    """Polls grpc.health.v1 Check at `address` until `service` ("" for the whole server) reports SERVING.
+
+    Raises TimeoutError naming the address and the last answer when that does not happen within timeout_s.
+    Errors other than "not reachable yet" (UNAVAILABLE), "service not registered yet" (NOT_FOUND) and the
+    deadline propagate at once: they mean the peer is not a Tandem service or is broken.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last_answer = "no answer"
+    request = health_pb2.HealthCheckRequest(service=service)
+    async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while (remaining := deadline - loop.time()) > 0:
+            try:
+                # wait_for_ready: a call made before the server listens waits for the connection instead of failing.
+                response = await stub.Check(request, timeout=remaining, wait_for_ready=True)
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in _NOT_READY_CODES:
+                    raise
+                last_answer = f"{error.code().name}: {error.details()}"
+            else:
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last_answer = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+            await asyncio.sleep(min(HEALTH_POLL_INTERVAL_S, max(0.0, deadline - loop.time())))
+    raise TimeoutError(
+        f"gRPC server at {address} did not report {service or 'the whole server'} SERVING "
+        f"within {timeout_s} s; last answer: {last_answer}"
+    )

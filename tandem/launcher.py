@@ -1,0 +1,149 @@
+"""`tandem serve --launcher process`: the three services as child processes on loopback.
+
+Each child binds a free port and writes its address to a ready file; the launcher passes addresses
+on, prints one `ready` line when Generate is servable, and stops the children (orchestrator, drafts,
+target) on SIGINT or SIGTERM. A child that exits during start-up stops everything with its exit code.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+STARTUP_TIMEOUT_S = 900.0
+STOP_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    target_dir: Path
+    draft_dir: Path | None
+    host: str = "127.0.0.1"
+    port: int = 50051
+    num_steps: int = 5
+    aux_layer_convention: str = "auto"
+    dtype: str = "float32"
+    max_batch_size: int = 32
+
+
+class ChildFailed(RuntimeError):
+    def __init__(self, name: str, returncode: int) -> None:
+        super().__init__(f"{name} exited with code {returncode} during start-up (its log is above)")
+        self.returncode = returncode
+
+
+class Interrupted(RuntimeError):
+    """A signal arrived before every service was ready."""
+
+
+class Launcher:
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._workdir = tempfile.TemporaryDirectory(prefix="tandem-serve-")
+        self._stopping = False
+
+    def start(self) -> str:
+        """Starts target, draft and orchestrator in order; returns the public address."""
+        s = self.settings
+        target = self._spawn("target", ["target", "--model", str(s.target_dir), "--dtype", s.dtype])
+        target_address = self._wait_ready("target", target)
+        draft_addresses = []
+        if s.draft_dir is not None:
+            draft = self._spawn(
+                "draft",
+                [
+                    "draft",
+                    "--model",
+                    str(s.draft_dir),
+                    "--target-address",
+                    target_address,
+                    "--replica-id",
+                    "draft-0",
+                    "--speculative-num-steps",
+                    str(s.num_steps),
+                    "--aux-layer-convention",
+                    s.aux_layer_convention,
+                    "--dtype",
+                    s.dtype,
+                ],
+            )
+            draft_addresses.append(self._wait_ready("draft", draft))
+        arguments = ["orchestrator", "--target-address", target_address, "--tokenizer", str(s.target_dir)]
+        for address in draft_addresses:
+            arguments += ["--draft-address", address]
+        arguments += ["--speculative-num-steps", str(s.num_steps), "--max-batch-size", str(s.max_batch_size)]
+        orchestrator = self._spawn("orchestrator", arguments, host=s.host, port=s.port)
+        return self._wait_ready("orchestrator", orchestrator)
+
+    def _spawn(self, name: str, arguments: Sequence[str], host: str = "127.0.0.1", port: int = 0) -> Path:
+        ready_file = Path(self._workdir.name) / f"{name}.address"
+        command = [sys.executable, "-m", "tandem.cli", *arguments, "--host", host, "--port", str(port)]
+        command += ["--ready-file", str(ready_file)]
+        # Children ignore the terminal's SIGINT (own process group); the launcher stops them in order.
+        process = subprocess.Popen(command, start_new_session=True)
+        self.children.append((name, process))
+        return ready_file
+
+    def _wait_ready(self, name: str, ready_file: Path) -> str:
+        process = dict(self.children)[name]
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline and not self._stopping:
+            if ready_file.exists():
+                return ready_file.read_text().strip()
+            returncode = process.poll()
+            if returncode is not None:
+                raise ChildFailed(name, returncode)
+            time.sleep(0.05)
+        if self._stopping:
+            raise Interrupted(f"stopped while {name} was starting")
+        raise TimeoutError(f"{name} did not become ready within {STARTUP_TIMEOUT_S:.0f} s")
+
+    def wait(self) -> int:
+        """Blocks until a signal arrives or a child dies; returns the exit code for the launcher."""
+        while not self._stopping:
+            for name, process in self.children:
+                if process.poll() is not None:
+                    print(f"tandem serve: {name} exited with code {process.returncode}", file=sys.stderr, flush=True)
+                    return 1
+            time.sleep(0.2)
+        return 0
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        self._stopping = True
+
+    def stop(self) -> None:
+        for _, process in reversed(self.children):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        self._workdir.cleanup()
+
+
+def serve(settings: ServeSettings) -> int:
+    launcher = Launcher(settings)
+    signal.signal(signal.SIGINT, launcher.request_stop)
+    signal.signal(signal.SIGTERM, launcher.request_stop)
+    try:
+        address = launcher.start()
+        mode = "speculative" if settings.draft_dir is not None else "target-only"
+        print(f"tandem ready: Generate on {address} ({mode}, {len(launcher.children)} processes)", flush=True)
+        return launcher.wait()
+    except ChildFailed as error:
+        print(f"tandem serve: {error}", file=sys.stderr, flush=True)
+        return error.returncode or 1
+    except Interrupted:
+        return 0
+    finally:
+        launcher.stop()

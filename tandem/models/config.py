@@ -1,0 +1,147 @@
+"""Our own model configuration, translated once from a Hugging Face config.json.
+
+Everything downstream reads these frozen dataclasses, never the raw HF dict. Family differences
+(qkv bias, q/k norm) are flags resolved here from a registry keyed by architecture name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json that Tandem cannot serve; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # "default", "linear" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
+        # transformers >= 5 writes "rope_parameters" (theta included); older files use
+        # "rope_theta" plus an optional "rope_scaling" dict.
+        params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = str(params.get("rope_type", params.get("type", "default")))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ConfigError(f"rope_scaling.rope_type: {rope_type!r} is not supported (default, linear, llama3)")
+        return cls(
+            theta=theta,
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    """What distinguishes the Llama-family variants; everything else is shared code."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+
+
+def _llama_traits(hf: dict[str, Any]) -> FamilyTraits:
+    bias = bool(hf.get("attention_bias", False))
+    return FamilyTraits(qkv_bias=bias, o_bias=bias)
+
+
+def _qwen2_traits(hf: dict[str, Any]) -> FamilyTraits:
+    return FamilyTraits(qkv_bias=True, o_bias=False)
+
+
+def _qwen3_traits(hf: dict[str, Any]) -> FamilyTraits:
+    bias = bool(hf.get("attention_bias", False))
+    return FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+TARGET_FAMILIES = {
+    "LlamaForCausalLM": _llama_traits,
+    "MistralForCausalLM": _llama_traits,
+    "Qwen2ForCausalLM": _qwen2_traits,
+    "Qwen3ForCausalLM": _qwen3_traits,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    traits: FamilyTraits
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], traits: FamilyTraits | None = None) -> ModelConfig:
+        """Translates a target config; `traits` given means a draft layer config (no family lookup)."""
+        architectures = hf.get("architectures") or []
+        if not architectures:
+            raise ConfigError("architectures: missing from config.json")
+        architecture = architectures[0]
+        if traits is None:
+            if architecture not in TARGET_FAMILIES:
+                known = ", ".join(sorted(TARGET_FAMILIES))
+                raise ConfigError(f"architectures: {architecture!r} is not a supported target ({known})")
+            traits = TARGET_FAMILIES[architecture](hf)
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act: {hf['hidden_act']!r} is not supported (silu)")
+        if hf.get("use_sliding_window"):
+            raise ConfigError("use_sliding_window: sliding-window attention is not supported for this family")
+        hidden_size = _require_int(hf, "hidden_size")
+        num_heads = _require_int(hf, "num_attention_heads")
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=architecture,
+            vocab_size=_require_int(hf, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_require_int(hf, "intermediate_size"),
+            num_layers=_require_int(hf, "num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(hf),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            traits=traits,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+        )
+
+
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"config.json: not found in {model_dir}")
+    with path.open() as handle:
+        config: dict[str, Any] = json.load(handle)
+    return config
+
+
+def _require_int(hf: dict[str, Any], key: str) -> int:
+    if key not in hf:
+        raise ConfigError(f"{key}: missing from config.json")
+    return int(hf[key])

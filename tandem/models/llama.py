@@ -1,0 +1,107 @@
+"""Llama-family causal LM (Llama 3.x, Qwen2 with qkv bias, Qwen3 with q/k norm) on the paged KV cache.
+
+Module names mirror the Hugging Face checkpoints (model.layers.N.self_attn...), so the only name
+mapping the loader needs is the packing of q/k/v and gate/up (tandem.weights.names.PACKED_PARTS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tandem.layers.attention import Attention
+from tandem.layers.kv_cache import AttentionMetadata, PagedKVCache
+from tandem.layers.mlp import GatedMLP
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.config import ModelConfig
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer. `attention_input_size` is 2*hidden for EAGLE3 heads, which attend over
+    concat([embedding, hidden]) instead of the normed residual stream."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        rotary: RotaryEmbedding,
+        attention_input_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(
+            layer_index=layer_index,
+            input_size=attention_input_size or config.hidden_size,
+            output_size=config.hidden_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            rotary=rotary,
+            qkv_bias=config.traits.qkv_bias,
+            o_bias=config.traits.o_bias,
+            qk_norm_eps=config.rms_norm_eps if config.traits.qk_norm else None,
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden] residual stream entering the layer
+        metadata: AttentionMetadata,
+        cache: PagedKVCache,
+        attention_input: torch.Tensor | None = None,  # [num_tokens, attention_input_size]; default: normed hidden
+    ) -> torch.Tensor:  # -> [num_tokens, hidden] residual stream leaving the layer
+        if attention_input is None:
+            attention_input = self.input_layernorm(hidden)
+        hidden = hidden + self.self_attn(attention_input, metadata, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    normed: torch.Tensor  # [num_tokens, hidden] final-norm output, the LM-head input
+    captured: dict[int, torch.Tensor]  # capture index -> [num_tokens, hidden] residual stream entering that layer
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, index, self.rotary) for index in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaBackbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        metadata: AttentionMetadata,
+        cache: PagedKVCache,
+        capture: Sequence[int] = (),  # capture indices in [0, num_layers]; num_layers = final pre-norm stream
+    ) -> TargetOutput:
+        wanted = set(capture)
+        captured: dict[int, torch.Tensor] = {}
+        hidden = self.model.embed_tokens(input_ids)
+        for index, layer in enumerate(self.model.layers):
+            if index in wanted:
+                captured[index] = hidden
+            hidden = layer(hidden, metadata, cache)
+        if self.config.num_layers in wanted:
+            captured[self.config.num_layers] = hidden
+        return TargetOutput(normed=self.model.norm(hidden), captured=captured)
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        return self.lm_head(normed).float()

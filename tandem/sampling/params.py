@@ -1,0 +1,45 @@
+"""Per-request sampling parameters and the random generator derived from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen from the target model's logits.
+
+    The filters apply in the order temperature, top_k, top_p (the order of Hugging Face transformers and vLLM).
+    """
+
+    temperature: float = 0.0  # 0 => greedy (argmax)
+    top_p: float = 1.0  # keep the smallest set of most likely tokens whose mass reaches top_p; in (0, 1]
+    top_k: int = 0  # keep the top_k most likely tokens; 0 => disabled
+    seed: int | None = None  # None => nondeterministic
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(params: SamplingParams) -> torch.Generator:
+    """A CPU generator seeded from params.seed, or from fresh entropy when the seed is None.
+
+    Sampling draws on the CPU so that a seed gives the same tokens whatever device the logits came from.
+    """
+    generator = torch.Generator(device="cpu")
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator

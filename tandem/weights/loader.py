@@ -1,0 +1,131 @@
+"""One generic safetensors loader; per-model differences are name maps (data), never code.
+
+A checkpoint tensor name goes through `NameMap.renames` (prefix substitutions), then, if its last
+module name is a packed part (e.g. `q_proj` of `qkv_proj`), it is loaded into its rows of the packed
+parameter. Every parameter must be covered, or loading fails naming the missing checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tandem.layers.linear import PackedLinear
+
+LOG = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; the message names the tensor."""
+
+
+# checkpoint module name -> (our packed module name, part)
+PACKED_PARTS: dict[str, tuple[str, str]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+@dataclass(frozen=True)
+class NameMap:
+    renames: tuple[tuple[str, str], ...] = ()  # (checkpoint prefix, parameter prefix), first match wins
+    packed: dict[str, tuple[str, str]] = field(default_factory=lambda: dict(PACKED_PARTS))
+
+    def to_parameter(self, name: str) -> tuple[str, str | None]:
+        """Checkpoint name -> (parameter name, packed part or None)."""
+        for source, target in self.renames:
+            if name.startswith(source):
+                name = target + name[len(source) :]
+                break
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in self.packed:
+            packed_module, part = self.packed[parts[-2]]
+            return ".".join([*parts[:-2], packed_module, parts[-1]]), part
+        return name, None
+
+    def to_checkpoint(self, parameter: str, part: str | None) -> str:
+        """Parameter name (and part) -> the checkpoint name it is expected under; for error messages."""
+        if part is not None:
+            *modules, _, leaf = parameter.split(".")
+            module = next(k for k, (_, p) in self.packed.items() if p == part)
+            parameter = ".".join([*modules, module, leaf])
+        for source, target in self.renames:
+            if parameter.startswith(target):
+                return source + parameter[len(target) :]
+        return parameter
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                yield name, handle.get_tensor(name)
+
+
+def load_weights(
+    module: nn.Module,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    name_map: NameMap,
+    source: str,
+    optional: frozenset[str] = frozenset(),
+) -> list[str]:
+    """Loads tensors into module's parameters and persistent buffers; returns the unused checkpoint names.
+
+    Raises CheckpointError naming the tensor on a shape mismatch or a missing tensor; names in
+    `optional` may be absent (the caller fills them another way).
+    """
+    parameters = dict(module.named_parameters()) | dict(module.named_buffers())
+    modules = dict(module.named_modules())
+    expected: set[tuple[str, str | None]] = set()
+    for name in parameters:
+        owner = modules[name.rpartition(".")[0]]
+        if isinstance(owner, PackedLinear):
+            expected.update((name, part) for part in owner.part_rows)
+        else:
+            expected.add((name, None))
+    unused = []
+    for checkpoint_name, tensor in tensors:
+        parameter_name, part = name_map.to_parameter(checkpoint_name)
+        if (parameter_name, part) not in expected:
+            unused.append(checkpoint_name)
+            continue
+        try:
+            if part is None:
+                parameter = parameters[parameter_name]
+                if parameter.shape != tensor.shape:
+                    raise ValueError(f"expected shape {tuple(parameter.shape)}, got {tuple(tensor.shape)}")
+                parameter.data.copy_(tensor)
+            else:
+                owner = modules[parameter_name.rpartition(".")[0]]
+                assert isinstance(owner, PackedLinear)
+                owner.load_part(parameter_name.rpartition(".")[2], part, tensor)
+        except ValueError as error:
+            raise CheckpointError(f"tensor {checkpoint_name} in {source}: {error}") from None
+        expected.discard((parameter_name, part))
+    expected = {(name, part) for name, part in expected if name not in optional}
+    if expected:
+        missing = sorted(name_map.to_checkpoint(name, part) for name, part in expected)
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"missing tensor {shown} in {source}")
+    return unused

@@ -1,0 +1,160 @@
+from tandem.wire import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TargetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TargetInfo(_message.Message):
+    __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "max_context", "dtype", "eos_token_ids", "tp_size", "running_requests", "kv_blocks_total", "kv_blocks_free")
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    architecture: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    max_context: int
+    dtype: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tp_size: int
+    running_requests: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ...) -> None: ...
+
+class PrefillItem(_message.Message):
+    __slots__ = ("request_id", "input_ids", "draft_replica", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_replica: str
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., draft_replica: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PrefillItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
+
+class PrefillResult(_message.Message):
+    __slots__ = ("request_id", "next_token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    next_token: int
+    def __init__(self, request_id: _Optional[str] = ..., next_token: _Optional[int] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PrefillResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PrefillResult, _Mapping]]] = ...) -> None: ...
+
+class VerifyItem(_message.Message):
+    __slots__ = ("request_id", "draft_tokens", "round")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    round: int
+    def __init__(self, request_id: _Optional[str] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[VerifyItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("request_id", "accepted", "new_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    accepted: int
+    new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("replica_id", "capture_indices")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    capture_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, replica_id: _Optional[str] = ..., capture_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HiddenStates(_message.Message):
+    __slots__ = ("request_id", "round", "start_position", "next_tokens", "features")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    round: int
+    start_position: int
+    next_tokens: _containers.RepeatedScalarFieldContainer[int]
+    features: _common_pb2.Tensor
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class WeightsRequest(_message.Message):
+    __slots__ = ("names", "chunk_bytes")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    chunk_bytes: int
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "total_bytes", "data", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    total_bytes: int
+    data: bytes
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...

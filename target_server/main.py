@@ -1,0 +1,61 @@
+"""Entry point of one target process (what `tandem target` and a Kubernetes target pod run)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tandem.models.registry import load_target
+from tandem.serving import ListenSettings, run_server
+from tandem.wire import target_pb2, target_pb2_grpc
+from target_server.runner import CacheSettings, TargetRunner
+from target_server.service import TargetService
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    model_dir: Path
+    dtype: str = "float32"
+    max_context: int = 0  # 0: the model's max_position_embeddings
+    cache: CacheSettings = field(default_factory=CacheSettings)
+
+
+async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None:
+    started = time.perf_counter()
+    LOG.info("loading target from %s (%s)", settings.model_dir, settings.dtype)
+    model = load_target(settings.model_dir, dtype=getattr(torch, settings.dtype))
+    config = model.config
+    max_context = min(settings.max_context or config.max_position_embeddings, config.max_position_embeddings)
+    LOG.info(
+        "loaded %s: %d layers, hidden %d, vocab %d in %.1f s",
+        config.architecture,
+        config.num_layers,
+        config.hidden_size,
+        config.vocab_size,
+        time.perf_counter() - started,
+    )
+    runner = TargetRunner(model, settings.cache, max_context)
+    info = target_pb2.TargetInfo(
+        architecture=config.architecture,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        num_layers=config.num_layers,
+        max_context=max_context,
+        dtype=settings.dtype,
+        eos_token_ids=list(config.eos_token_ids),
+        tp_size=1,
+    )
+    service = TargetService(runner, info)
+    await run_server(
+        "target",
+        lambda server: target_pb2_grpc.add_TargetServicer_to_server(service, server),
+        ["tandem.v1.Target"],
+        listen,
+        on_stop=service.stop,
+    )

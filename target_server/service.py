@@ -1,0 +1,191 @@
+"""The target's gRPC service: rank 0 of the target, around TargetRunner.
+
+Model work runs on one worker thread (one forward at a time, in arrival order) so that the event loop
+keeps streaming hidden states to drafts while the model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from tandem.layers.kv_cache import OutOfKVBlocks
+from tandem.sampling.params import SamplingParams
+from tandem.wire import common_pb2, target_pb2, target_pb2_grpc
+from tandem.wire.codec import DEFAULT_CHUNK_BYTES, iter_weight_chunks, tensor_to_proto
+from target_server.runner import CapturedRows, PrefillInput, RequestError, StepResult, TargetRunner
+
+LOG = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class Subscriber:
+    """A draft replica's hidden-state stream."""
+
+    capture: tuple[int, ...]
+    queue: asyncio.Queue[target_pb2.HiddenStates | None] = field(default_factory=asyncio.Queue)
+
+
+def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=message.temperature,
+        top_p=message.top_p or 1.0,
+        top_k=message.top_k,
+        seed=message.seed or None,
+    )
+
+
+class TargetService(target_pb2_grpc.TargetServicer):
+    def __init__(self, runner: TargetRunner, info: target_pb2.TargetInfo) -> None:
+        self.runner = runner
+        self.info = info
+        self.subscribers: dict[str, Subscriber] = {}
+        self.replica_of: dict[str, str] = {}  # request id -> replica id, for requests that stream hidden states
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
+
+    async def _run(self, function: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
+    async def GetInfo(
+        self, request: target_pb2.TargetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.TargetInfo:
+        info = target_pb2.TargetInfo()
+        info.CopyFrom(self.info)
+        info.running_requests = len(self.runner.requests)
+        info.kv_blocks_total = self.runner.cache.num_blocks
+        info.kv_blocks_free = self.runner.cache.num_free_blocks
+        return info
+
+    async def Prefill(
+        self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.PrefillResponse:
+        inputs = []
+        for item in request.items:
+            capture: tuple[int, ...] = ()
+            if item.draft_replica:
+                subscriber = self.subscribers.get(item.draft_replica)
+                if subscriber is None:
+                    await context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"draft_replica: {item.draft_replica!r} is not subscribed to this target",
+                    )
+                    raise AssertionError("unreachable")
+                capture = subscriber.capture
+            try:
+                sampling = sampling_from_proto(item.sampling)
+            except ValueError as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {error}")
+            inputs.append(PrefillInput(item.request_id, list(item.input_ids), sampling, capture))
+        results: list[StepResult] = await self._guarded(context, self._run(self.runner.prefill, inputs))
+        for item in request.items:
+            if item.draft_replica:
+                self.replica_of[item.request_id] = item.draft_replica
+        self._publish(results, round_number=0)
+        return target_pb2.PrefillResponse(
+            results=[target_pb2.PrefillResult(request_id=r.request_id, next_token=r.new_tokens[0]) for r in results]
+        )
+
+    async def Verify(
+        self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.VerifyResponse:
+        drafts = [(item.request_id, list(item.draft_tokens)) for item in request.items]
+        results: list[StepResult] = await self._guarded(context, self._run(self.runner.verify, drafts))
+        rounds = {item.request_id: item.round for item in request.items}
+        for result in results:
+            self._publish([result], round_number=rounds[result.request_id])
+        return target_pb2.VerifyResponse(
+            results=[
+                target_pb2.VerifyResult(request_id=r.request_id, accepted=r.accepted, new_tokens=r.new_tokens)
+                for r in results
+            ]
+        )
+
+    async def Release(
+        self, request: target_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.ReleaseResponse:
+        await self._run(self.runner.release, list(request.request_ids))
+        for request_id in request.request_ids:
+            self.replica_of.pop(request_id, None)
+        return target_pb2.ReleaseResponse()
+
+    async def SubscribeHidden(
+        self, request: target_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.HiddenStates]:
+        num_layers = self.runner.model.config.num_layers
+        capture = tuple(request.capture_indices)
+        if not capture:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "capture_indices: empty")
+        for index in capture:
+            if not 0 <= index <= num_layers:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"capture_indices: {index} is outside 0..{num_layers} (the target has {num_layers} layers)",
+                )
+        if request.replica_id in self.subscribers:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"replica_id: {request.replica_id!r} is subscribed")
+        subscriber = Subscriber(capture)
+        self.subscribers[request.replica_id] = subscriber
+        LOG.info("draft replica %s subscribed, capture indices %s", request.replica_id, list(capture))
+        try:
+            while (message := await subscriber.queue.get()) is not None:
+                yield message
+        finally:
+            del self.subscribers[request.replica_id]
+            LOG.info("draft replica %s unsubscribed", request.replica_id)
+
+    async def GetWeights(
+        self, request: target_pb2.WeightsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.WeightChunk]:
+        tables = self.shared_tables()
+        for name in request.names:
+            if name not in tables:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"names: {name!r} is not one of {', '.join(sorted(tables))}"
+                )
+        chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES
+        for name in request.names:
+            for chunk in iter_weight_chunks(name, tables[name], chunk_bytes):
+                yield chunk
+
+    def shared_tables(self) -> dict[str, torch.Tensor]:
+        model = self.runner.model
+        return {"embed_tokens": model.model.embed_tokens.weight.detach(), "lm_head": model.lm_head.weight.detach()}
+
+    async def stop(self) -> None:
+        for subscriber in self.subscribers.values():
+            subscriber.queue.put_nowait(None)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _publish(self, results: Sequence[StepResult], round_number: int) -> None:
+        for result in results:
+            replica = self.replica_of.get(result.request_id)
+            subscriber = self.subscribers.get(replica) if replica else None
+            if subscriber is not None and result.captured is not None:
+                subscriber.queue.put_nowait(hidden_message(result.captured, round_number))
+
+    async def _guarded(self, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
+        try:
+            return await work
+        except RequestError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except OutOfKVBlocks as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        raise AssertionError("unreachable")
+
+
+def hidden_message(rows: CapturedRows, round_number: int) -> target_pb2.HiddenStates:
+    return target_pb2.HiddenStates(
+        request_id=rows.request_id,
+        round=round_number,
+        start_position=rows.start_position,
+        next_tokens=rows.next_tokens,
+        features=tensor_to_proto(rows.features),
+    )

@@ -1,0 +1,158 @@
+"""Validation of the public GenerateRequest: proto3 defaults, and one test per refusal with its message."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from orchestrator.validation import InvalidRequest, Limits, ValidatedRequest, validate_request
+from tandem.sampling.params import SamplingParams
+from tandem.wire.orchestrator_pb2 import GenerateRequest
+from tests.helpers.tokenizer import write_tokenizer
+
+LIMITS = Limits(vocab_size=320, max_context=64, default_max_new_tokens=16)
+
+
+@pytest.fixture
+def tokenizer(tmp_path: Path) -> PreTrainedTokenizerBase:
+    write_tokenizer(tmp_path, LIMITS.vocab_size)
+    return AutoTokenizer.from_pretrained(tmp_path)
+
+
+def validate(tokenizer: PreTrainedTokenizerBase, request: GenerateRequest) -> ValidatedRequest:
+    return validate_request(request, tokenizer, LIMITS)
+
+
+def assert_refused(tokenizer: PreTrainedTokenizerBase, request: GenerateRequest, message: str) -> None:
+    """The request is refused with a message that starts with the given one."""
+    with pytest.raises(InvalidRequest, match=f"^{re.escape(message)}"):
+        validate(tokenizer, request)
+
+
+# Accepted requests
+
+
+def test_unset_fields_take_their_defaults(tokenizer: PreTrainedTokenizerBase) -> None:
+    request = validate(tokenizer, GenerateRequest(input_ids=[5, 6, 7]))
+    assert request == ValidatedRequest(
+        input_ids=(5, 6, 7),
+        max_new_tokens=LIMITS.default_max_new_tokens,
+        sampling=SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None),
+        stop=(),
+        ignore_eos=False,
+        disable_speculation=False,
+    )
+
+
+def test_set_fields_are_carried_over(tokenizer: PreTrainedTokenizerBase) -> None:
+    request = GenerateRequest(
+        input_ids=[0, 319],
+        max_new_tokens=62,
+        temperature=0.5,
+        top_p=0.25,
+        top_k=40,
+        seed=2**64 - 1,
+        stop=["\n\n", "END"],
+        ignore_eos=True,
+        disable_speculation=True,
+    )
+    assert validate(tokenizer, request) == ValidatedRequest(
+        input_ids=(0, 319),
+        max_new_tokens=62,
+        sampling=SamplingParams(temperature=0.5, top_p=0.25, top_k=40, seed=2**64 - 1),
+        stop=("\n\n", "END"),
+        ignore_eos=True,
+        disable_speculation=True,
+    )
+
+
+def test_prompt_is_tokenized_and_input_ids_are_ignored(tokenizer: PreTrainedTokenizerBase) -> None:
+    prompt = "def add(a, b):\n    return a + b"
+    request = validate(tokenizer, GenerateRequest(prompt=prompt, input_ids=[999, -1]))
+    assert request.input_ids == tuple(tokenizer.encode(prompt))
+    assert tokenizer.decode(list(request.input_ids)) == prompt
+
+
+def test_default_max_new_tokens_shrinks_to_the_room_left_in_the_context(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert validate(tokenizer, GenerateRequest(input_ids=[5] * 50)).max_new_tokens == 14
+    assert validate(tokenizer, GenerateRequest(input_ids=[5] * 63)).max_new_tokens == 1
+
+
+def test_prompt_and_new_tokens_may_fill_the_context_exactly(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert validate(tokenizer, GenerateRequest(input_ids=[5] * 60, max_new_tokens=4)).max_new_tokens == 4
+
+
+# Refused requests
+
+
+def test_empty_prompt_without_input_ids_is_refused(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert_refused(tokenizer, GenerateRequest(), "prompt: empty, and input_ids is empty too")
+
+
+@pytest.mark.parametrize("bad_id", [-1, 320, 2**31 - 1])
+def test_input_id_outside_the_vocabulary_is_refused(tokenizer: PreTrainedTokenizerBase, bad_id: int) -> None:
+    assert_refused(
+        tokenizer,
+        GenerateRequest(input_ids=[5, 6, bad_id, 7]),
+        f"input_ids[2]: {bad_id} is outside the vocabulary of 320 tokens [0, 320)",
+    )
+
+
+@pytest.mark.parametrize("temperature", [-0.5, math.inf, math.nan])
+def test_negative_or_infinite_temperature_is_refused(tokenizer: PreTrainedTokenizerBase, temperature: float) -> None:
+    assert_refused(
+        tokenizer,
+        GenerateRequest(input_ids=[5], temperature=temperature),
+        f"temperature: must be a finite number >= 0 (0 means greedy), got {temperature}",
+    )
+
+
+@pytest.mark.parametrize("top_p", [1.5, -0.25, math.nan])
+def test_top_p_outside_zero_to_one_is_refused(tokenizer: PreTrainedTokenizerBase, top_p: float) -> None:
+    assert_refused(
+        tokenizer, GenerateRequest(input_ids=[5], top_p=top_p), f"top_p: must be in (0, 1] (0 means 1), got {top_p}"
+    )
+
+
+def test_negative_top_k_is_refused(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert_refused(tokenizer, GenerateRequest(input_ids=[5], top_k=-3), "top_k: must be >= 0 (0 disables it), got -3")
+
+
+def test_negative_max_new_tokens_is_refused(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert_refused(
+        tokenizer,
+        GenerateRequest(input_ids=[5], max_new_tokens=-1),
+        "max_new_tokens: must be >= 0 (0 means the server default), got -1",
+    )
+
+
+@pytest.mark.parametrize("prompt_length", [64, 100])
+def test_prompt_filling_the_context_is_refused(tokenizer: PreTrainedTokenizerBase, prompt_length: int) -> None:
+    assert_refused(
+        tokenizer,
+        GenerateRequest(input_ids=[5] * prompt_length),
+        f"prompt: {prompt_length} tokens, the context holds 64",
+    )
+
+
+def test_tokenized_prompt_filling_the_context_is_refused(tokenizer: PreTrainedTokenizerBase) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8
+    prompt_length = len(tokenizer.encode(prompt))
+    assert prompt_length >= LIMITS.max_context
+    assert_refused(tokenizer, GenerateRequest(prompt=prompt), f"prompt: {prompt_length} tokens, the context holds 64")
+
+
+def test_new_tokens_overflowing_the_context_are_refused(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert_refused(
+        tokenizer,
+        GenerateRequest(input_ids=[5] * 60, max_new_tokens=5),
+        "max_new_tokens: 5 new tokens after a 60-token prompt exceed the context of 64 tokens (at most 4 fit)",
+    )
+
+
+def test_empty_stop_string_is_refused(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert_refused(tokenizer, GenerateRequest(input_ids=[5], stop=["END", ""]), "stop[1]: must be a non-empty string")
