@@ -18,6 +18,7 @@ import torch
 
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.models.eagle3 import Eagle3Draft
+from tandem.settings import KVCacheSettings
 
 
 class DraftRequestError(ValueError):
@@ -45,14 +46,8 @@ class DraftRequest:
     kv: SequenceKV = field(default_factory=SequenceKV)
 
 
-@dataclass(frozen=True)
-class DraftCacheSettings:
-    num_blocks: int = 1024
-    block_size: int = 16
-
-
 class DraftRunner:
-    def __init__(self, model: Eagle3Draft, cache: DraftCacheSettings) -> None:
+    def __init__(self, model: Eagle3Draft, cache: KVCacheSettings) -> None:
         parameter = next(model.parameters())
         layer = model.config.layer
         self.model = model

@@ -13,36 +13,22 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import torch
 
 from draft_server.compat import check_compatibility
-from draft_server.runner import DraftCacheSettings, DraftRequestError, DraftRunner, ProposeInput, TargetRows
+from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, TargetRows
+from draft_server.settings import DraftSettings
 from tandem.grpc_util import channel_options, wait_for_ready
-from tandem.models.aux_layers import CaptureSpec, Convention, resolve_capture
+from tandem.models.aux_layers import CaptureSpec, resolve_capture
 from tandem.models.eagle3 import load_eagle3
 from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire.codec import WeightAssembler, tensor_from_proto
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class DraftSettings:
-    model_dir: Path
-    target_address: str
-    replica_id: str
-    num_steps: int = 5
-    aux_layer_convention: Convention = "auto"
-    cache: DraftCacheSettings = field(default_factory=DraftCacheSettings)
-    dtype: str = "float32"
-    rows_timeout_s: float = 60.0  # how long Propose waits for the target's rows of a round
-    rows_ttl_s: float = 120.0  # rows nobody asked for (finished requests) are dropped after this
 
 
 class DraftService(draft_pb2_grpc.DraftServicer):

@@ -18,6 +18,7 @@ import grpc
 from transformers import PreTrainedTokenizerBase
 
 from orchestrator.replicas import ReplicaPool
+from orchestrator.settings import SchedulerSettings
 from orchestrator.text import IncrementalDetokenizer, StopStringMatcher
 from orchestrator.validation import ValidatedRequest
 from tandem.wire import common_pb2, draft_pb2, orchestrator_pb2, target_pb2, target_pb2_grpc
@@ -31,13 +32,6 @@ class RequestFailed(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass(frozen=True)
-class SchedulerSettings:
-    num_steps: int = 5  # draft tokens per round
-    max_batch_size: int = 32
-    max_prefill_tokens: int = 8192  # prompt tokens admitted in one prefill call
 
 
 @dataclass

@@ -4,29 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import grpc
 from transformers import AutoTokenizer
 
 from orchestrator.replicas import ReplicaPool
-from orchestrator.scheduler import RequestFailed, Scheduler, SchedulerSettings
+from orchestrator.scheduler import RequestFailed, Scheduler
+from orchestrator.settings import OrchestratorSettings
 from orchestrator.validation import InvalidRequest, Limits, validate_request
 from tandem.grpc_util import channel_options, wait_for_ready
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
 
 LOG = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class OrchestratorSettings:
-    target_address: str
-    draft_addresses: Sequence[str]
-    tokenizer_dir: Path
-    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
-    default_max_new_tokens: int = 128
 
 
 class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):

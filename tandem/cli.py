@@ -10,15 +10,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from draft_server.runner import DraftCacheSettings
-from draft_server.service import DraftSettings
-from orchestrator.scheduler import SchedulerSettings
-from orchestrator.service import OrchestratorSettings
+from draft_server.settings import DraftSettings
+from orchestrator.settings import OrchestratorSettings, SchedulerSettings
 from tandem.launcher import ServeSettings, serve
 from tandem.models.aux_layers import CONVENTIONS
 from tandem.serving import ListenSettings, configure_logging
-from target_server.main import TargetSettings
-from target_server.runner import CacheSettings
+from tandem.settings import KVCacheSettings
+from target_server.settings import TargetSettings
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -51,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     target_parser.add_argument("--model", type=Path, required=True)
     target_parser.add_argument("--dtype", choices=DTYPES, default=TargetSettings.dtype)
     target_parser.add_argument("--max-context", type=int, default=TargetSettings.max_context)
-    target_parser.add_argument("--kv-blocks", type=int, default=CacheSettings.num_blocks)
-    target_parser.add_argument("--block-size", type=int, default=CacheSettings.block_size)
+    target_parser.add_argument("--kv-blocks", type=int, default=KVCacheSettings.num_blocks)
+    target_parser.add_argument("--block-size", type=int, default=KVCacheSettings.block_size)
     _add_listen(target_parser)
 
     draft_parser = commands.add_parser("draft", help="run one draft replica")
@@ -62,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     draft_parser.add_argument("--speculative-num-steps", type=int, default=DraftSettings.num_steps)
     draft_parser.add_argument("--aux-layer-convention", choices=CONVENTIONS, default=DraftSettings.aux_layer_convention)
     draft_parser.add_argument("--dtype", choices=DTYPES, default=DraftSettings.dtype)
-    draft_parser.add_argument("--kv-blocks", type=int, default=DraftCacheSettings.num_blocks)
-    draft_parser.add_argument("--block-size", type=int, default=DraftCacheSettings.block_size)
+    draft_parser.add_argument("--kv-blocks", type=int, default=KVCacheSettings.num_blocks)
+    draft_parser.add_argument("--block-size", type=int, default=KVCacheSettings.block_size)
     _add_listen(draft_parser)
 
     orchestrator_parser = commands.add_parser("orchestrator", help="run the public orchestrator service")
@@ -117,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_dir=args.model,
             dtype=args.dtype,
             max_context=args.max_context,
-            cache=CacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
+            cache=KVCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
         )
         asyncio.run(serve_target(target, _listen(args)))
     elif args.command == "draft":
@@ -129,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             replica_id=args.replica_id,
             num_steps=args.speculative_num_steps,
             aux_layer_convention=args.aux_layer_convention,
-            cache=DraftCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
+            cache=KVCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
             dtype=args.dtype,
         )
         asyncio.run(serve_draft(draft, _listen(args)))

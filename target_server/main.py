@@ -4,26 +4,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from tandem.models.registry import load_target
 from tandem.serving import ListenSettings, run_server
 from tandem.wire import target_pb2, target_pb2_grpc
-from target_server.runner import CacheSettings, TargetRunner
+from target_server.runner import TargetRunner
 from target_server.service import TargetService
+from target_server.settings import TargetSettings
 
 LOG = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TargetSettings:
-    model_dir: Path
-    dtype: str = "float32"
-    max_context: int = 0  # 0: the model's max_position_embeddings
-    cache: CacheSettings = field(default_factory=CacheSettings)
 
 
 async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None:

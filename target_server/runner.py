@@ -22,8 +22,9 @@ import torch
 
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
 from tandem.models.llama import LlamaForCausalLM, TargetOutput
-from tandem.sampling.params import SamplingParams, make_generator
-from tandem.sampling.verify import sample_token, verify
+from tandem.sampling.params import SamplingParams
+from tandem.sampling.verify import make_generator, sample_token, verify
+from tandem.settings import KVCacheSettings
 
 
 class RequestError(ValueError):
@@ -66,14 +67,8 @@ class StepResult:
     captured: CapturedRows | None
 
 
-@dataclass(frozen=True)
-class CacheSettings:
-    num_blocks: int = 1024
-    block_size: int = 16
-
-
 class TargetRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: CacheSettings, max_context: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, cache: KVCacheSettings, max_context: int) -> None:
         config = model.config
         parameter = next(model.parameters())
         self.model = model

@@ -1,10 +1,8 @@
-"""Per-request sampling parameters and the random generator derived from them."""
+"""Per-request sampling parameters (torch-free, so the orchestrator can import them cheaply)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -30,16 +28,3 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def make_generator(params: SamplingParams) -> torch.Generator:
-    """A CPU generator seeded from params.seed, or from fresh entropy when the seed is None.
-
-    Sampling draws on the CPU so that a seed gives the same tokens whatever device the logits came from.
-    """
-    generator = torch.Generator(device="cpu")
-    if params.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(params.seed)
-    return generator

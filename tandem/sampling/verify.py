@@ -197,3 +197,16 @@ def _check_shapes(
             f"draft_probs must be [num_drafts, vocab] = [{num_drafts}, {target_logits.shape[1]}], "
             f"got {list(draft_probs.shape)}"
         )
+
+
+def make_generator(params: SamplingParams) -> torch.Generator:
+    """A CPU generator seeded from params.seed, or from fresh entropy when the seed is None.
+
+    Sampling draws on the CPU so that a seed gives the same tokens whatever device the logits came from.
+    """
+    generator = torch.Generator(device="cpu")
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator

@@ -8,10 +8,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tandem.sampling.params import SamplingParams, make_generator
+from tandem.sampling.params import SamplingParams
 from tandem.sampling.verify import (
     VerifyOutcome,
     _residual_probs,
+    make_generator,
     sample_token,
     target_probs,
     verify,

@@ -1,0 +1,131 @@
+"""Starts Tandem the way users do (the `tandem` command in child processes) and talks to it over gRPC."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from tandem.grpc_util import channel_options
+from tandem.wire import draft_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
+
+READY_TIMEOUT_S = 180.0
+READY_LINE = re.compile(r"tandem ready: Generate on (\S+)")
+
+
+def tandem_command(*arguments: str) -> list[str]:
+    return [sys.executable, "-m", "tandem.cli", *arguments]
+
+
+@dataclass
+class Stack:
+    address: str
+    process: subprocess.Popen[str]
+    log: list[str]
+
+    def stop(self) -> int:
+        """SIGTERM, as a process manager would; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)
+
+
+def _pump(stream: Iterator[str], log: list[str]) -> None:
+    for line in stream:
+        log.append(line)
+
+
+@contextmanager
+def serve(target: Path, draft: Path | None, *extra: str) -> Iterator[Stack]:
+    """`tandem serve` on a free port; yields once the ready line is printed, stops it afterwards."""
+    arguments = ["serve", "--target", str(target), "--port", "0", *extra]
+    if draft is not None:
+        arguments += ["--draft", str(draft)]
+    process = subprocess.Popen(
+        tandem_command(*arguments), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    assert process.stdout is not None
+    log: list[str] = []
+    threading.Thread(target=_pump, args=(process.stdout, log), daemon=True).start()
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    address = None
+    while address is None:
+        for line in list(log):
+            if match := READY_LINE.search(line):
+                address = match.group(1)
+        if address is None:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("tandem serve did not become ready:\n" + "".join(log))
+            time.sleep(0.1)
+    stack = Stack(address, process, log)
+    try:
+        yield stack
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+def run_to_exit(arguments: Sequence[str], timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:
+    """Runs a tandem command expected to stop on its own (a start-up failure); stdout and stderr merged."""
+    return subprocess.run(
+        tandem_command(*arguments), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s
+    )
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: orchestrator_pb2.GenerateStats
+    messages: int
+
+
+def generate(address: str, **fields: object) -> Completion:
+    with grpc.insecure_channel(address, options=channel_options()) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        token_ids: list[int] = []
+        text = []
+        stream = stub.Generate(orchestrator_pb2.GenerateRequest(**fields), timeout=300)  # type: ignore[arg-type]
+        for count, response in enumerate(stream, start=1):
+            token_ids.extend(response.token_ids)
+            text.append(response.text)
+            if response.finish_reason:
+                return Completion(token_ids, "".join(text), response.finish_reason, response.stats, count)
+    raise AssertionError("stream ended without a finish_reason")
+
+
+def target_info(address: str) -> target_pb2.TargetInfo:
+    with grpc.insecure_channel(address, options=channel_options()) as channel:
+        info: target_pb2.TargetInfo = target_pb2_grpc.TargetStub(channel).GetInfo(target_pb2.TargetInfoRequest())
+        return info
+
+
+def draft_info(address: str) -> draft_pb2.DraftInfo:
+    with grpc.insecure_channel(address, options=channel_options()) as channel:
+        info: draft_pb2.DraftInfo = draft_pb2_grpc.DraftStub(channel).GetInfo(draft_pb2.DraftInfoRequest())
+        return info
+
+
+def service_addresses(log: Sequence[str]) -> dict[str, str]:
+    """The internal addresses the services logged ("target serving on host:port")."""
+    found = {}
+    for line in log:
+        if match := re.search(r" (target|draft|orchestrator)\S* INFO tandem\.serving: .* serving on (\S+)", line):
+            found[match.group(1)] = match.group(2)
+    return found
