@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from tandem.errors import StartupError
 from tandem.models.eagle3 import Eagle3Config
 from tandem.wire import target_pb2
 
 
-class IncompatibleDraft(ValueError):
+class IncompatibleDraft(StartupError):
     """The draft and the target disagree on a shape; the message names both values."""
 
 

@@ -59,15 +59,18 @@ class DraftRunner:
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]:
         """Ingests each request's rows, then drafts num_steps tokens per request; batched across requests."""
+        # Check every item before changing any state, so that a refused batch leaves the cache as it was.
+        for item in inputs:
+            held = self.requests[item.request_id].kv.length if item.request_id in self.requests else 0
+            if held < item.rows.start_position:
+                raise DraftRequestError(
+                    f"request {item.request_id!r}: rows start at position {item.rows.start_position} "
+                    f"but the draft holds positions up to {held}"
+                )
         requests = []
         for item in inputs:
             request = self.requests.setdefault(item.request_id, DraftRequest())
             self.cache.truncate(request.kv, item.rows.start_position)
-            if request.kv.length != item.rows.start_position:
-                raise DraftRequestError(
-                    f"request {item.request_id!r}: rows start at position {item.rows.start_position} "
-                    f"but the draft holds positions up to {request.kv.length}"
-                )
             requests.append(request)
         device = self.cache.device
         metadata = self.cache.plan(
@@ -82,10 +85,13 @@ class DraftRunner:
         proposals: list[list[int]] = [[int(t)] for t in tokens.tolist()]
         active = list(range(len(inputs)))
         for step_index in range(1, max(item.num_steps for item in inputs)):
-            active = [i for i in active if inputs[i].num_steps > step_index]
-            if not active:
+            # hidden and tokens hold one row per request of the previous step's `active`, so rows are selected by
+            # their place in that list, not by request index.
+            kept = [row for row, i in enumerate(active) if inputs[i].num_steps > step_index]
+            if not kept:
                 break
-            selector = torch.tensor(active, device=device)
+            active = [active[row] for row in kept]
+            selector = torch.tensor(kept, device=device)
             hidden, tokens = hidden[selector], tokens[selector]
             metadata = self.cache.plan([(requests[i].kv, 1) for i in active])
             step = self.model(tokens, hidden, metadata, self.cache)

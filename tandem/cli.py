@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import socket
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from draft_server.settings import DraftSettings
 from orchestrator.settings import OrchestratorSettings, SchedulerSettings
+from tandem.errors import StartupError
 from tandem.launcher import ServeSettings, serve
 from tandem.models.aux_layers import CONVENTIONS
 from tandem.serving import ListenSettings, configure_logging
@@ -108,6 +110,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return generate(args)
     configure_logging(args.command)
+    try:
+        run_service(args)
+    except StartupError as error:
+        logging.getLogger("tandem").error("%s cannot start: %s", args.command, error)
+        return 2
+    return 0
+
+
+def run_service(args: argparse.Namespace) -> None:
+    """Runs one service process until it is stopped."""
     if args.command == "target":
         from target_server.main import serve_target
 
@@ -142,7 +154,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             default_max_new_tokens=args.default_max_new_tokens,
         )
         asyncio.run(serve_orchestrator(orchestrator, _listen(args)))
-    return 0
 
 
 if __name__ == "__main__":

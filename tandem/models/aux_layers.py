@@ -17,13 +17,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from tandem.errors import StartupError
+
 LOG = logging.getLogger(__name__)
 
 Convention = Literal["auto", "output", "input"]
 CONVENTIONS: tuple[Convention, ...] = ("auto", "output", "input")
 
 
-class AuxLayerError(ValueError):
+class AuxLayerError(StartupError):
     """Layer ids that the target cannot capture."""
 
 

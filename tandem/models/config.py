@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.errors import StartupError
 
-class ConfigError(ValueError):
+
+class ConfigError(StartupError):
     """A config.json that Tandem cannot serve; the message names the field."""
 
 
@@ -109,6 +111,12 @@ class ModelConfig:
             raise ConfigError(f"hidden_act: {hf['hidden_act']!r} is not supported (silu)")
         if hf.get("use_sliding_window"):
             raise ConfigError("use_sliding_window: sliding-window attention is not supported for this family")
+        window = hf.get("sliding_window")
+        if "use_sliding_window" not in hf and window is not None and window < hf.get("max_position_embeddings", 0):
+            # Mistral-style configs enable the window by its presence alone (Qwen2 gates it on use_sliding_window).
+            raise ConfigError(f"sliding_window: {window} (sliding-window attention) is not supported for this family")
+        if hf.get("mlp_bias"):
+            raise ConfigError("mlp_bias: MLP biases are not supported for this family")
         hidden_size = _require_int(hf, "hidden_size")
         num_heads = _require_int(hf, "num_attention_heads")
         eos = hf.get("eos_token_id")

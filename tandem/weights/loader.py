@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,12 +17,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tandem.errors import StartupError
 from tandem.layers.linear import PackedLinear
 
 LOG = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(StartupError):
     """A checkpoint that does not fit the model; the message names the tensor."""
 
 
@@ -53,16 +54,22 @@ class NameMap:
             return ".".join([*parts[:-2], packed_module, parts[-1]]), part
         return name, None
 
-    def to_checkpoint(self, parameter: str, part: str | None) -> str:
-        """Parameter name (and part) -> the checkpoint name it is expected under; for error messages."""
+    def to_checkpoint(self, parameter: str, part: str | None, present_roots: Collection[str] = ()) -> str:
+        """Parameter name (and part) -> the checkpoint name it is expected under; for error messages.
+
+        Several spellings may lead to one parameter (midlayer.* and layers.0.*, fc_norm.0.* and aux_norm_low.*):
+        the first whose leading name component the checkpoint uses (`present_roots`) is named, else the first.
+        """
         if part is not None:
             *modules, _, leaf = parameter.split(".")
             module = next(k for k, (_, p) in self.packed.items() if p == part)
             parameter = ".".join([*modules, module, leaf])
-        for source, target in self.renames:
-            if parameter.startswith(target):
-                return source + parameter[len(target) :]
-        return parameter
+        spellings = [
+            source + parameter[len(target) :] for source, target in self.renames if parameter.startswith(target)
+        ]
+        if not spellings or not any(parameter.startswith(source) for source, _ in self.renames):
+            spellings.append(parameter)
+        return next((name for name in spellings if name.split(".")[0] in present_roots), spellings[0])
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -105,7 +112,9 @@ def load_weights(
         else:
             expected.add((name, None))
     unused = []
+    present_roots: set[str] = set()  # leading name components of the checkpoint's tensors, to name missing ones
     for checkpoint_name, tensor in tensors:
+        present_roots.add(checkpoint_name.split(".")[0])
         parameter_name, part = name_map.to_parameter(checkpoint_name)
         if (parameter_name, part) not in expected:
             unused.append(checkpoint_name)
@@ -125,7 +134,7 @@ def load_weights(
         expected.discard((parameter_name, part))
     expected = {(name, part) for name, part in expected if name not in optional}
     if expected:
-        missing = sorted(name_map.to_checkpoint(name, part) for name, part in expected)
+        missing = sorted(name_map.to_checkpoint(name, part, present_roots) for name, part in expected)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"missing tensor {shown} in {source}")
     return unused

@@ -336,3 +336,19 @@ def read_target_tensor(target_dir: Path, name: str) -> torch.Tensor:
     weight_map = json.loads(index_path.read_text())["weight_map"] if index_path.is_file() else {}
     with safe_open(str(target_dir / weight_map.get(name, "model.safetensors")), framework="pt") as checkpoint:
         return checkpoint.get_tensor(name)
+
+
+def main() -> None:
+    """`python -m tests.helpers.checkpoints DIR`: a random tiny target (DIR/target) and EAGLE3 head (DIR/eagle3)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("directory", type=Path)
+    args = parser.parse_args()
+    target = write_tiny_target(args.directory / "target", TinyTargetSpec(num_layers=6))
+    write_tiny_eagle3(args.directory / "eagle3", target, TinyEagle3Spec(layer_ids=(1, 3, 5), draft_vocab_size=200))
+    print(f"wrote {args.directory}/target and {args.directory}/eagle3")
+
+
+if __name__ == "__main__":
+    main()

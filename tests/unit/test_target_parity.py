@@ -34,7 +34,7 @@ LLAMA3_ROPE = {
 }
 SPECS = {
     "llama": TinyTargetSpec(family="llama"),
-    "llama-rope-llama3": TinyTargetSpec(family="llama", rope_scaling=LLAMA3_ROPE, rope_theta=10000.0),
+    "llama-rope-llama3": TinyTargetSpec(family="llama", rope_scaling=LLAMA3_ROPE),
     "llama-rope-linear": TinyTargetSpec(family="llama", rope_scaling={"rope_type": "linear", "factor": 4.0}),
     "qwen2-tied": TinyTargetSpec(family="qwen2", tie_word_embeddings=True),
     "qwen3": TinyTargetSpec(family="qwen3"),
@@ -83,9 +83,7 @@ def reference_forward(model: PreTrainedModel, token_ids: Sequence[int]) -> Refer
 
 def make_cache(model: LlamaForCausalLM) -> PagedKVCache:
     config = model.config
-    return PagedKVCache(
-        config.num_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim, torch.float32
-    )
+    return PagedKVCache(config.num_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim, torch.float32)
 
 
 def run_chunks(

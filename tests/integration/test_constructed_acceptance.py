@@ -1,0 +1,57 @@
+"""Checkpoints whose predictions are known, so acceptance is known exactly.
+
+The target has a zero final-norm weight: every logit is 0, so its greedy token is always id 0.
+The draft has a zero final-norm weight too: its argmax is draft id 0, which d2t maps to target id
+0 + d2t[0]. With d2t[0] == 0 the draft always agrees with the target (full acceptance, k per round);
+with d2t[0] == 5 it always proposes 5, which the target never emits (zero acceptance).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
+from tests.integration.stack import generate, serve
+
+NUM_STEPS = 4
+ROUNDS = 4
+MAX_NEW_TOKENS = 1 + ROUNDS * (NUM_STEPS + 1)  # prefill token + full rounds of k drafts and a bonus
+
+
+@pytest.fixture(scope="module")
+def constant_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = TinyTargetSpec(num_layers=6, zero_final_norm=True)
+    return write_tiny_target(tmp_path_factory.mktemp("constant-target"), spec)
+
+
+def constant_draft(directory: Path, target: Path, first_offset: int) -> Path:
+    draft_vocab = 64
+    # Draft id 0 -> target id first_offset; the other draft ids map to target ids 64..126 (never emitted).
+    d2t = [first_offset] + [63] * (draft_vocab - 1)
+    spec = TinyEagle3Spec(layer_ids=(1, 2, 3), draft_vocab_size=draft_vocab, d2t=d2t, zero_final_norm=True)
+    return write_tiny_eagle3(directory, target, spec)
+
+
+@pytest.mark.parametrize(("first_offset", "accepted_per_round"), [(0, NUM_STEPS), (5, 0)])
+def test_known_acceptance(tmp_path: Path, constant_target: Path, first_offset: int, accepted_per_round: int) -> None:
+    draft = constant_draft(tmp_path / "draft", constant_target, first_offset)
+    with serve(constant_target, draft, "--speculative-num-steps", str(NUM_STEPS)) as stack:
+        completion = generate(stack.address, input_ids=[5, 6, 7, 8], max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    assert completion.token_ids == [0] * MAX_NEW_TOKENS
+    stats = completion.stats
+    if accepted_per_round == NUM_STEPS:
+        # Every round: k drafts, all accepted, plus the bonus token.
+        assert (stats.rounds, stats.draft_tokens, stats.accepted_tokens) == (
+            ROUNDS,
+            NUM_STEPS * ROUNDS,
+            NUM_STEPS * ROUNDS,
+        )
+    else:
+        # Every round commits one correction token; a round never drafts past max_new_tokens, so with r tokens
+        # still to go it drafts min(k, r - 1).
+        remaining = range(MAX_NEW_TOKENS - 1, 0, -1)
+        assert stats.rounds == MAX_NEW_TOKENS - 1
+        assert stats.draft_tokens == sum(min(NUM_STEPS, r - 1) for r in remaining)
+        assert stats.accepted_tokens == 0

@@ -1,0 +1,68 @@
+"""Mismatches and broken checkpoints are refused at start-up with a message that names the values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
+from tests.integration.stack import run_to_exit
+
+
+def serve_to_exit(target: Path, draft: Path | None = None, *extra: str) -> str:
+    arguments = ["serve", "--target", str(target), "--port", "0", *extra]
+    if draft is not None:
+        arguments += ["--draft", str(draft)]
+    result = run_to_exit(arguments)
+    assert result.returncode != 0, result.stdout
+    assert "tandem ready" not in result.stdout
+    return result.stdout
+
+
+def test_draft_for_another_hidden_size_is_refused(tmp_path: Path, llama_target: Path) -> None:
+    wider = write_tiny_target(tmp_path / "wider", TinyTargetSpec(hidden_size=96, num_layers=6))
+    draft = write_tiny_eagle3(tmp_path / "draft", wider, TinyEagle3Spec(layer_ids=(1, 2, 3), include_embedding=True))
+    output = serve_to_exit(llama_target, draft)
+    assert "target_hidden_size 96" in output and "hidden_size 64" in output
+
+
+def test_draft_for_another_vocabulary_is_refused(tmp_path: Path, llama_target: Path) -> None:
+    larger = write_tiny_target(tmp_path / "larger", TinyTargetSpec(vocab_size=384, num_layers=6))
+    draft = write_tiny_eagle3(tmp_path / "draft", larger, TinyEagle3Spec(layer_ids=(1, 2, 3)))
+    output = serve_to_exit(llama_target, draft)
+    assert "vocab_size 384" in output and "vocab_size 320" in output
+
+
+def test_out_of_range_layer_ids_are_refused(tmp_path: Path, llama_target: Path) -> None:
+    draft = write_tiny_eagle3(tmp_path / "draft", llama_target, TinyEagle3Spec(layer_ids=(1, 3, 9)))
+    output = serve_to_exit(llama_target, draft)
+    assert "aux capture index 10" in output and "0..6" in output
+
+
+def test_missing_target_tensor_is_named(tmp_path: Path) -> None:
+    target = write_tiny_target(tmp_path / "target", TinyTargetSpec(num_layers=2))
+    weights = load_file(str(target / "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    assert "missing tensor model.layers.1.mlp.up_proj.weight" in serve_to_exit(target)
+
+
+def test_unknown_architecture_is_named(tmp_path: Path) -> None:
+    target = write_tiny_target(tmp_path / "target", TinyTargetSpec(num_layers=2))
+    config = json.loads((target / "config.json").read_text())
+    config["architectures"] = ["MambaForCausalLM"]
+    (target / "config.json").write_text(json.dumps(config))
+    assert "architectures: 'MambaForCausalLM' is not a supported target" in serve_to_exit(target)
+
+
+@pytest.mark.parametrize("bad_tensor", ["fc.weight", "lm_head.weight"])
+def test_draft_tensor_with_wrong_shape_is_named(tmp_path: Path, llama_target: Path, bad_tensor: str) -> None:
+    draft = write_tiny_eagle3(tmp_path / "draft", llama_target, TinyEagle3Spec(layer_ids=(1, 2, 3)))
+    weights = load_file(str(draft / "model.safetensors"))
+    weights[bad_tensor] = weights[bad_tensor][:, :-1].contiguous()
+    save_file(weights, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    output = serve_to_exit(llama_target, draft)
+    assert f"tensor {bad_tensor}" in output and "expected shape" in output
