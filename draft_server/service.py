@@ -75,6 +75,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 )
                 raise AssertionError("unreachable")
             inputs.append(ProposeInput(item.request_id, rows, item.num_steps or self.settings.num_steps))
+        started = time.perf_counter()
         try:
             proposals = await self._run(self.runner.propose, inputs)
         except DraftRequestError as error:
@@ -83,7 +84,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             results=[
                 draft_pb2.ProposeResult(request_id=item.request_id, draft_tokens=tokens)
                 for item, tokens in zip(request.items, proposals, strict=True)
-            ]
+            ],
+            compute_seconds=time.perf_counter() - started,
         )
 
     async def Release(

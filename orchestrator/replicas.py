@@ -4,18 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
-
-from tandem.grpc_util import channel_options
-from tandem.wire import draft_pb2, draft_pb2_grpc
+from orchestrator.backends import DraftBackend
 
 
 @dataclass
 class Replica:
     replica_id: str
-    address: str
-    channel: grpc.aio.Channel
-    stub: draft_pb2_grpc.DraftStub
+    backend: DraftBackend
     outstanding: int = 0
 
 
@@ -23,12 +18,8 @@ class ReplicaPool:
     def __init__(self) -> None:
         self._replicas: dict[str, Replica] = {}
 
-    async def connect(self, address: str) -> draft_pb2.DraftInfo:
-        channel = grpc.aio.insecure_channel(address, options=channel_options())
-        stub = draft_pb2_grpc.DraftStub(channel)
-        info: draft_pb2.DraftInfo = await stub.GetInfo(draft_pb2.DraftInfoRequest(), wait_for_ready=True, timeout=600)
-        self._replicas[info.replica_id] = Replica(info.replica_id, address, channel, stub)
-        return info
+    def add(self, replica_id: str, backend: DraftBackend) -> None:
+        self._replicas[replica_id] = Replica(replica_id, backend)
 
     def pick(self) -> str | None:
         """The replica with the fewest outstanding requests, or None when there is none."""
@@ -44,9 +35,5 @@ class ReplicaPool:
         if replica is not None:
             replica.outstanding -= 1
 
-    def stub(self, replica_id: str) -> draft_pb2_grpc.DraftStub:
-        return self._replicas[replica_id].stub
-
-    async def close(self) -> None:
-        for replica in self._replicas.values():
-            await replica.channel.close()
+    def backend(self, replica_id: str) -> DraftBackend:
+        return self._replicas[replica_id].backend

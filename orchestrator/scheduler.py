@@ -2,7 +2,8 @@
 
 Round numbers join the draft's two inputs: prefill publishes the target's rows under round 0; a
 request in round r asks its draft to propose from round r's rows, and the verification publishes the
-next rows under round r + 1.
+next rows under round r + 1. The scheduler talks to TargetBackend / DraftBackend (orchestrator/
+backends.py), so the same rounds run against gRPC services or in-process runners.
 """
 
 from __future__ import annotations
@@ -10,28 +11,36 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import grpc
 from transformers import PreTrainedTokenizerBase
 
+from orchestrator.backends import (
+    BackendError,
+    FailureKind,
+    PrefillTask,
+    ProposedBatch,
+    ProposeTask,
+    TargetBackend,
+    VerifyTask,
+)
 from orchestrator.replicas import ReplicaPool
 from orchestrator.settings import SchedulerSettings
 from orchestrator.text import IncrementalDetokenizer, StopStringMatcher
 from orchestrator.validation import ValidatedRequest
-from tandem.wire import common_pb2, draft_pb2, orchestrator_pb2, target_pb2, target_pb2_grpc
 
 LOG = logging.getLogger(__name__)
 
 
 class RequestFailed(Exception):
-    """A request that cannot go on; carries the gRPC status to report to its client."""
+    """A request that cannot go on; carries the kind of failure to report to its client."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, kind: FailureKind, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.kind = kind
 
 
 @dataclass
@@ -39,6 +48,32 @@ class Stats:
     rounds: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    wire_seconds: float = 0.0
+    scheduling_seconds: float = 0.0
+
+    def count_round(self, num_drafts: int, accepted: int) -> None:
+        self.rounds += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position.extend([0] * (num_drafts - len(self.accepted_per_position)))
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+
+@dataclass(frozen=True)
+class Output:
+    """One streamed message of a request, in our own terms (the service converts it to protobuf)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "" until the last message
+    stats: Stats | None  # on the last message
+    prompt_tokens: int
+    completion_tokens: int
 
 
 @dataclass
@@ -48,7 +83,7 @@ class ActiveRequest:
     detokenizer: IncrementalDetokenizer
     stop: StopStringMatcher
     replica: str | None  # None: target-only decoding
-    outputs: asyncio.Queue[orchestrator_pb2.GenerateResponse | RequestFailed] = field(default_factory=asyncio.Queue)
+    outputs: asyncio.Queue[Output | RequestFailed] = field(default_factory=asyncio.Queue)
     generated: list[int] = field(default_factory=list)
     round: int = 0
     stats: Stats = field(default_factory=Stats)
@@ -60,10 +95,16 @@ class ActiveRequest:
         return self.params.max_new_tokens - len(self.generated)
 
 
+@dataclass(frozen=True)
+class ReplicaTiming:
+    call_seconds: float  # wall time of the Propose call
+    compute_seconds: float  # of which the replica computed
+
+
 class Scheduler:
     def __init__(
         self,
-        target: target_pb2_grpc.TargetStub,
+        target: TargetBackend,
         replicas: ReplicaPool,
         tokenizer: PreTrainedTokenizerBase,
         eos_token_ids: Iterable[int],
@@ -121,82 +162,87 @@ class Scheduler:
             tokens += len(request.params.input_ids)
         if not batch:
             return
-        items = [
-            target_pb2.PrefillItem(
-                request_id=request.request_id,
-                input_ids=request.params.input_ids,
-                draft_replica=request.replica or "",
-                sampling=_sampling_message(request.params),
-            )
-            for request in batch
-        ]
+        tasks = [PrefillTask(r.request_id, r.params.input_ids, r.params.sampling, r.replica) for r in batch]
         try:
-            response = await self.target.Prefill(target_pb2.PrefillRequest(items=items))
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self.running:
+            first_tokens = await self.target.prefill(tasks)
+        except BackendError as error:
+            if error.kind == FailureKind.EXHAUSTED and self.running:
                 self.waiting.extendleft(reversed(batch))  # retry once running requests free KV blocks
                 return
-            await self._fail(batch, RequestFailed(error.code(), f"target prefill failed: {error.details()}"))
+            await self._fail(batch, RequestFailed(error.kind, str(error)))
             return
-        for request, result in zip(batch, response.results, strict=True):
+        for request, token in zip(batch, first_tokens, strict=True):
             self.running[request.request_id] = request
-            self._emit(request, [result.next_token])
+            self._emit(request, [token])
         await self._release_finished(batch)
 
     async def _round(self) -> None:
+        """draft -> verify -> accept (on the target) -> emit -> release finished."""
+        started = time.perf_counter()
         requests = list(self.running.values())
-        drafts = await self._propose([r for r in requests if r.replica is not None])
-        items = []
-        for request in requests:
-            draft = drafts.get(request.request_id, [])
-            items.append(
-                target_pb2.VerifyItem(request_id=request.request_id, draft_tokens=draft, round=request.round + 1)
-            )
+        drafts, replica_timing = await self._propose([r for r in requests if r.replica is not None])
+        tasks = [VerifyTask(r.request_id, drafts.get(r.request_id, []), r.round + 1) for r in requests]
+        verify_started = time.perf_counter()
         try:
-            response = await self.target.Verify(target_pb2.VerifyRequest(items=items))
-        except grpc.aio.AioRpcError as error:
-            await self._fail(requests, RequestFailed(error.code(), f"target verify failed: {error.details()}"))
+            verified = await self.target.verify(tasks)
+        except BackendError as error:
+            await self._fail(requests, RequestFailed(error.kind, str(error)))
             return
-        for request, item, result in zip(requests, items, response.results, strict=True):
+        verify_call = time.perf_counter() - verify_started
+        propose_call = verify_started - started
+        for request, task, result in zip(requests, tasks, verified.results, strict=True):
             request.round += 1
-            request.stats.rounds += 1
-            request.stats.draft_tokens += len(item.draft_tokens)
-            request.stats.accepted_tokens += result.accepted
+            request.stats.count_round(len(task.draft_tokens), result.accepted)
+            timing = replica_timing.get(request.replica or "")
+            draft_compute = timing.compute_seconds if timing else 0.0
+            request.stats.draft_seconds += draft_compute
+            request.stats.verify_seconds += verified.compute_seconds
+            request.stats.wire_seconds += (timing.call_seconds - draft_compute if timing else 0.0) + (
+                verify_call - verified.compute_seconds
+            )
             if not request.cancelled:
-                self._emit(request, list(result.new_tokens))
+                self._emit(request, result.new_tokens)
+        finished = time.perf_counter()
+        for request in requests:
+            request.stats.scheduling_seconds += (finished - started) - propose_call - verify_call
         await self._release_finished(requests)
 
-    async def _propose(self, requests: Sequence[ActiveRequest]) -> dict[str, list[int]]:
+    async def _propose(
+        self, requests: Sequence[ActiveRequest]
+    ) -> tuple[dict[str, list[int]], dict[str, ReplicaTiming]]:
         """Asks each replica for its requests' drafts, all replicas concurrently."""
-        by_replica: dict[str, list[draft_pb2.ProposeItem]] = {}
+        by_replica: dict[str, list[ProposeTask]] = {}
         for request in requests:
             # A round yields up to k + 1 tokens; never draft past max_new_tokens.
             num_steps = min(self.settings.num_steps, request.remaining - 1)
             if num_steps > 0 and request.replica is not None:
-                item = draft_pb2.ProposeItem(request_id=request.request_id, round=request.round, num_steps=num_steps)
-                by_replica.setdefault(request.replica, []).append(item)
+                task = ProposeTask(request.request_id, request.round, num_steps)
+                by_replica.setdefault(request.replica, []).append(task)
         replies = await asyncio.gather(
-            *(
-                self.replicas.stub(replica).Propose(draft_pb2.ProposeRequest(items=items))
-                for replica, items in by_replica.items()
-            ),
-            return_exceptions=True,
+            *(self._timed_propose(replica, tasks) for replica, tasks in by_replica.items()), return_exceptions=True
         )
         drafts: dict[str, list[int]] = {}
-        for (replica, items), reply in zip(by_replica.items(), replies, strict=True):
+        timings: dict[str, ReplicaTiming] = {}
+        for (replica, tasks), reply in zip(by_replica.items(), replies, strict=True):
             if isinstance(reply, BaseException):
                 LOG.warning(
-                    "draft replica %s failed (%s): its %d requests continue target-only", replica, reply, len(items)
+                    "draft replica %s failed (%s): its %d requests go on target-only", replica, reply, len(tasks)
                 )
-                for item in items:
-                    self._to_target_only(self.running[item.request_id])
+                for task in tasks:
+                    self._to_target_only(self.running[task.request_id])
                 continue
-            for result in reply.results:
-                drafts[result.request_id] = list(result.draft_tokens)
-        return drafts
+            batch, call_seconds = reply
+            drafts.update(batch.drafts)
+            timings[replica] = ReplicaTiming(call_seconds, batch.compute_seconds)
+        return drafts, timings
+
+    async def _timed_propose(self, replica: str, tasks: list[ProposeTask]) -> tuple[ProposedBatch, float]:
+        started = time.perf_counter()
+        batch = await self.replicas.backend(replica).propose(tasks)
+        return batch, time.perf_counter() - started
 
     def _emit(self, request: ActiveRequest, new_tokens: list[int]) -> None:
-        """Applies the stop conditions to a request's new tokens and queues one response message."""
+        """Applies the stop conditions to a request's new tokens and queues one output message."""
         accepted: list[int] = []
         finish_reason = ""
         for token in new_tokens:
@@ -216,19 +262,17 @@ class Scheduler:
             finish_reason = "stop"
         elif finish_reason:
             text += request.stop.flush()
-        response = orchestrator_pb2.GenerateResponse(token_ids=accepted, text=text, finish_reason=finish_reason)
-        if finish_reason:
-            request.finished = True
-            response.stats.CopyFrom(
-                orchestrator_pb2.GenerateStats(
-                    rounds=request.stats.rounds,
-                    draft_tokens=request.stats.draft_tokens,
-                    accepted_tokens=request.stats.accepted_tokens,
-                    prompt_tokens=len(request.params.input_ids),
-                    completion_tokens=len(request.generated),
-                )
+        request.finished = bool(finish_reason)
+        request.outputs.put_nowait(
+            Output(
+                token_ids=accepted,
+                text=text,
+                finish_reason=finish_reason,
+                stats=request.stats if finish_reason else None,
+                prompt_tokens=len(request.params.input_ids),
+                completion_tokens=len(request.generated),
             )
-        request.outputs.put_nowait(response)
+        )
 
     def _to_target_only(self, request: ActiveRequest) -> None:
         if request.replica is not None:
@@ -256,11 +300,8 @@ class Scheduler:
             if request.replica is not None:
                 by_replica.setdefault(request.replica, []).append(request.request_id)
                 self.replicas.release(request.replica)
-        calls = [self.target.Release(target_pb2.ReleaseRequest(request_ids=[r.request_id for r in done]))]
-        calls += [
-            self.replicas.stub(replica).Release(draft_pb2.DraftReleaseRequest(request_ids=ids))
-            for replica, ids in by_replica.items()
-        ]
+        calls = [self.target.release([r.request_id for r in done])]
+        calls += [self.replicas.backend(replica).release(ids) for replica, ids in by_replica.items()]
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, BaseException):
                 LOG.warning("release failed: %s", outcome)
@@ -272,10 +313,3 @@ class Scheduler:
             request.outputs.put_nowait(failure)
             self.running.setdefault(request.request_id, request)
         await self._release_finished(requests)
-
-
-def _sampling_message(params: ValidatedRequest) -> common_pb2.SamplingParams:
-    sampling = params.sampling
-    return common_pb2.SamplingParams(
-        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed or 0
-    )

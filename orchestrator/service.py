@@ -9,14 +9,45 @@ from collections.abc import AsyncIterator
 import grpc
 from transformers import AutoTokenizer
 
+from orchestrator.backends import FailureKind
+from orchestrator.grpc_backends import GrpcDraft, GrpcTarget
 from orchestrator.replicas import ReplicaPool
-from orchestrator.scheduler import RequestFailed, Scheduler
+from orchestrator.scheduler import Output, RequestFailed, Scheduler
 from orchestrator.settings import OrchestratorSettings
 from orchestrator.validation import InvalidRequest, Limits, validate_request
 from tandem.grpc_util import channel_options, wait_for_ready
-from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
+from tandem.wire import draft_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
 
 LOG = logging.getLogger(__name__)
+
+STATUS_OF_FAILURE = {
+    FailureKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    FailureKind.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailureKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def response_message(output: Output) -> orchestrator_pb2.GenerateResponse:
+    response = orchestrator_pb2.GenerateResponse(
+        token_ids=output.token_ids, text=output.text, finish_reason=output.finish_reason
+    )
+    if output.stats is not None:
+        stats = output.stats
+        response.stats.CopyFrom(
+            orchestrator_pb2.GenerateStats(
+                rounds=stats.rounds,
+                draft_tokens=stats.draft_tokens,
+                accepted_tokens=stats.accepted_tokens,
+                prompt_tokens=output.prompt_tokens,
+                completion_tokens=output.completion_tokens,
+                accepted_per_position=stats.accepted_per_position,
+                draft_seconds=stats.draft_seconds,
+                verify_seconds=stats.verify_seconds,
+                wire_seconds=stats.wire_seconds,
+                scheduling_seconds=stats.scheduling_seconds,
+            )
+        )
+    return response
 
 
 class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -35,12 +66,12 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
         active = self.scheduler.submit(params)
         try:
             while True:
-                message = await active.outputs.get()
-                if isinstance(message, RequestFailed):
-                    await context.abort(message.code, str(message))
+                output = await active.outputs.get()
+                if isinstance(output, RequestFailed):
+                    await context.abort(STATUS_OF_FAILURE[output.kind], str(output))
                     return
-                yield message
-                if message.finish_reason:
+                yield response_message(output)
+                if output.finish_reason:
                     return
         finally:
             # Reached on cancellation too (the client went away): free the request's KV everywhere.
@@ -49,18 +80,21 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
 
 async def start_orchestrator(settings: OrchestratorSettings) -> tuple[OrchestratorService, asyncio.Task[None]]:
     await wait_for_ready(settings.target_address, timeout_s=600.0)
-    channel = grpc.aio.insecure_channel(settings.target_address, options=channel_options())
-    target = target_pb2_grpc.TargetStub(channel)
-    info: target_pb2.TargetInfo = await target.GetInfo(target_pb2.TargetInfoRequest())
+    target_channel = grpc.aio.insecure_channel(settings.target_address, options=channel_options())
+    target_stub = target_pb2_grpc.TargetStub(target_channel)
+    info: target_pb2.TargetInfo = await target_stub.GetInfo(target_pb2.TargetInfoRequest())
     replicas = ReplicaPool()
     for address in settings.draft_addresses:
-        draft = await replicas.connect(address)
+        channel = grpc.aio.insecure_channel(address, options=channel_options())
+        stub = draft_pb2_grpc.DraftStub(channel)
+        draft: draft_pb2.DraftInfo = await stub.GetInfo(draft_pb2.DraftInfoRequest(), wait_for_ready=True, timeout=600)
+        replicas.add(draft.replica_id, GrpcDraft(stub))
         LOG.info("draft replica %s at %s: %s, %d steps", draft.replica_id, address, draft.architecture, draft.num_steps)
     tokenizer = AutoTokenizer.from_pretrained(str(settings.tokenizer_dir))
     eos_ids = set(info.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
-    scheduler = Scheduler(target, replicas, tokenizer, eos_ids, settings.scheduler)
+    scheduler = Scheduler(GrpcTarget(target_stub), replicas, tokenizer, eos_ids, settings.scheduler)
     limits = Limits(
         vocab_size=info.vocab_size,
         max_context=info.max_context,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -97,7 +98,9 @@ class TargetService(target_pb2_grpc.TargetServicer):
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
         drafts = [(item.request_id, list(item.draft_tokens)) for item in request.items]
+        started = time.perf_counter()
         results: list[StepResult] = await self._guarded(context, self._run(self.runner.verify, drafts))
+        compute_seconds = time.perf_counter() - started
         rounds = {item.request_id: item.round for item in request.items}
         for result in results:
             self._publish([result], round_number=rounds[result.request_id])
@@ -105,7 +108,8 @@ class TargetService(target_pb2_grpc.TargetServicer):
             results=[
                 target_pb2.VerifyResult(request_id=r.request_id, accepted=r.accepted, new_tokens=r.new_tokens)
                 for r in results
-            ]
+            ],
+            compute_seconds=compute_seconds,
         )
 
     async def Release(

@@ -53,10 +53,12 @@ class ProposeResult(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "compute_seconds")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ProposeResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ...) -> None: ...
+    compute_seconds: float
+    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class DraftReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/v1/orchestrator.proto\x12\ttandem.v1\"\xcc\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1b\n\x13\x64isable_speculation\x18\n \x01(\x08\"\x80\x01\n\rGenerateStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x03\"s\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\'\n\x05stats\x18\x04 \x01(\x0b\x32\x18.tandem.v1.GenerateStats2U\n\x0cOrchestrator\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/v1/orchestrator.proto\x12\ttandem.v1\"\xcc\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1b\n\x13\x64isable_speculation\x18\n \x01(\x08\"\x80\x02\n\rGenerateStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\x03\x12\x15\n\rdraft_seconds\x18\x07 \x01(\x01\x12\x16\n\x0everify_seconds\x18\x08 \x01(\x01\x12\x14\n\x0cwire_seconds\x18\t \x01(\x01\x12\x1a\n\x12scheduling_seconds\x18\n \x01(\x01\"s\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\'\n\x05stats\x18\x04 \x01(\x0b\x32\x18.tandem.v1.GenerateStats2U\n\x0cOrchestrator\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=44
   _globals['_GENERATEREQUEST']._serialized_end=248
   _globals['_GENERATESTATS']._serialized_start=251
-  _globals['_GENERATESTATS']._serialized_end=379
-  _globals['_GENERATERESPONSE']._serialized_start=381
-  _globals['_GENERATERESPONSE']._serialized_end=496
-  _globals['_ORCHESTRATOR']._serialized_start=498
-  _globals['_ORCHESTRATOR']._serialized_end=583
+  _globals['_GENERATESTATS']._serialized_end=507
+  _globals['_GENERATERESPONSE']._serialized_start=509
+  _globals['_GENERATERESPONSE']._serialized_end=624
+  _globals['_ORCHESTRATOR']._serialized_start=626
+  _globals['_ORCHESTRATOR']._serialized_end=711
 # @@protoc_insertion_point(module_scope)

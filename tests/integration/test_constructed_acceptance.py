@@ -55,3 +55,6 @@ def test_known_acceptance(tmp_path: Path, constant_target: Path, first_offset: i
         assert stats.rounds == MAX_NEW_TOKENS - 1
         assert stats.draft_tokens == sum(min(NUM_STEPS, r - 1) for r in remaining)
         assert stats.accepted_tokens == 0
+        assert list(stats.accepted_per_position) == [0] * NUM_STEPS
+    # Both services computed in every round, and the calls cost more than the computation in them.
+    assert stats.draft_seconds > 0 and stats.verify_seconds > 0 and stats.wire_seconds > 0
