@@ -23,7 +23,7 @@ from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, Ta
 from draft_server.settings import DraftSettings
 from tandem.grpc_util import channel_options, wait_for_ready
 from tandem.models.aux_layers import CaptureSpec, resolve_capture
-from tandem.models.eagle3 import load_eagle3
+from tandem.models.eagle3 import Eagle3Draft, load_eagle3
 from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire.codec import WeightAssembler, tensor_from_proto
 
@@ -134,12 +134,7 @@ async def start_draft(settings: DraftSettings) -> tuple[DraftService, asyncio.Ta
         info.vocab_size,
         info.num_layers,
     )
-    dtype = getattr(torch, settings.dtype)
-    model, has_embedding = load_eagle3(settings.model_dir, dtype=dtype)
-    check_compatibility(model.config, info, has_embedding)
-    capture = resolve_capture(
-        model.config.aux_layer_ids, info.num_layers, model.config.num_aux, settings.aux_layer_convention
-    )
+    model, capture, has_embedding = prepare_draft(settings, info)
     if not has_embedding:
         embedding = await pull_weight(target, "embed_tokens")
         model.embed_tokens.weight.data.copy_(embedding)
@@ -150,6 +145,20 @@ async def start_draft(settings: DraftSettings) -> tuple[DraftService, asyncio.Ta
     )
     consumer = asyncio.create_task(service.consume(stream))
     return service, consumer, channel
+
+
+def prepare_draft(settings: DraftSettings, info: target_pb2.TargetInfo) -> tuple[Eagle3Draft, CaptureSpec, bool]:
+    """Loads the head, checks it against the target and resolves its capture indices.
+
+    Returns (model, capture, has_embedding); without an embedding in the checkpoint the caller fills
+    `model.embed_tokens` from the target.
+    """
+    model, has_embedding = load_eagle3(settings.model_dir, dtype=getattr(torch, settings.dtype))
+    check_compatibility(model.config, info, has_embedding)
+    capture = resolve_capture(
+        model.config.aux_layer_ids, info.num_layers, model.config.num_aux, settings.aux_layer_convention
+    )
+    return model, capture, has_embedding
 
 
 async def pull_weight(target: target_pb2_grpc.TargetStub, name: str) -> torch.Tensor:

@@ -11,13 +11,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.settings import BenchSettings
 from draft_server.settings import DraftSettings
 from orchestrator.settings import OrchestratorSettings, SchedulerSettings
 from tandem.errors import StartupError
 from tandem.launcher import ServeSettings, serve
 from tandem.models.aux_layers import CONVENTIONS
 from tandem.serving import ListenSettings, configure_logging
-from tandem.settings import KVCacheSettings
+from tandem.settings import DEMO_DRAFT, DEMO_TARGET, KVCacheSettings
 from target_server.settings import TargetSettings
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -31,6 +32,14 @@ def _add_listen(parser: argparse.ArgumentParser, default_port: int = ListenSetti
 
 def _listen(args: argparse.Namespace) -> ListenSettings:
     return ListenSettings(host=args.host, port=args.port, ready_file=args.ready_file)
+
+
+def _model_dir(given: Path | None, demo: Path, flag: str) -> Path:
+    if given is not None:
+        return given
+    if not (demo / "config.json").is_file():
+        raise SystemExit(f"tandem: no {flag} given and the bundled demo pair is not installed at {demo}")
+    return demo
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_listen(orchestrator_parser, default_port=ServeSettings.port)
 
+    bench_parser = commands.add_parser("bench", help="benchmark speculative vs target-only vs colocated")
+    bench_parser.add_argument("--target", type=Path, help="target directory (default: the demo target)")
+    bench_parser.add_argument("--draft", type=Path, help="draft directory (default: the demo EAGLE3 head)")
+    bench_parser.add_argument("--address", help="a running stack to measure (default: start one)")
+    bench_parser.add_argument("--num-prompts", type=int, default=BenchSettings.num_prompts)
+    bench_parser.add_argument("--max-new-tokens", type=int, default=BenchSettings.max_new_tokens)
+    bench_parser.add_argument("--concurrency", type=int, nargs="+", default=list(BenchSettings.concurrency))
+    bench_parser.add_argument("--speculative-num-steps", type=int, default=BenchSettings.num_steps)
+    bench_parser.add_argument("--no-colocated", action="store_true", help="skip the one-process baseline")
+    bench_parser.add_argument("--out", type=Path, default=BenchSettings.out_dir)
+
     generate_parser = commands.add_parser("generate", help="stream a completion from a running Tandem")
     generate_parser.add_argument("prompt")
     generate_parser.add_argument("--address", default=f"127.0.0.1:{ServeSettings.port}")
@@ -105,6 +125,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_batch_size=args.max_batch_size,
         )
         return serve(settings)
+    if args.command == "bench":
+        from bench.main import run_benchmark
+
+        bench = BenchSettings(
+            target_dir=_model_dir(args.target, DEMO_TARGET, "--target"),
+            draft_dir=_model_dir(args.draft, DEMO_DRAFT, "--draft"),
+            address=args.address,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            concurrency=tuple(args.concurrency),
+            num_steps=args.speculative_num_steps,
+            colocated=not args.no_colocated,
+            out_dir=args.out,
+        )
+        print(run_benchmark(bench).read_text())
+        return 0
     if args.command == "generate":
         from tandem.client import generate
 

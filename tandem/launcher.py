@@ -7,10 +7,12 @@ target) on SIGINT or SIGTERM. A child that exits during start-up stops everythin
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,3 +149,47 @@ def serve(settings: ServeSettings) -> int:
         return 0
     finally:
         launcher.stop()
+
+
+READY_LINE = re.compile(r"tandem ready: Generate on (\S+)")
+
+
+class ServeProcess:
+    """`tandem serve ...` started as a child process, for tools and tests that need a running stack.
+
+    Collects the merged output in `log` and exposes the public address once the ready line appears.
+    """
+
+    def __init__(self, arguments: Sequence[str], ready_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        command = [sys.executable, "-m", "tandem.cli", "serve", *arguments]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.address = self._wait_ready(ready_timeout_s)
+
+    def _pump(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.log.append(line)
+
+    def _wait_ready(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for line in list(self.log):
+                if match := READY_LINE.search(line):
+                    return match.group(1)
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                self.process.wait()
+                raise RuntimeError("tandem serve did not become ready:\n" + "".join(self.log))
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        """SIGTERM, as a process manager would; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout=STOP_TIMEOUT_S * 4)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+# The bundled demo pair (issue 5), installed with the package.
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+DEMO_TARGET = DEMO_DIR / "target"
+DEMO_DRAFT = DEMO_DIR / "eagle3"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,21 @@ from target_server.settings import TargetSettings
 LOG = logging.getLogger(__name__)
 
 
+def target_info(runner: TargetRunner, dtype: str) -> target_pb2.TargetInfo:
+    """The static part of TargetInfo: what drafts check themselves against."""
+    config = runner.model.config
+    return target_pb2.TargetInfo(
+        architecture=config.architecture,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        num_layers=config.num_layers,
+        max_context=runner.max_context,
+        dtype=dtype,
+        eos_token_ids=list(config.eos_token_ids),
+        tp_size=1,
+    )
+
+
 async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None:
     started = time.perf_counter()
     LOG.info("loading target from %s (%s)", settings.model_dir, settings.dtype)
@@ -32,17 +47,7 @@ async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None
         time.perf_counter() - started,
     )
     runner = TargetRunner(model, settings.cache, max_context)
-    info = target_pb2.TargetInfo(
-        architecture=config.architecture,
-        hidden_size=config.hidden_size,
-        vocab_size=config.vocab_size,
-        num_layers=config.num_layers,
-        max_context=max_context,
-        dtype=settings.dtype,
-        eos_token_ids=list(config.eos_token_ids),
-        tp_size=1,
-    )
-    service = TargetService(runner, info)
+    service = TargetService(runner, target_info(runner, settings.dtype))
     await run_server(
         "target",
         lambda server: target_pb2_grpc.add_TargetServicer_to_server(service, server),

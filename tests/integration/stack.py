@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +13,7 @@ from pathlib import Path
 import grpc
 
 from tandem.grpc_util import channel_options
+from tandem.launcher import ServeProcess
 from tandem.wire import draft_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
 
 READY_TIMEOUT_S = 180.0
@@ -27,57 +24,20 @@ def tandem_command(*arguments: str) -> list[str]:
     return [sys.executable, "-m", "tandem.cli", *arguments]
 
 
-@dataclass
-class Stack:
-    address: str
-    process: subprocess.Popen[str]
-    log: list[str]
-
-    def stop(self) -> int:
-        """SIGTERM, as a process manager would; returns the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=60)
-
-
-def _pump(stream: Iterator[str], log: list[str]) -> None:
-    for line in stream:
-        log.append(line)
+Stack = ServeProcess
 
 
 @contextmanager
-def serve(target: Path, draft: Path | None, *extra: str) -> Iterator[Stack]:
+def serve(target: Path, draft: Path | None, *extra: str) -> Iterator[ServeProcess]:
     """`tandem serve` on a free port; yields once the ready line is printed, stops it afterwards."""
-    arguments = ["serve", "--target", str(target), "--port", "0", *extra]
+    arguments = ["--target", str(target), "--port", "0", *extra]
     if draft is not None:
         arguments += ["--draft", str(draft)]
-    process = subprocess.Popen(
-        tandem_command(*arguments), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    )
-    assert process.stdout is not None
-    log: list[str] = []
-    threading.Thread(target=_pump, args=(process.stdout, log), daemon=True).start()
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    address = None
-    while address is None:
-        for line in list(log):
-            if match := READY_LINE.search(line):
-                address = match.group(1)
-        if address is None:
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError("tandem serve did not become ready:\n" + "".join(log))
-            time.sleep(0.1)
-    stack = Stack(address, process, log)
+    stack = ServeProcess(arguments, ready_timeout_s=READY_TIMEOUT_S)
     try:
         yield stack
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+        stack.stop()
 
 
 def run_to_exit(arguments: Sequence[str], timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:

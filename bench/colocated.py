@@ -1,0 +1,176 @@
+"""The colocated baseline: the same scheduler, target runner and draft runner in ONE process, no gRPC.
+
+The benchmark runs this beside the three-process stack so that the cost of splitting the services
+(serialization, transport, process hops) is measured as a ratio in the same run. Everything else is
+the same code: Scheduler, TargetRunner, DraftRunner, validation, detokenization.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from draft_server.runner import DraftRunner, ProposeInput, TargetRows
+from draft_server.service import prepare_draft
+from draft_server.settings import DraftSettings
+from orchestrator.backends import (
+    BackendError,
+    FailureKind,
+    PrefillTask,
+    ProposedBatch,
+    ProposeTask,
+    Verified,
+    VerifiedBatch,
+    VerifyTask,
+)
+from orchestrator.replicas import ReplicaPool
+from orchestrator.scheduler import RequestFailed, Scheduler
+from orchestrator.service import response_message
+from orchestrator.settings import SchedulerSettings
+from orchestrator.validation import Limits, validate_request
+from tandem.layers.kv_cache import OutOfKVBlocks
+from tandem.models.registry import load_target
+from tandem.settings import KVCacheSettings
+from tandem.wire import orchestrator_pb2
+from target_server.main import target_info
+from target_server.runner import PrefillInput, RequestError, StepResult, TargetRunner
+
+REPLICA_ID = "colocated"
+
+
+class LocalDraft:
+    """A DraftBackend over an in-process DraftRunner; the target hands it rows directly."""
+
+    def __init__(self, runner: DraftRunner, capture: tuple[int, ...]) -> None:
+        self.runner = runner
+        self.capture = capture
+        self.rows: dict[tuple[str, int], TargetRows] = {}
+
+    def deliver(self, result: StepResult, round_number: int) -> None:
+        if result.captured is not None:
+            rows = result.captured
+            self.rows[(result.request_id, round_number)] = TargetRows(
+                rows.start_position, rows.next_tokens, rows.features
+            )
+
+    async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch:
+        inputs = [ProposeInput(t.request_id, self.rows.pop((t.request_id, t.round)), t.num_steps) for t in tasks]
+        started = time.perf_counter()
+        proposals = self.runner.propose(inputs)
+        compute = time.perf_counter() - started
+        return ProposedBatch({t.request_id: p for t, p in zip(tasks, proposals, strict=True)}, compute)
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        released = set(request_ids)
+        for key in [key for key in self.rows if key[0] in released]:
+            del self.rows[key]
+        self.runner.release(request_ids)
+
+
+class LocalTarget:
+    """A TargetBackend over an in-process TargetRunner."""
+
+    def __init__(self, runner: TargetRunner, draft: LocalDraft | None) -> None:
+        self.runner = runner
+        self.draft = draft
+
+    async def prefill(self, tasks: Sequence[PrefillTask]) -> list[int]:
+        capture = self.draft.capture if self.draft is not None else ()
+        inputs = [
+            PrefillInput(t.request_id, t.input_ids, t.sampling, capture if t.replica is not None else ()) for t in tasks
+        ]
+        results = self._guarded(lambda: self.runner.prefill(inputs))
+        if self.draft is not None:
+            for result in results:
+                self.draft.deliver(result, 0)
+        return [result.new_tokens[0] for result in results]
+
+    async def verify(self, tasks: Sequence[VerifyTask]) -> VerifiedBatch:
+        started = time.perf_counter()
+        results = self._guarded(lambda: self.runner.verify([(t.request_id, t.draft_tokens) for t in tasks]))
+        compute = time.perf_counter() - started
+        if self.draft is not None:
+            for task, result in zip(tasks, results, strict=True):
+                self.draft.deliver(result, task.round)
+        return VerifiedBatch([Verified(r.request_id, r.accepted, r.new_tokens) for r in results], compute)
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        self.runner.release(request_ids)
+
+    @staticmethod
+    def _guarded(work: Callable[[], list[StepResult]]) -> list[StepResult]:
+        try:
+            return work()
+        except RequestError as error:
+            raise BackendError(FailureKind.INVALID, str(error)) from None
+        except OutOfKVBlocks as error:
+            raise BackendError(FailureKind.EXHAUSTED, str(error)) from None
+
+
+@dataclass(frozen=True)
+class ColocatedSettings:
+    target_dir: Path
+    draft_dir: Path | None
+    dtype: str = "float32"
+    num_steps: int = 5
+    cache: KVCacheSettings = field(default_factory=KVCacheSettings)
+    default_max_new_tokens: int = 128
+
+
+class ColocatedEngine:
+    """Generate in-process: the three roles of `tandem serve` without processes or gRPC."""
+
+    def __init__(self, settings: ColocatedSettings) -> None:
+        model = load_target(settings.target_dir, dtype=getattr(torch, settings.dtype))
+        max_context = model.config.max_position_embeddings
+        target_runner = TargetRunner(model, settings.cache, max_context)
+        replicas = ReplicaPool()
+        draft = None
+        if settings.draft_dir is not None:
+            draft_settings = DraftSettings(
+                model_dir=settings.draft_dir,
+                target_address="",
+                replica_id=REPLICA_ID,
+                num_steps=settings.num_steps,
+                cache=settings.cache,
+                dtype=settings.dtype,
+            )
+            head, capture, has_embedding = prepare_draft(draft_settings, target_info(target_runner, settings.dtype))
+            if not has_embedding:
+                head.embed_tokens.weight.data.copy_(model.model.embed_tokens.weight.data)
+            draft = LocalDraft(DraftRunner(head, settings.cache), capture.indices)
+            replicas.add(REPLICA_ID, draft)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(settings.target_dir))
+        eos_ids = set(model.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.add(int(self.tokenizer.eos_token_id))
+        scheduler_settings = SchedulerSettings(num_steps=settings.num_steps)
+        target = LocalTarget(target_runner, draft)
+        self.scheduler = Scheduler(target, replicas, self.tokenizer, eos_ids, scheduler_settings)
+        self.limits = Limits(model.config.vocab_size, max_context, settings.default_max_new_tokens)
+        self._loop_task: asyncio.Task[None] | None = None
+
+    async def generate(
+        self, request: orchestrator_pb2.GenerateRequest
+    ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+        """The same messages Orchestrator.Generate streams, without gRPC."""
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self.scheduler.run())
+        active = self.scheduler.submit(validate_request(request, self.tokenizer, self.limits))
+        while True:
+            output = await active.outputs.get()
+            if isinstance(output, RequestFailed):
+                raise output
+            yield response_message(output)
+            if output.finish_reason:
+                return
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()

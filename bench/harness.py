@@ -1,0 +1,149 @@
+"""Runs a prompt set at a given concurrency against a generate function and summarises the results."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from tqdm import tqdm
+
+from tandem.grpc_util import channel_options
+from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    completion_tokens: int
+    rounds: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+    draft_seconds: float
+    verify_seconds: float
+    wire_seconds: float
+    scheduling_seconds: float
+    latency_seconds: float
+    first_token_seconds: float
+
+
+@dataclass(frozen=True)
+class RunResult:
+    label: str  # "split" (three processes, gRPC) or "colocated" (one process)
+    speculative: bool
+    concurrency: int
+    wall_seconds: float
+    requests: tuple[RequestResult, ...]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(r.completion_tokens for r in self.requests)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.wall_seconds
+
+    @property
+    def rounds(self) -> int:
+        return sum(r.rounds for r in self.requests)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / rounds: tokens committed per target verification (bonus included)."""
+        return 1 + sum(r.accepted_tokens for r in self.requests) / max(1, self.rounds)
+
+    def acceptance_per_position(self) -> list[float]:
+        """Fraction of rounds in which draft position i was accepted."""
+        width = max((len(r.accepted_per_position) for r in self.requests), default=0)
+        totals = [0] * width
+        for request in self.requests:
+            for position, accepted in enumerate(request.accepted_per_position):
+                totals[position] += accepted
+        return [total / max(1, self.rounds) for total in totals]
+
+    def per_round_milliseconds(self) -> dict[str, float]:
+        """Mean time per round by phase, averaged over requests' rounds."""
+        rounds = max(1, self.rounds)
+        return {
+            "draft": 1000 * sum(r.draft_seconds for r in self.requests) / rounds,
+            "verify": 1000 * sum(r.verify_seconds for r in self.requests) / rounds,
+            "wire": 1000 * sum(r.wire_seconds for r in self.requests) / rounds,
+            "scheduling": 1000 * sum(r.scheduling_seconds for r in self.requests) / rounds,
+        }
+
+
+Generate = Callable[[orchestrator_pb2.GenerateRequest], AsyncIterator[orchestrator_pb2.GenerateResponse]]
+
+
+async def run_prompts(
+    generate: Generate,
+    prompts: Sequence[str],
+    concurrency: int,
+    max_new_tokens: int,
+    speculative: bool,
+    label: str,
+) -> RunResult:
+    """Greedy completions of every prompt, `concurrency` at a time; wall time covers the whole set."""
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    results: list[RequestResult] = []
+    progress = tqdm(total=len(prompts), desc=f"{label} {'spec' if speculative else 'target-only'} c={concurrency}")
+
+    async def worker() -> None:
+        while not queue.empty():
+            prompt = queue.get_nowait()
+            request = orchestrator_pb2.GenerateRequest(
+                prompt=prompt, max_new_tokens=max_new_tokens, ignore_eos=True, disable_speculation=not speculative
+            )
+            results.append(await _one(generate, request))
+            progress.update()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    progress.close()
+    return RunResult(label, speculative, concurrency, wall, tuple(results))
+
+
+async def _one(generate: Generate, request: orchestrator_pb2.GenerateRequest) -> RequestResult:
+    started = time.perf_counter()
+    first_token = None
+    async for message in generate(request):
+        if first_token is None:
+            first_token = time.perf_counter() - started
+        if message.finish_reason:
+            stats = message.stats
+            return RequestResult(
+                completion_tokens=stats.completion_tokens,
+                rounds=stats.rounds,
+                draft_tokens=stats.draft_tokens,
+                accepted_tokens=stats.accepted_tokens,
+                accepted_per_position=tuple(stats.accepted_per_position),
+                draft_seconds=stats.draft_seconds,
+                verify_seconds=stats.verify_seconds,
+                wire_seconds=stats.wire_seconds,
+                scheduling_seconds=stats.scheduling_seconds,
+                latency_seconds=time.perf_counter() - started,
+                first_token_seconds=first_token or 0.0,
+            )
+    raise RuntimeError("a stream ended without finish_reason")
+
+
+class GrpcGenerate:
+    """Generate over gRPC against a running orchestrator (one channel shared by all workers)."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options())
+        self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+
+    async def __call__(
+        self, request: orchestrator_pb2.GenerateRequest
+    ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+        async for response in self.stub.Generate(request):
+            yield response
+
+    async def close(self) -> None:
+        await self.channel.close()

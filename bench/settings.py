@@ -1,0 +1,19 @@
+"""Settings of `tandem bench`; the CLI takes its defaults from here (no torch import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    target_dir: Path
+    draft_dir: Path
+    address: str | None = None  # a running stack; None: start one with `tandem serve`
+    num_prompts: int = 32
+    max_new_tokens: int = 64
+    concurrency: tuple[int, ...] = (1, 8)
+    num_steps: int = 5
+    colocated: bool = True
+    out_dir: Path = Path("bench/results")
