@@ -47,8 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve_parser = commands.add_parser("serve", help="start target, draft and orchestrator on loopback")
-    serve_parser.add_argument("--target", type=Path, required=True, help="target model directory (Hugging Face)")
-    serve_parser.add_argument("--draft", type=Path, help="draft head directory; none: target-only")
+    serve_parser.add_argument(
+        "--target", type=Path, help="target model directory (Hugging Face); default: the bundled demo pair"
+    )
+    serve_parser.add_argument(
+        "--draft", type=Path, help="draft head directory; default: the demo head with the demo target, else none"
+    )
     serve_parser.add_argument("--host", default=ServeSettings.host)
     serve_parser.add_argument("--port", type=int, default=ServeSettings.port)
     serve_parser.add_argument("--speculative-num-steps", type=int, default=ServeSettings.num_steps)
@@ -114,9 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
+        # No --target: the demo pair (with the demo head unless --draft names another). A --target of
+        # your own gets no draft unless --draft is given: the demo head only fits the demo target.
+        target_dir = _model_dir(args.target, DEMO_TARGET, "--target")
+        draft_dir = args.draft if args.target is not None else _model_dir(args.draft, DEMO_DRAFT, "--draft")
         settings = ServeSettings(
-            target_dir=args.target,
-            draft_dir=args.draft,
+            target_dir=target_dir,
+            draft_dir=draft_dir,
             host=args.host,
             port=args.port,
             num_steps=args.speculative_num_steps,
