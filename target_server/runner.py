@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
-from tandem.models.llama import LlamaForCausalLM, TargetOutput
+from tandem.models.llama import TargetOutput
+from tandem.models.registry import TargetModel
 from tandem.sampling.params import SamplingParams
 from tandem.sampling.verify import make_generator, sample_token, verify
 from tandem.settings import KVCacheSettings
@@ -68,7 +69,7 @@ class StepResult:
 
 
 class TargetRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: KVCacheSettings, max_context: int) -> None:
+    def __init__(self, model: TargetModel, cache: KVCacheSettings, max_context: int) -> None:
         config = model.config
         parameter = next(model.parameters())
         self.model = model

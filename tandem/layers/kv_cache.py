@@ -3,6 +3,9 @@
 A position p of a sequence lives in slot `block_ids[p // block_size] * block_size + p % block_size`
 of the flat pool. Example with block_size 4 and block_ids [7, 2]: position 5 -> block 2, offset 1
 -> slot 9. Rolling back rejected draft tokens is a `truncate`; finished requests `release` their blocks.
+
+What a slot holds is the model's `CacheLayout`: a key row and a value row per KV head (multi-head attention), or
+one compressed row and no values (MLA).
 """
 
 from __future__ import annotations
@@ -20,6 +23,20 @@ class OutOfKVBlocks(RuntimeError):
 class SequenceKV:
     block_ids: list[int] = field(default_factory=list)
     length: int = 0  # positions [0, length) hold valid KV
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What one token leaves in one layer of the cache: keys [num_kv_heads, key_dim], values [num_kv_heads, value_dim].
+
+    Multi-head attention keeps both (key_dim == value_dim == head_dim). MLA keeps one row per token, the normalized
+    kv latent followed by the rope'd key part (num_kv_heads 1, key_dim kv_lora_rank + qk_rope_head_dim), and reads its
+    values out of that same row, so value_dim is 0.
+    """
+
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int
 
 
 @dataclass(frozen=True)
@@ -53,12 +70,15 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        value_dim: int | None = None,  # width of a value row; None: head_dim; 0: no values (MLA, see CacheLayout)
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, head_dim]
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        num_slots = num_blocks * block_size
+        value_width = head_dim if value_dim is None else value_dim
+        # [layers, slots, kv_heads, head_dim] and [layers, slots, kv_heads, value_width]
+        self.keys = torch.zeros((num_layers, num_slots, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.values = torch.zeros((num_layers, num_slots, num_kv_heads, value_width), dtype=dtype, device=device)
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self.device = torch.device(device)
 

@@ -7,13 +7,23 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """Llama style: weight * normed, with normed cast back to the input dtype before the multiply.
+
+    With `unit_offset` (Gemma style) the scale is (1 + weight), checkpoints store weight centred on 0, and the
+    multiply happens in float32 before the cast back, as transformers' Gemma norms do.
+    """
+
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        # Either way the norm starts as a plain normalisation (scale 1).
+        self.weight = nn.Parameter(torch.zeros(size) if unit_offset else torch.ones(size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
         dtype = hidden.dtype
         hidden = hidden.float()
         hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (hidden * (1.0 + self.weight.float())).to(dtype)
         return self.weight * hidden.to(dtype)

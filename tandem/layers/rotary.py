@@ -1,4 +1,11 @@
-"""Rotary position embedding (rotate-half layout) with the default, linear and llama3 frequency rules."""
+"""Rotary position embedding with the default, linear, llama3 and YaRN frequency rules.
+
+Two layouts of the rotated dimensions, as transformers has them:
+- rotate-half (Llama): dimension i is paired with dimension i + head_dim / 2;
+- interleaved (DeepSeek's checkpoints, `rope_interleave`): dimension 2i is paired with 2i + 1. The output is written
+  in the rotate-half layout (pair i -> dimensions i and i + head_dim / 2), as transformers does: queries and keys
+  go through the same permutation, so their dot products are unchanged.
+"""
 
 from __future__ import annotations
 
@@ -28,14 +35,70 @@ def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:  # -> 
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
         return torch.where(is_medium, smoothed, scaled).float()
+    if rope.rope_type == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, head_dim, rope).float()
     return inv_freq.float()
 
 
+def _yarn_inverse_frequencies(
+    inv_freq: torch.Tensor,  # [head_dim // 2] unscaled
+    head_dim: int,
+    rope: RopeConfig,
+) -> torch.Tensor:  # -> [head_dim // 2]
+    """YaRN: frequencies that turn more than beta_fast times over the original context are kept, those that turn
+    fewer than beta_slow times are slowed down by `factor`, and a linear ramp over the pair index blends the two.
+
+    Example (DeepSeek-V3's beta_fast 32, beta_slow 1, original context 4096, theta 10000) with head_dim 8: the bounds
+    are pairs 1.31 -> 1 and 2.81 -> 3 (rounded outwards), so pairs 0 and 1 are kept, pair 3 is slowed down and
+    pair 2 is half of each.
+    """
+
+    def pair_index(rotations: float) -> float:  # the (fractional) pair that turns `rotations` times
+        wavelengths = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(wavelengths) / (2 * math.log(rope.theta))
+
+    low, high = pair_index(rope.beta_fast), pair_index(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoids a division by zero, as transformers does
+    pairs = torch.arange(head_dim // 2, dtype=torch.float64, device=inv_freq.device)
+    ramp = ((pairs - low) / (high - low)).clamp(0, 1)  # 0: kept, 1: slowed down
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """The scale YaRN puts on cos and sin (1 for the other rules), derived as transformers does."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return _yarn_mscale(rope.factor, 1.0)
+
+
+def yarn_softmax_mscale(rope: RopeConfig) -> float:
+    """The factor DeepSeek-V3 multiplies its softmax scale by: mscale(factor, mscale_all_dim) squared, when the rope
+    is scaled and mscale_all_dim is set. It is YaRN's attention temperature applied to the whole head, no-rope part
+    included; with mscale == mscale_all_dim (DeepSeek-V3, Kimi-K2) the cos/sin scale is 1 and this is the only one."""
+    if rope.rope_type == "default" or not rope.mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
+    def __init__(self, head_dim: int, rope: RopeConfig, interleaved: bool = False) -> None:
         super().__init__()
         # A plain attribute, not a buffer: it is derived from the config, never loaded or re-initialised.
         self.inv_freq = inverse_frequencies(head_dim, rope)  # [head_dim // 2]
+        self.attention_factor = rope_attention_factor(rope)
+        self.interleaved = interleaved
 
     def forward(
         self,
@@ -46,8 +109,12 @@ class RotaryEmbedding(nn.Module):
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
+        if self.interleaved:
+            angles = freqs[:, None, :]  # [num_tokens, 1, head_dim // 2]
+            cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+            return _rotate_interleaved(query, cos, sin), _rotate_interleaved(key, cos, sin)
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
@@ -55,3 +122,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x.float() * cos + rotated_half.float() * sin).to(x.dtype)
+
+
+def _rotate_interleaved(
+    x: torch.Tensor,  # [num_tokens, heads, head_dim], pairs (0, 1), (2, 3), ...
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+) -> torch.Tensor:  # -> [num_tokens, heads, head_dim] in the rotate-half layout (see the module docstring)
+    even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1).to(x.dtype)

@@ -21,11 +21,18 @@ class ConfigError(StartupError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"  # "default", "linear" or "llama3"
+    rope_type: str = "default"  # "default", "linear", "llama3" or "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN only (DeepSeek-V3 / Kimi-K2); the defaults are transformers'. mscale 0 means absent.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # explicit cos/sin scale; None derives it from factor and the mscales
+    truncate: bool = True
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
@@ -34,8 +41,11 @@ class RopeConfig:
         params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = str(params.get("rope_type", params.get("type", "default")))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ConfigError(f"rope_scaling.rope_type: {rope_type!r} is not supported (default, linear, llama3)")
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise ConfigError(f"rope_scaling.rope_type: {rope_type!r} is not supported (default, linear, llama3, yarn)")
+        if rope_type == "yarn" and "factor" not in params:
+            raise ConfigError("rope_scaling.factor: missing for yarn rope scaling")
+        attention_factor = params.get("attention_factor")
         return cls(
             theta=theta,
             rope_type=rope_type,
@@ -43,6 +53,13 @@ class RopeConfig:
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+            # transformers reads these with `or`, so a 0 or null in the file also means the default.
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            mscale=float(params.get("mscale") or 0.0),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+            attention_factor=None if attention_factor is None else float(attention_factor),
+            truncate=bool(params.get("truncate", True)),
         )
 
 
@@ -117,16 +134,14 @@ class ModelConfig:
             raise ConfigError(f"sliding_window: {window} (sliding-window attention) is not supported for this family")
         if hf.get("mlp_bias"):
             raise ConfigError("mlp_bias: MLP biases are not supported for this family")
-        hidden_size = _require_int(hf, "hidden_size")
-        num_heads = _require_int(hf, "num_attention_heads")
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        hidden_size = require_int(hf, "hidden_size")
+        num_heads = require_int(hf, "num_attention_heads")
         return cls(
             architecture=architecture,
-            vocab_size=_require_int(hf, "vocab_size"),
+            vocab_size=require_int(hf, "vocab_size"),
             hidden_size=hidden_size,
-            intermediate_size=_require_int(hf, "intermediate_size"),
-            num_layers=_require_int(hf, "num_hidden_layers"),
+            intermediate_size=require_int(hf, "intermediate_size"),
+            num_layers=require_int(hf, "num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
@@ -135,7 +150,7 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             traits=traits,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_token_ids(hf),
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         )
 
@@ -149,7 +164,13 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
     return config
 
 
-def _require_int(hf: dict[str, Any], key: str) -> int:
+def eos_token_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+    """config.json's eos_token_id, which may be one id, a list of ids or absent."""
+    eos = hf.get("eos_token_id")
+    return tuple(int(i) for i in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+
+def require_int(hf: dict[str, Any], key: str) -> int:
     if key not in hf:
         raise ConfigError(f"{key}: missing from config.json")
     return int(hf[key])

@@ -1,14 +1,31 @@
-"""Builds and loads target models from Hugging Face directories."""
+"""Builds and loads target models from Hugging Face directories, dispatching on the config's architecture name.
+
+Every target family offers the same interface (`TargetModel`): forward(input_ids, metadata, cache, capture) ->
+TargetOutput, compute_logits, a `config` with the shapes the servers need, and the shared tables
+`model.embed_tokens` and `lm_head`. A family is one `TargetArchitecture` entry: how to build the model from the
+HF config, the checkpoint name map, its default EAGLE3 capture indices, and what of the checkpoint is not the
+target's (layers after the last one) or stays in float32.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-from tandem.models.config import ModelConfig, read_hf_config
-from tandem.models.llama import LlamaForCausalLM
+from tandem.layers.kv_cache import AttentionMetadata, PagedKVCache
+from tandem.models import aux_layers, gemma3
+from tandem.models.config import TARGET_FAMILIES, ConfigError, ModelConfig, read_hf_config
+from tandem.models.deepseek_v3 import CHECKPOINT_NAMES as DEEPSEEK_V3_NAMES
+from tandem.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from tandem.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from tandem.models.llama import LlamaForCausalLM, TargetOutput
 from tandem.weights.loader import NameMap, iter_tensors, load_weights
 
 LOG = logging.getLogger(__name__)
@@ -17,17 +34,136 @@ LOG = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_target(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaForCausalLM:
-    config = ModelConfig.from_hf(read_hf_config(model_dir))
+class TargetConfig(Protocol):
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+
+
+class TargetBackbone(Protocol):
+    @property
+    def embed_tokens(self) -> nn.Embedding: ...  # the raw table, as stored in the checkpoint
+
+
+class TargetModel(Protocol):
+    @property
+    def config(self) -> TargetConfig: ...
+    @property
+    def model(self) -> TargetBackbone: ...
+    @property
+    def lm_head(self) -> nn.Linear: ...
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        metadata: AttentionMetadata,
+        cache: PagedKVCache,
+        capture: Sequence[int] = (),  # capture indices in [0, num_layers]; num_layers = final pre-norm stream
+    ) -> TargetOutput: ...
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor: ...  # [n, hidden] -> [n, vocab] float32
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+@dataclass(frozen=True)
+class TargetArchitecture:
+    build: Callable[[dict[str, Any]], TargetModel]  # HF config -> model (weights not loaded)
+    name_map: NameMap  # checkpoint names -> our module names
+    default_capture_indices: Callable[[int], tuple[int, ...]]  # num_layers -> capture indices for a draft naming none
+    # The checkpoint holds draft layers after the target's last one (DeepSeek NextN / MTP layers,
+    # model.layers.{num_layers + i}.*): they are the MTP draft's, and the target does not even read them.
+    skips_layers_after_last: bool = False
+    # Buffer name suffixes kept in float32 at any serving dtype, as transformers keeps them.
+    float32_buffers: tuple[str, ...] = ()
+
+
+def _build_llama(hf: dict[str, Any]) -> LlamaForCausalLM:
+    return LlamaForCausalLM(ModelConfig.from_hf(hf))
+
+
+def _build_gemma3(hf: dict[str, Any]) -> Gemma3ForCausalLM:
+    return Gemma3ForCausalLM(Gemma3Config.from_hf(hf))
+
+
+def _build_deepseek_v3(hf: dict[str, Any]) -> DeepseekV3ForCausalLM:
+    return DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(hf))
+
+
+_LLAMA_FAMILY = TargetArchitecture(_build_llama, NameMap(), aux_layers.default_capture_indices)
+TARGET_ARCHITECTURES: dict[str, TargetArchitecture] = {
+    **dict.fromkeys(TARGET_FAMILIES, _LLAMA_FAMILY),
+    "Gemma3ForCausalLM": TargetArchitecture(_build_gemma3, NameMap(), gemma3.default_capture_indices),
+    "DeepseekV3ForCausalLM": TargetArchitecture(
+        _build_deepseek_v3,
+        DEEPSEEK_V3_NAMES,
+        aux_layers.default_capture_indices,
+        skips_layers_after_last=True,
+        # The router's bias moves sigmoid scores near 0.5 by amounts below bfloat16's resolution there (2 ** -9),
+        # and it decides which experts run.
+        float32_buffers=("e_score_correction_bias",),
+    ),
+}
+
+
+def target_architecture(name: str) -> TargetArchitecture:
+    if name not in TARGET_ARCHITECTURES:
+        known = ", ".join(sorted(TARGET_ARCHITECTURES))
+        raise ConfigError(f"architectures: {name!r} is not a supported target ({known})")
+    return TARGET_ARCHITECTURES[name]
+
+
+def load_target(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> TargetModel:
+    hf = read_hf_config(model_dir)
+    architectures = hf.get("architectures") or []
+    if not architectures:
+        raise ConfigError("architectures: missing from config.json")
+    architecture = target_architecture(architectures[0])
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = architecture.build(hf)
+    # Every family is an nn.Module; the protocol only lists what the servers use.
+    assert isinstance(model, nn.Module)
     model = model.to_empty(device=device).to(dtype)
-    if config.tie_word_embeddings:
+    _keep_float32(model, architecture.float32_buffers)
+    tied = model.config.tie_word_embeddings
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    unused = load_weights(model, iter_tensors(model_dir), NameMap(), source=str(model_dir))
-    tied_head = ["lm_head.weight"] if config.tie_word_embeddings else []
+    skip = None
+    if architecture.skips_layers_after_last:
+        num_layers = model.config.num_layers
+        LOG.info(
+            "%s: not reading model.layers.{>= %d}.* (draft layers after the last target layer)", model_dir, num_layers
+        )
+        skip = partial(_is_after_last_layer, num_layers)
+    unused = load_weights(model, iter_tensors(model_dir, skip), architecture.name_map, source=str(model_dir))
+    tied_head = ["lm_head.weight"] if tied else []
     unexpected = [name for name in unused if name not in tied_head and not name.endswith(_IGNORED_SUFFIXES)]
     if unexpected:
         LOG.warning("%s: %d checkpoint tensors not used, e.g. %s", model_dir, len(unexpected), unexpected[:3])
     model.eval()
     return model
+
+
+def _keep_float32(model: nn.Module, suffixes: tuple[str, ...]) -> None:
+    for name, buffer in list(model.named_buffers()):
+        if name.endswith(suffixes):
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner).register_buffer(leaf, buffer.float())
+
+
+def _is_after_last_layer(num_layers: int, name: str) -> bool:
+    """model.layers.{i}.* with i >= num_layers: e.g. model.layers.61.eh_proj.weight of DeepSeek-V3 (61 layers)."""
+    parts = name.split(".", 3)
+    return len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers

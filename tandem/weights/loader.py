@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,11 +83,13 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(model_dir: Path, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, except those whose name `skip` accepts: these are not even read."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                yield name, handle.get_tensor(name)
+                if skip is None or not skip(name):
+                    yield name, handle.get_tensor(name)
 
 
 def load_weights(

@@ -107,8 +107,8 @@ def test_missing_config_field_is_named(target_dir: Path, field: str) -> None:
 
 
 def test_unsupported_rope_type_is_named(target_dir: Path) -> None:
-    edit_config(target_dir, lambda config: config.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}))
-    with pytest.raises(ConfigError, match="rope_type: 'yarn' is not supported"):
+    edit_config(target_dir, lambda config: config.update(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}))
+    with pytest.raises(ConfigError, match="rope_type: 'dynamic' is not supported"):
         load_target(target_dir)
 
 

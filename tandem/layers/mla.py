@@ -1,0 +1,136 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3, Kimi-K2) over a compressed paged KV cache.
+
+Per token the cache keeps one row: the normalized kv latent (kv_lora_rank) followed by the rope'd shared key part
+(qk_rope_head_dim), nothing per head. Per head h, keys and values are up-projections of the latent by kv_b_proj:
+    key_h   = [latent @ key_up_h^T, key_rope]        value_h = latent @ value_up_h^T
+Attention is computed from the latent itself, with the up-projections absorbed into the query and the output:
+    query_h . key_h = (query_nope_h @ key_up_h) . latent + query_rope_h . key_rope
+    sum_j p_j value_hj = (sum_j p_j latent_j) @ value_up_h^T
+so the cached row is both the key (all of it) and the value (its first kv_lora_rank columns) of a single shared KV
+head, and nothing of size context is up-projected per step. This is the formulation DeepSeek uses for decoding; it
+costs more FLOPs than up-projecting the keys and values for a long fresh prefill (the score dot products run over
+kv_lora_rank + rope instead of nope + rope dims), but verification steps, a few queries over a long context, are
+what this target runs most, and one path for both keeps prefill and decode numerically alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tandem.layers.attention import _attend
+from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+
+# The q and kv latent norms are built without the config's rms_norm_eps in DeepSeek's code and in transformers.
+LATENT_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None  # None: one plain q_proj instead of the low-rank q_a_proj -> q_a_layernorm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    attention_bias: bool  # biases on q_a_proj, kv_a_proj_with_mqa and o_proj (never on q_proj, q_b_proj, kv_b_proj)
+    softmax_scale: float  # (qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times the YaRN mscale correction
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        return CacheLayout(num_kv_heads=1, key_dim=self.kv_lora_rank + self.qk_rope_head_dim, value_dim=0)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """Module and parameter names are the checkpoint's (model.layers.N.self_attn.kv_b_proj ...)."""
+
+    def __init__(self, layer_index: int, config: MLAConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.config = config
+        self.rotary = rotary
+        query_size = config.num_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
+        self.q_proj: nn.Linear | None = None
+        self.q_a_proj: nn.Linear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: nn.Linear | None = None
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(config.hidden_size, query_size, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=config.attention_bias)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, query_size, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            config.hidden_size, config.kv_lora_rank + config.qk_rope_head_dim, bias=config.attention_bias
+        )
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, config.num_heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(config.num_heads * config.v_head_dim, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        metadata: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:  # -> [num_tokens, hidden]
+        config = self.config
+        num_tokens = hidden.shape[0]
+        query = self._query(hidden).view(num_tokens, config.num_heads, -1)
+        query_nope, query_rope = query.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
+        latent, key_rope = self.kv_a_proj_with_mqa(hidden).split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [num_tokens, kv_lora_rank]
+        # key_rope is one head shared by all query heads: [num_tokens, 1, qk_rope_head_dim].
+        query_rope, key_rope = self.rotary(metadata.positions, query_rope, key_rope[:, None, :])
+        # kv_b_proj's rows are, head by head, qk_nope_head_dim key rows then v_head_dim value rows.
+        up_projection = self.kv_b_proj.weight.view(config.num_heads, -1, config.kv_lora_rank)
+        key_up, value_up = up_projection.split([config.qk_nope_head_dim, config.v_head_dim], dim=1)
+        query_latent = torch.einsum("thn,hnc->thc", query_nope, key_up)  # [num_tokens, heads, kv_lora_rank]
+        rows = torch.cat((latent[:, None, :], key_rope), dim=-1)  # [num_tokens, 1, kv_lora_rank + rope]
+        attended = latent_attention(
+            torch.cat((query_latent, query_rope), dim=-1), rows, cache, self.layer_index, metadata, config
+        )  # [num_tokens, heads, kv_lora_rank]
+        output = torch.einsum("thc,hvc->thv", attended, value_up)  # [num_tokens, heads, v_head_dim]
+        return self.o_proj(output.reshape(num_tokens, config.num_heads * config.v_head_dim))
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, heads * qk_dim]
+        if self.q_proj is not None:
+            return self.q_proj(hidden)
+        assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+
+
+def latent_attention(
+    query: torch.Tensor,  # [num_tokens, heads, kv_lora_rank + rope], the nope part absorbed into the latent space
+    rows: torch.Tensor,  # [num_tokens, 1, kv_lora_rank + rope] this step's cache rows
+    cache: PagedKVCache,
+    layer_index: int,
+    metadata: AttentionMetadata,
+    config: MLAConfig,
+) -> torch.Tensor:  # -> [num_tokens, heads, kv_lora_rank] attention-weighted sum of latents
+    """Writes the new rows into the cache, then attends each sequence to its visible context of rows."""
+    layer_rows = cache.keys[layer_index]  # [slots, 1, kv_lora_rank + rope]
+    layer_rows.index_copy_(0, metadata.write_slots, rows.to(layer_rows.dtype))
+    output = query.new_empty(query.shape[0], query.shape[1], config.kv_lora_rank)
+    for span in metadata.spans:
+        span_tokens = slice(span.query_start, span.query_start + span.query_len)
+        if span.context_len == span.query_len:
+            # Fresh sequence (prefill from position 0): its context is exactly this step's rows.
+            context = rows[span_tokens]
+        else:
+            context = layer_rows.index_select(0, span.context_slots).to(query.dtype)
+        output[span_tokens] = _attend(
+            query[span_tokens],
+            context,
+            context[..., : config.kv_lora_rank],
+            span.context_len - span.query_len,
+            scaling=config.softmax_scale,
+            sliding_window=None,
+        )
+    return output

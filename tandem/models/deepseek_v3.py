@@ -1,0 +1,252 @@
+"""DeepSeek-V3 / Kimi-K2 causal LM (DeepseekV3ForCausalLM) on the paged KV cache, assembled from shared blocks.
+
+What differs from the Llama family:
+- attention is multi-head latent attention (tandem.layers.mla) with a compressed cache of one row per token,
+  kv_lora_rank + qk_rope_head_dim wide (`cache_layout`), and decoupled rope, usually YaRN-scaled, on the
+  qk_rope_head_dim part only; the softmax scale carries YaRN's mscale correction;
+- the first `first_k_dense_replace` layers have a dense gated MLP, later ones (every `moe_layer_freq`-th) a mixture
+  of routed and shared experts (tandem.layers.moe);
+- the checkpoint carries the NextN / MTP draft layers after the last layer (model.layers.{num_hidden_layers + i}):
+  the target does not read them (see `skips_layers_after_last` in the registry).
+Kimi-K2 checkpoints use this architecture name with model_type "kimi_k2"; the architecture name alone selects this
+family, so the alias needs nothing else.
+
+EAGLE3 drafts on this target name their layers by the generic rule of tandem.models.aux_layers: with convention
+"auto", a first id of 1 means output-of-layer ids (capture index = id + 1), otherwise input-to-layer ids; that is the
+rule SGLang applies to DeepSeek-V2/V3 drafts (`ids[0] == 1`). With no ids the default set (2, L // 2, L - 3) is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache
+from tandem.layers.mla import MLAConfig, MultiHeadLatentAttention
+from tandem.layers.mlp import GatedMLP
+from tandem.layers.moe import MixtureOfExperts, MoEConfig
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding, yarn_softmax_mscale
+from tandem.models.config import ConfigError, RopeConfig, eos_token_ids, require_int
+from tandem.models.llama import TargetOutput
+from tandem.weights.loader import PACKED_PARTS, NameMap
+
+# transformers' DeepseekV3Config defaults, for keys that a config.json leaves out. Shapes have no default: they
+# are read with require_int.
+HF_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu",
+    "q_lora_rank": 1536,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,  # DeepSeek's own code; transformers has no such key and behaves as 1
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "rope_interleave": True,
+    "attention_bias": False,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+}
+
+# Only the MLPs' gate/up pairs are packed. MLA's q_proj (q_lora_rank null) is a plain projection here, not the q
+# part of a q/k/v pack as in the default map.
+CHECKPOINT_NAMES = NameMap(packed={name: PACKED_PARTS[name] for name in ("gate_proj", "up_proj")})
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the dense layers' MLP
+    num_layers: int
+    rms_norm_eps: float
+    rope: RopeConfig  # of the qk_rope_head_dim part
+    rope_interleave: bool  # the checkpoint's rope dimensions come in adjacent pairs (see tandem.layers.rotary)
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+    attention: MLAConfig
+    moe: MoEConfig
+    first_k_dense_replace: int
+    moe_layer_freq: int
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        return self.attention.cache_layout
+
+    # The cache row in the terms of the registry's TargetConfig, which the target runner builds its PagedKVCache
+    # from: one KV "head" as wide as the cached row. A cache built from these alone also allocates value rows of that
+    # width, which MLA never touches; building it from cache_layout (value_dim 0) avoids that.
+    @property
+    def num_kv_heads(self) -> int:
+        return self.cache_layout.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.cache_layout.key_dim
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """DeepSeek's rule: dense below first_k_dense_replace, then MoE on every moe_layer_freq-th layer."""
+        return layer_index >= self.first_k_dense_replace and layer_index % self.moe_layer_freq == 0
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> DeepseekV3Config:
+        hf = HF_DEFAULTS | hf
+        _check_supported(hf)
+        hidden_size = require_int(hf, "hidden_size")
+        num_heads = require_int(hf, "num_attention_heads")
+        rope = RopeConfig.from_hf(hf)
+        qk_nope_head_dim = require_int(hf, "qk_nope_head_dim")
+        qk_rope_head_dim = require_int(hf, "qk_rope_head_dim")
+        attention = MLAConfig(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            q_lora_rank=None if hf["q_lora_rank"] is None else int(hf["q_lora_rank"]),
+            kv_lora_rank=require_int(hf, "kv_lora_rank"),
+            qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=require_int(hf, "v_head_dim"),
+            attention_bias=bool(hf["attention_bias"]),
+            softmax_scale=(qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * yarn_softmax_mscale(rope),
+        )
+        moe = MoEConfig(
+            hidden_size=hidden_size,
+            expert_intermediate_size=require_int(hf, "moe_intermediate_size"),
+            num_experts=require_int(hf, "n_routed_experts"),
+            num_shared_experts=int(hf["n_shared_experts"]),
+            experts_per_token=int(hf["num_experts_per_tok"]),
+            num_groups=int(hf["n_group"]),
+            groups_per_token=int(hf["topk_group"]),
+            routed_scaling_factor=float(hf["routed_scaling_factor"]),
+            normalize_weights=bool(hf["norm_topk_prob"]),
+        )
+        _check_router(moe)
+        return cls(
+            architecture=(hf.get("architectures") or ["DeepseekV3ForCausalLM"])[0],
+            vocab_size=require_int(hf, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=require_int(hf, "intermediate_size"),
+            num_layers=require_int(hf, "num_hidden_layers"),
+            rms_norm_eps=float(hf["rms_norm_eps"]),
+            rope=rope,
+            rope_interleave=bool(hf["rope_interleave"]),
+            max_position_embeddings=int(hf["max_position_embeddings"]),
+            tie_word_embeddings=bool(hf["tie_word_embeddings"]),
+            eos_token_ids=eos_token_ids(hf),
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            attention=attention,
+            moe=moe,
+            first_k_dense_replace=int(hf["first_k_dense_replace"]),
+            moe_layer_freq=int(hf["moe_layer_freq"]),
+        )
+
+
+def _check_supported(hf: dict[str, Any]) -> None:
+    if hf["hidden_act"] != "silu":
+        raise ConfigError(f"hidden_act: {hf['hidden_act']!r} is not supported (silu)")
+    if hf["scoring_func"] != "sigmoid":
+        raise ConfigError(f"scoring_func: {hf['scoring_func']!r} is not supported (sigmoid, DeepSeek-V3's router)")
+    if hf["topk_method"] != "noaux_tc":
+        raise ConfigError(f"topk_method: {hf['topk_method']!r} is not supported (noaux_tc, DeepSeek-V3's router)")
+    quantization = hf.get("quantization_config")
+    if quantization is not None:
+        # The official DeepSeek-V3 and Kimi-K2 files are block-wise fp8 with weight_scale_inv tensors; loading their
+        # weights without the scales would give a model that runs and answers garbage.
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise ConfigError(f"quantization_config: {method!r} checkpoints are not supported (dequantize to bf16 first)")
+    if int(hf["moe_layer_freq"]) < 1:
+        raise ConfigError(f"moe_layer_freq: {hf['moe_layer_freq']} (must be >= 1)")
+
+
+def _check_router(moe: MoEConfig) -> None:
+    if moe.num_groups < 1 or moe.num_experts % moe.num_groups != 0:
+        raise ConfigError(f"n_group: {moe.num_groups} does not divide n_routed_experts {moe.num_experts}")
+    per_group = moe.num_experts // moe.num_groups
+    if per_group < 2:
+        raise ConfigError(
+            f"n_group: {moe.num_groups} leaves {per_group} expert per group (groups rank by their best 2)"
+        )
+    if not 1 <= moe.groups_per_token <= moe.num_groups:
+        raise ConfigError(f"topk_group: {moe.groups_per_token} (must be in 1..n_group {moe.num_groups})")
+    if not 1 <= moe.experts_per_token <= moe.groups_per_token * per_group:
+        raise ConfigError(
+            f"num_experts_per_tok: {moe.experts_per_token} (must be in 1..{moe.groups_per_token * per_group}, "
+            f"the experts of topk_group groups)"
+        )
+    if moe.num_shared_experts < 1:
+        raise ConfigError(f"n_shared_experts: {moe.num_shared_experts} is not supported (DeepSeek-V3 has >= 1)")
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekV3Config, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MultiHeadLatentAttention(layer_index, config.attention, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: MixtureOfExperts | GatedMLP = (
+            MixtureOfExperts(config.moe)
+            if config.is_moe_layer(layer_index)
+            else GatedMLP(config.hidden_size, config.intermediate_size)
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden] residual stream entering the layer
+        metadata: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:  # -> [num_tokens, hidden] residual stream leaving the layer
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), metadata, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DeepseekV3Backbone(nn.Module):
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(config.attention.qk_rope_head_dim, config.rope, config.rope_interleave)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(config, index, self.rotary) for index in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV3Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        metadata: AttentionMetadata,
+        cache: PagedKVCache,  # laid out as config.cache_layout
+        capture: Sequence[int] = (),  # capture indices in [0, num_layers]; num_layers = final pre-norm stream
+    ) -> TargetOutput:
+        wanted = set(capture)
+        captured: dict[int, torch.Tensor] = {}
+        hidden = self.model.embed_tokens(input_ids)
+        for index, layer in enumerate(self.model.layers):
+            if index in wanted:
+                captured[index] = hidden
+            hidden = layer(hidden, metadata, cache)
+        if self.config.num_layers in wanted:
+            captured[self.config.num_layers] = hidden
+        return TargetOutput(normed=self.model.norm(hidden), captured=captured)
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        return self.lm_head(normed).float()

@@ -1,0 +1,240 @@
+"""Gemma3 text causal LM (Gemma3ForCausalLM) on the paged KV cache, assembled from the shared blocks.
+
+What differs from the Llama family, each a flag of a shared block or a line here:
+- the embedding is multiplied by sqrt(hidden) inside the model; `model.embed_tokens` holds the raw (unscaled) table,
+  which is what a draft sharing the embedding receives;
+- every norm is (1 + weight) RMSNorm in float32, and each layer normalises both the input and the output of its
+  attention and of its MLP (input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+  post_feedforward_layernorm); q and k are normalised per head the same way;
+- the gated MLP uses tanh-approximated GELU, and attention scores are scaled by query_pre_attn_scalar ** -0.5;
+- sliding-window (local) layers are interleaved with global ones; local layers use their own rope base
+  (rope_local_base_freq), global layers rope_theta with the optional linear scaling;
+- an optional final logit softcap: logits = cap * tanh(logits / cap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.layers.attention import Attention
+from tandem.layers.kv_cache import AttentionMetadata, PagedKVCache
+from tandem.layers.mlp import ACTIVATIONS, GatedMLP
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.config import ConfigError, RopeConfig, eos_token_ids, require_int
+from tandem.models.llama import TargetOutput
+
+# transformers' Gemma3TextConfig defaults, for keys that a config.json leaves out.
+HF_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,  # older files: every 6th layer is global
+    "rope_theta": 1_000_000.0,  # global layers
+    "rope_local_base_freq": 10_000.0,  # sliding-window layers
+    "eos_token_id": 1,
+}
+SLIDING, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer type names
+
+
+@dataclass(frozen=True)
+class Gemma3Config:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+    hidden_activation: str
+    attention_bias: bool
+    query_pre_attn_scalar: float
+    sliding_window: int | None  # a local layer's query sees this many positions, itself included
+    sliding_layers: tuple[bool, ...]  # per layer: True = sliding-window (local), False = global
+    global_rope: RopeConfig
+    local_rope: RopeConfig
+    final_logit_softcapping: float | None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> Gemma3Config:
+        architectures = hf.get("architectures") or []
+        if not architectures:
+            raise ConfigError("architectures: missing from config.json")
+        hf = HF_DEFAULTS | hf
+        if hf.get("attn_logit_softcapping") is not None:
+            raise ConfigError(
+                f"attn_logit_softcapping: {hf['attn_logit_softcapping']} (attention logit softcapping) is not supported"
+            )
+        if hf.get("use_bidirectional_attention"):
+            raise ConfigError("use_bidirectional_attention: bidirectional attention is not supported (causal only)")
+        if hf["hidden_activation"] not in ACTIVATIONS:
+            known = ", ".join(ACTIVATIONS)
+            raise ConfigError(f"hidden_activation: {hf['hidden_activation']!r} is not supported ({known})")
+        num_layers = require_int(hf, "num_hidden_layers")
+        sliding_layers = _sliding_layers(hf, num_layers)
+        window = hf["sliding_window"]
+        if any(sliding_layers) and (window is None or int(window) < 1):
+            raise ConfigError(f"sliding_window: {window}, but some layers are sliding-window layers (needs >= 1)")
+        global_rope, local_rope = _ropes(hf)
+        num_heads = require_int(hf, "num_attention_heads")
+        softcap = hf.get("final_logit_softcapping")
+        return cls(
+            architecture=architectures[0],
+            vocab_size=require_int(hf, "vocab_size"),
+            hidden_size=require_int(hf, "hidden_size"),
+            intermediate_size=require_int(hf, "intermediate_size"),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf["head_dim"]),
+            rms_norm_eps=float(hf["rms_norm_eps"]),
+            max_position_embeddings=int(hf["max_position_embeddings"]),
+            tie_word_embeddings=bool(hf["tie_word_embeddings"]),
+            eos_token_ids=eos_token_ids(hf),
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            hidden_activation=str(hf["hidden_activation"]),
+            attention_bias=bool(hf["attention_bias"]),
+            query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
+            sliding_window=None if window is None else int(window),
+            sliding_layers=sliding_layers,
+            global_rope=global_rope,
+            local_rope=local_rope,
+            final_logit_softcapping=None if softcap is None else float(softcap),
+        )
+
+
+def _sliding_layers(hf: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+    """transformers >= 4.53 writes layer_types; older files give sliding_window_pattern (every n-th layer global)."""
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        pattern = int(hf["sliding_window_pattern"])
+        return tuple((index + 1) % pattern != 0 for index in range(num_layers))
+    unknown = sorted(set(layer_types) - {SLIDING, GLOBAL})
+    if unknown:
+        raise ConfigError(f"layer_types: {unknown} are not supported ({SLIDING}, {GLOBAL})")
+    if len(layer_types) != num_layers:
+        raise ConfigError(f"layer_types: {len(layer_types)} entries for num_hidden_layers {num_layers}")
+    return tuple(layer_type == SLIDING for layer_type in layer_types)
+
+
+def _ropes(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """(global, local) rope. transformers >= 5 writes one rope_parameters dict per layer type; older files give
+    rope_theta and rope_scaling (global layers only) and rope_local_base_freq."""
+    per_type = hf.get("rope_parameters")
+    if per_type is None:
+        global_rope = RopeConfig.from_hf({"rope_theta": hf["rope_theta"], "rope_scaling": hf.get("rope_scaling")})
+        return global_rope, RopeConfig(theta=float(hf["rope_local_base_freq"]))
+    if not {SLIDING, GLOBAL} <= per_type.keys():
+        raise ConfigError(f"rope_parameters: expected one entry per layer type ({SLIDING}, {GLOBAL}), got {per_type}")
+    # A per-type dict without rope_theta falls back to the same defaults as the older keys.
+    return (
+        RopeConfig.from_hf({"rope_theta": hf["rope_theta"], "rope_parameters": per_type[GLOBAL]}),
+        RopeConfig.from_hf({"rope_theta": hf["rope_local_base_freq"], "rope_parameters": per_type[SLIDING]}),
+    )
+
+
+def default_capture_indices(num_layers: int) -> tuple[int, ...]:
+    """EAGLE3 capture indices when a draft names no layers: SGLang's Gemma3 set, inputs of layers 2, L // 2, L - 2."""
+    return (2, num_layers // 2, num_layers - 2)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: Gemma3Config, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, unit_offset=True)
+        self.self_attn = Attention(
+            layer_index=layer_index,
+            input_size=hidden,
+            output_size=hidden,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            rotary=rotary,
+            qkv_bias=config.attention_bias,
+            o_bias=config.attention_bias,
+            qk_norm_eps=eps,
+            qk_norm_unit_offset=True,
+            scaling=config.query_pre_attn_scalar**-0.5,
+            sliding_window=config.sliding_window if config.sliding_layers[layer_index] else None,
+        )
+        self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset=True)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden] residual stream entering the layer
+        metadata: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:  # -> [num_tokens, hidden] residual stream leaving the layer
+        attended = self.self_attn(self.input_layernorm(hidden), metadata, cache)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class Gemma3Backbone(nn.Module):
+    def __init__(self, config: Gemma3Config) -> None:
+        super().__init__()
+        self.global_rotary = RotaryEmbedding(config.head_dim, config.global_rope)
+        self.local_rotary = RotaryEmbedding(config.head_dim, config.local_rope)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)  # unscaled, as in the checkpoint
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, index, self.local_rotary if sliding else self.global_rotary)
+            for index, sliding in enumerate(config.sliding_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, config: Gemma3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        metadata: AttentionMetadata,
+        cache: PagedKVCache,
+        capture: Sequence[int] = (),  # capture indices in [0, num_layers]; num_layers = final pre-norm stream
+    ) -> TargetOutput:
+        wanted = set(capture)
+        captured: dict[int, torch.Tensor] = {}
+        embedded = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        # The scale is rounded to the model dtype before the multiply, as transformers does (sqrt(3072) -> 55.5 in
+        # bfloat16), so that bf16 streams match the reference bit for bit.
+        scale = torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32, device=embedded.device)
+        hidden = embedded * scale.to(embedded.dtype)
+        for index, layer in enumerate(self.model.layers):
+            if index in wanted:
+                captured[index] = hidden
+            hidden = layer(hidden, metadata, cache)
+        if self.config.num_layers in wanted:
+            captured[self.config.num_layers] = hidden
+        return TargetOutput(normed=self.model.norm(hidden), captured=captured)
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        logits = self.lm_head(normed).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * torch.tanh(logits / cap)
