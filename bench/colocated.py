@@ -22,9 +22,11 @@ from draft_server.settings import DraftSettings
 from orchestrator.backends import (
     BackendError,
     FailureKind,
+    Prefilled,
     PrefillTask,
     ProposedBatch,
     ProposeTask,
+    ReassignTask,
     Verified,
     VerifiedBatch,
     VerifyTask,
@@ -80,7 +82,7 @@ class LocalTarget:
         self.runner = runner
         self.draft = draft
 
-    async def prefill(self, tasks: Sequence[PrefillTask]) -> list[int]:
+    async def prefill(self, tasks: Sequence[PrefillTask]) -> list[Prefilled]:
         capture = self.draft.capture if self.draft is not None else ()
         inputs = [
             PrefillInput(t.request_id, t.input_ids, t.sampling, capture if t.replica is not None else ()) for t in tasks
@@ -89,7 +91,7 @@ class LocalTarget:
         if self.draft is not None:
             for result in results:
                 self.draft.deliver(result, 0)
-        return [result.new_tokens[0] for result in results]
+        return [Prefilled(result.new_tokens[0], result.captured is not None) for result in results]
 
     async def verify(self, tasks: Sequence[VerifyTask]) -> VerifiedBatch:
         started = time.perf_counter()
@@ -99,6 +101,16 @@ class LocalTarget:
             for task, result in zip(tasks, results, strict=True):
                 self.draft.deliver(result, task.round)
         return VerifiedBatch([Verified(r.request_id, r.accepted, r.new_tokens) for r in results], compute)
+
+    async def reassign(self, tasks: Sequence[ReassignTask]) -> list[bool]:
+        streaming = []
+        for task in tasks:
+            capture = self.draft.capture if self.draft is not None and task.replica is not None else ()
+            rows = self.runner.reassign(task.request_id, capture)
+            if self.draft is not None and rows is not None:
+                self.draft.deliver(StepResult(task.request_id, 0, [], rows), task.round)
+            streaming.append(rows is not None)
+        return streaming
 
     async def release(self, request_ids: Sequence[str]) -> None:
         self.runner.release(request_ids)
@@ -145,7 +157,7 @@ class ColocatedEngine:
             if not has_embedding:
                 head.embed_tokens.weight.data.copy_(model.model.embed_tokens.weight.data)
             draft = LocalDraft(DraftRunner(head, settings.cache), capture.indices)
-            replicas.add(REPLICA_ID, draft)
+            replicas.add(REPLICA_ID, "in-process", draft)
         self.tokenizer = AutoTokenizer.from_pretrained(str(settings.target_dir))
         eos_ids = set(model.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

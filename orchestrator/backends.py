@@ -36,6 +36,12 @@ class PrefillTask:
 
 
 @dataclass(frozen=True)
+class Prefilled:
+    first_token: int
+    streaming: bool  # hidden states go to the requested replica (False: it is gone; target-only for now)
+
+
+@dataclass(frozen=True)
 class VerifyTask:
     request_id: str
     draft_tokens: Sequence[int]
@@ -56,6 +62,13 @@ class VerifiedBatch:
 
 
 @dataclass(frozen=True)
+class ReassignTask:
+    request_id: str
+    replica: str | None  # None: target-only from now on
+    round: int  # the replayed hidden states are published under this round
+
+
+@dataclass(frozen=True)
 class ProposeTask:
     request_id: str
     round: int
@@ -69,11 +82,13 @@ class ProposedBatch:
 
 
 class TargetBackend(Protocol):
-    async def prefill(self, tasks: Sequence[PrefillTask]) -> list[int]:
-        """Returns the first generated token of each task."""
-        ...
+    async def prefill(self, tasks: Sequence[PrefillTask]) -> list[Prefilled]: ...
 
     async def verify(self, tasks: Sequence[VerifyTask]) -> VerifiedBatch: ...
+
+    async def reassign(self, tasks: Sequence[ReassignTask]) -> list[bool]:
+        """Moves requests to another replica, replaying their hidden states to it; returns `streaming` per task."""
+        ...
 
     async def release(self, request_ids: Sequence[str]) -> None: ...
 

@@ -9,9 +9,11 @@ import grpc
 from orchestrator.backends import (
     BackendError,
     FailureKind,
+    Prefilled,
     PrefillTask,
     ProposedBatch,
     ProposeTask,
+    ReassignTask,
     Verified,
     VerifiedBatch,
     VerifyTask,
@@ -34,7 +36,7 @@ class GrpcTarget:
     def __init__(self, stub: target_pb2_grpc.TargetStub) -> None:
         self.stub = stub
 
-    async def prefill(self, tasks: Sequence[PrefillTask]) -> list[int]:
+    async def prefill(self, tasks: Sequence[PrefillTask]) -> list[Prefilled]:
         items = [
             target_pb2.PrefillItem(
                 request_id=task.request_id,
@@ -53,7 +55,7 @@ class GrpcTarget:
             response = await self.stub.Prefill(target_pb2.PrefillRequest(items=items))
         except grpc.aio.AioRpcError as error:
             raise _backend_error(error, "target prefill") from None
-        return [result.next_token for result in response.results]
+        return [Prefilled(result.next_token, result.streaming) for result in response.results]
 
     async def verify(self, tasks: Sequence[VerifyTask]) -> VerifiedBatch:
         items = [
@@ -66,6 +68,17 @@ class GrpcTarget:
             raise _backend_error(error, "target verify") from None
         results = [Verified(r.request_id, r.accepted, list(r.new_tokens)) for r in response.results]
         return VerifiedBatch(results, response.compute_seconds)
+
+    async def reassign(self, tasks: Sequence[ReassignTask]) -> list[bool]:
+        items = [
+            target_pb2.ReassignItem(request_id=task.request_id, draft_replica=task.replica or "", round=task.round)
+            for task in tasks
+        ]
+        try:
+            response = await self.stub.Reassign(target_pb2.ReassignRequest(items=items))
+        except grpc.aio.AioRpcError as error:
+            raise _backend_error(error, "target reassign") from None
+        return [result.streaming for result in response.results]
 
     async def release(self, request_ids: Sequence[str]) -> None:
         try:

@@ -1,4 +1,8 @@
-"""The draft replicas an orchestrator can use, balanced by least outstanding requests."""
+"""The draft replicas an orchestrator can use, balanced by least outstanding requests.
+
+A replica is "serving" (gets new requests) or "draining" (keeps its requests, gets no new ones).
+A replica that fails is removed at once; the scheduler moves its requests elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -10,22 +14,43 @@ from orchestrator.backends import DraftBackend
 @dataclass
 class Replica:
     replica_id: str
+    address: str
     backend: DraftBackend
     outstanding: int = 0
+    draining: bool = False
+
+    @property
+    def state(self) -> str:
+        return "draining" if self.draining else "serving"
 
 
 class ReplicaPool:
     def __init__(self) -> None:
         self._replicas: dict[str, Replica] = {}
 
-    def add(self, replica_id: str, backend: DraftBackend) -> None:
-        self._replicas[replica_id] = Replica(replica_id, backend)
+    def add(self, replica_id: str, address: str, backend: DraftBackend) -> Replica:
+        replica = Replica(replica_id, address, backend)
+        self._replicas[replica_id] = replica
+        return replica
+
+    def remove(self, replica_id: str) -> Replica | None:
+        return self._replicas.pop(replica_id, None)
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self._replicas.get(replica_id)
+
+    def all(self) -> list[Replica]:
+        return list(self._replicas.values())
+
+    def has_serving(self) -> bool:
+        return any(not replica.draining for replica in self._replicas.values())
 
     def pick(self) -> str | None:
-        """The replica with the fewest outstanding requests, or None when there is none."""
-        if not self._replicas:
+        """The serving replica with the fewest outstanding requests, or None when there is none."""
+        serving = [replica for replica in self._replicas.values() if not replica.draining]
+        if not serving:
             return None
-        return min(self._replicas.values(), key=lambda replica: replica.outstanding).replica_id
+        return min(serving, key=lambda replica: replica.outstanding).replica_id
 
     def acquire(self, replica_id: str) -> None:
         self._replicas[replica_id].outstanding += 1

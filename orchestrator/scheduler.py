@@ -24,6 +24,7 @@ from orchestrator.backends import (
     PrefillTask,
     ProposedBatch,
     ProposeTask,
+    ReassignTask,
     TargetBackend,
     VerifyTask,
 )
@@ -89,6 +90,13 @@ class ActiveRequest:
     stats: Stats = field(default_factory=Stats)
     finished: bool = False
     cancelled: bool = False
+    # The target must (re)send this request's history to its replica (or stop streaming, replica None)
+    # before the replica can propose for it: set when a replica is lost or the request switches back.
+    needs_replay: bool = False
+
+    @property
+    def wants_speculation(self) -> bool:
+        return not self.params.disable_speculation
 
     @property
     def remaining(self) -> int:
@@ -135,6 +143,10 @@ class Scheduler:
         self._wake.set()
         return request
 
+    def wake(self) -> None:
+        """Runs the loop now (e.g. a replica joined, so target-only orphans can switch back)."""
+        self._wake.set()
+
     def cancel(self, request: ActiveRequest) -> None:
         """Called when the client goes away; the loop releases the request's KV at its next step."""
         if not request.finished:
@@ -144,8 +156,8 @@ class Scheduler:
     async def run(self) -> None:
         while True:
             if not self.waiting and not self.running:
-                self._wake.clear()
                 await self._wake.wait()
+            self._wake.clear()
             await self._drop_cancelled()
             await self._admit()
             if self.running:
@@ -164,17 +176,21 @@ class Scheduler:
             return
         tasks = [PrefillTask(r.request_id, r.params.input_ids, r.params.sampling, r.replica) for r in batch]
         try:
-            first_tokens = await self.target.prefill(tasks)
+            prefilled = await self.target.prefill(tasks)
         except BackendError as error:
             if error.kind == FailureKind.EXHAUSTED and self.running:
                 self.waiting.extendleft(reversed(batch))  # retry once running requests free KV blocks
                 return
             await self._fail(batch, RequestFailed(error.kind, str(error)))
             return
-        for request, token in zip(batch, first_tokens, strict=True):
+        for request, result in zip(batch, prefilled, strict=True):
             self.running[request.request_id] = request
-            self._emit(request, [token])
+            self._emit(request, [result.first_token])
+        for request, result in zip(batch, prefilled, strict=True):
+            if request.replica is not None and not result.streaming:
+                self._replica_lost(request.replica, "not subscribed to the target")
         await self._release_finished(batch)
+        await self._replay_pending()
 
     async def _round(self) -> None:
         """draft -> verify -> accept (on the target) -> emit -> release finished."""
@@ -206,6 +222,7 @@ class Scheduler:
         for request in requests:
             request.stats.scheduling_seconds += (finished - started) - propose_call - verify_call
         await self._release_finished(requests)
+        await self._replay_pending()
 
     async def _propose(
         self, requests: Sequence[ActiveRequest]
@@ -215,7 +232,7 @@ class Scheduler:
         for request in requests:
             # A round yields up to k + 1 tokens; never draft past max_new_tokens.
             num_steps = min(self.settings.num_steps, request.remaining - 1)
-            if num_steps > 0 and request.replica is not None:
+            if num_steps > 0 and request.replica is not None and not request.needs_replay:
                 task = ProposeTask(request.request_id, request.round, num_steps)
                 by_replica.setdefault(request.replica, []).append(task)
         replies = await asyncio.gather(
@@ -223,13 +240,9 @@ class Scheduler:
         )
         drafts: dict[str, list[int]] = {}
         timings: dict[str, ReplicaTiming] = {}
-        for (replica, tasks), reply in zip(by_replica.items(), replies, strict=True):
+        for replica, reply in zip(by_replica, replies, strict=True):
             if isinstance(reply, BaseException):
-                LOG.warning(
-                    "draft replica %s failed (%s): its %d requests go on target-only", replica, reply, len(tasks)
-                )
-                for task in tasks:
-                    self._to_target_only(self.running[task.request_id])
+                self._replica_lost(replica, str(reply))
                 continue
             batch, call_seconds = reply
             drafts.update(batch.drafts)
@@ -274,10 +287,52 @@ class Scheduler:
             )
         )
 
-    def _to_target_only(self, request: ActiveRequest) -> None:
-        if request.replica is not None:
-            self.replicas.release(request.replica)
-            request.replica = None
+    def _replica_lost(self, replica_id: str, reason: str) -> None:
+        """Forgets a failed replica and moves its requests to another one (or to target-only).
+
+        Moved running requests need a replay of their history; this round they are verified without drafts.
+        """
+        if self.replicas.remove(replica_id) is None:
+            return
+        moved = [r for r in self.running.values() if r.replica == replica_id]
+        LOG.warning("draft replica %s lost (%s): moving its %d running requests", replica_id, reason, len(moved))
+        for request in self.waiting:
+            if request.replica == replica_id:
+                request.replica = self._assign()
+        for request in moved:
+            request.replica = self._assign()
+            request.needs_replay = True
+
+    def _assign(self) -> str | None:
+        replica = self.replicas.pick()
+        if replica is not None:
+            self.replicas.acquire(replica)
+        return replica
+
+    async def _replay_pending(self) -> None:
+        """Sends moved requests' history to their new replica; brings target-only orphans back to speculation."""
+        if self.replicas.has_serving():
+            for request in self.running.values():
+                if request.replica is None and request.wants_speculation and not request.finished:
+                    request.replica = self._assign()
+                    request.needs_replay = True
+        pending = [r for r in self.running.values() if r.needs_replay and not r.finished]
+        if not pending:
+            return
+        tasks = [ReassignTask(r.request_id, r.replica, r.round) for r in pending]
+        try:
+            streaming = await self.target.reassign(tasks)
+        except BackendError as error:
+            LOG.warning("reassigning %d requests failed (%s): they go on target-only", len(pending), error)
+            streaming = [False] * len(pending)
+        for request, ok in zip(pending, streaming, strict=True):
+            request.needs_replay = False
+            if request.replica is not None and not ok:
+                # That replica is gone too: forget it. The request is target-only until the next round's
+                # _replay_pending assigns it again (if any replica is left).
+                lost = request.replica
+                request.replica = None
+                self._replica_lost(lost, "not subscribed to the target")
 
     async def _drop_cancelled(self) -> None:
         cancelled = [r for r in self.running.values() if r.cancelled]

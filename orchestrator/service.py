@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 import grpc
 from transformers import AutoTokenizer
 
-from orchestrator.backends import FailureKind
+from orchestrator.admin import AdminService
+from orchestrator.backends import DraftBackend, FailureKind
 from orchestrator.grpc_backends import GrpcDraft, GrpcTarget
 from orchestrator.replicas import ReplicaPool
 from orchestrator.scheduler import Output, RequestFailed, Scheduler
@@ -78,18 +79,28 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
             self.scheduler.cancel(active)
 
 
-async def start_orchestrator(settings: OrchestratorSettings) -> tuple[OrchestratorService, asyncio.Task[None]]:
+async def connect_replica(address: str, timeout_s: float = 30.0) -> tuple[str, DraftBackend]:
+    """Connects to a draft replica and returns its id (from GetInfo) and a backend for it."""
+    channel = grpc.aio.insecure_channel(address, options=channel_options())
+    stub = draft_pb2_grpc.DraftStub(channel)
+    draft: draft_pb2.DraftInfo = await stub.GetInfo(
+        draft_pb2.DraftInfoRequest(), wait_for_ready=True, timeout=timeout_s
+    )
+    LOG.info("draft replica %s at %s: %s, %d steps", draft.replica_id, address, draft.architecture, draft.num_steps)
+    return draft.replica_id, GrpcDraft(stub)
+
+
+async def start_orchestrator(
+    settings: OrchestratorSettings,
+) -> tuple[OrchestratorService, AdminService, asyncio.Task[None]]:
     await wait_for_ready(settings.target_address, timeout_s=600.0)
     target_channel = grpc.aio.insecure_channel(settings.target_address, options=channel_options())
     target_stub = target_pb2_grpc.TargetStub(target_channel)
     info: target_pb2.TargetInfo = await target_stub.GetInfo(target_pb2.TargetInfoRequest())
     replicas = ReplicaPool()
     for address in settings.draft_addresses:
-        channel = grpc.aio.insecure_channel(address, options=channel_options())
-        stub = draft_pb2_grpc.DraftStub(channel)
-        draft: draft_pb2.DraftInfo = await stub.GetInfo(draft_pb2.DraftInfoRequest(), wait_for_ready=True, timeout=600)
-        replicas.add(draft.replica_id, GrpcDraft(stub))
-        LOG.info("draft replica %s at %s: %s, %d steps", draft.replica_id, address, draft.architecture, draft.num_steps)
+        replica_id, backend = await connect_replica(address, timeout_s=600.0)
+        replicas.add(replica_id, address, backend)
     tokenizer = AutoTokenizer.from_pretrained(str(settings.tokenizer_dir))
     eos_ids = set(info.eos_token_ids)
     if tokenizer.eos_token_id is not None:
@@ -101,4 +112,4 @@ async def start_orchestrator(settings: OrchestratorSettings) -> tuple[Orchestrat
         default_max_new_tokens=settings.default_max_new_tokens,
     )
     loop_task = asyncio.create_task(scheduler.run())
-    return OrchestratorService(scheduler, limits), loop_task
+    return OrchestratorService(scheduler, limits), AdminService(scheduler, connect_replica), loop_task

@@ -22,6 +22,7 @@ from tandem.settings import DEMO_DRAFT, DEMO_TARGET, KVCacheSettings
 from target_server.settings import TargetSettings
 
 DTYPES = ("float32", "bfloat16", "float16")
+LAUNCHERS = ("process", "ray")
 
 
 def _add_listen(parser: argparse.ArgumentParser, default_port: int = ListenSettings.port) -> None:
@@ -56,9 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--host", default=ServeSettings.host)
     serve_parser.add_argument("--port", type=int, default=ServeSettings.port)
     serve_parser.add_argument("--speculative-num-steps", type=int, default=ServeSettings.num_steps)
+    serve_parser.add_argument("--draft-replicas", type=int, default=ServeSettings.draft_replicas)
     serve_parser.add_argument("--aux-layer-convention", choices=CONVENTIONS, default=ServeSettings.aux_layer_convention)
     serve_parser.add_argument("--dtype", choices=DTYPES, default=ServeSettings.dtype)
     serve_parser.add_argument("--max-batch-size", type=int, default=ServeSettings.max_batch_size)
+    serve_parser.add_argument(
+        "--launcher", choices=LAUNCHERS, default=ServeSettings.launcher, help="child processes, or Ray actors"
+    )
+    serve_parser.add_argument("--ray-address", help="Ray cluster to join (with --launcher ray); default: a local one")
 
     target_parser = commands.add_parser("target", help="run the target service")
     target_parser.add_argument("--model", type=Path, required=True)
@@ -122,16 +128,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         # your own gets no draft unless --draft is given: the demo head only fits the demo target.
         target_dir = _model_dir(args.target, DEMO_TARGET, "--target")
         draft_dir = args.draft if args.target is not None else _model_dir(args.draft, DEMO_DRAFT, "--draft")
+        if args.ray_address is not None and args.launcher != "ray":
+            raise SystemExit("tandem: --ray-address needs --launcher ray")
         settings = ServeSettings(
             target_dir=target_dir,
             draft_dir=draft_dir,
+            draft_replicas=args.draft_replicas,
             host=args.host,
             port=args.port,
             num_steps=args.speculative_num_steps,
             aux_layer_convention=args.aux_layer_convention,
             dtype=args.dtype,
             max_batch_size=args.max_batch_size,
+            launcher=args.launcher,
+            ray_address=args.ray_address,
         )
+        if settings.launcher == "ray":
+            from tandem.ray_launcher import serve_on_ray  # imports ray: only on this path
+
+            return serve_on_ray(settings)
         return serve(settings)
     if args.command == "bench":
         from bench.main import run_benchmark

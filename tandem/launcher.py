@@ -27,12 +27,15 @@ STOP_TIMEOUT_S = 15.0
 class ServeSettings:
     target_dir: Path
     draft_dir: Path | None
+    draft_replicas: int = 1
     host: str = "127.0.0.1"
     port: int = 50051
     num_steps: int = 5
     aux_layer_convention: str = "auto"
     dtype: str = "float32"
     max_batch_size: int = 32
+    launcher: str = "process"  # "ray": tandem.ray_launcher
+    ray_address: str | None = None  # the Ray cluster to join; None: start a local one
 
 
 class ChildFailed(RuntimeError):
@@ -58,32 +61,31 @@ class Launcher:
         target = self._spawn("target", ["target", "--model", str(s.target_dir), "--dtype", s.dtype])
         target_address = self._wait_ready("target", target)
         draft_addresses = []
-        if s.draft_dir is not None:
-            draft = self._spawn(
-                "draft",
-                [
-                    "draft",
-                    "--model",
-                    str(s.draft_dir),
-                    "--target-address",
-                    target_address,
-                    "--replica-id",
-                    "draft-0",
-                    "--speculative-num-steps",
-                    str(s.num_steps),
-                    "--aux-layer-convention",
-                    s.aux_layer_convention,
-                    "--dtype",
-                    s.dtype,
-                ],
-            )
-            draft_addresses.append(self._wait_ready("draft", draft))
+        replicas = [f"draft-{index}" for index in range(s.draft_replicas)] if s.draft_dir is not None else []
+        ready_files = {
+            replica: self._spawn(replica, self.draft_arguments(replica, target_address)) for replica in replicas
+        }
+        for replica, ready_file in ready_files.items():
+            draft_addresses.append(self._wait_ready(replica, ready_file))
         arguments = ["orchestrator", "--target-address", target_address, "--tokenizer", str(s.target_dir)]
         for address in draft_addresses:
             arguments += ["--draft-address", address]
         arguments += ["--speculative-num-steps", str(s.num_steps), "--max-batch-size", str(s.max_batch_size)]
         orchestrator = self._spawn("orchestrator", arguments, host=s.host, port=s.port)
         return self._wait_ready("orchestrator", orchestrator)
+
+    def draft_arguments(self, replica_id: str, target_address: str) -> list[str]:
+        s = self.settings
+        assert s.draft_dir is not None
+        return [
+            "draft",
+            "--model", str(s.draft_dir),
+            "--target-address", target_address,
+            "--replica-id", replica_id,
+            "--speculative-num-steps", str(s.num_steps),
+            "--aux-layer-convention", s.aux_layer_convention,
+            "--dtype", s.dtype,
+        ]  # fmt: skip
 
     def _spawn(self, name: str, arguments: Sequence[str], host: str = "127.0.0.1", port: int = 0) -> Path:
         ready_file = Path(self._workdir.name) / f"{name}.address"
@@ -109,12 +111,23 @@ class Launcher:
         raise TimeoutError(f"{name} did not become ready within {STARTUP_TIMEOUT_S:.0f} s")
 
     def wait(self) -> int:
-        """Blocks until a signal arrives or a child dies; returns the exit code for the launcher."""
+        """Blocks until a signal arrives or the target or orchestrator dies; returns the launcher's exit code.
+
+        A draft replica that dies is reported and left dead: the orchestrator moves its requests to the
+        other replicas (or target-only) and serving goes on.
+        """
+        reported: set[str] = set()
         while not self._stopping:
             for name, process in self.children:
-                if process.poll() is not None:
-                    print(f"tandem serve: {name} exited with code {process.returncode}", file=sys.stderr, flush=True)
-                    return 1
+                if process.poll() is None or name in reported:
+                    continue
+                reported.add(name)
+                if name.startswith("draft"):
+                    message = f"draft replica {name} exited with code {process.returncode}; serving goes on without it"
+                    print(f"tandem serve: {message}", file=sys.stderr, flush=True)
+                    continue
+                print(f"tandem serve: {name} exited with code {process.returncode}", file=sys.stderr, flush=True)
+                return 1
             time.sleep(0.2)
         return 0
 
@@ -140,7 +153,8 @@ def serve(settings: ServeSettings) -> int:
     try:
         address = launcher.start()
         mode = "speculative" if settings.draft_dir is not None else "target-only"
-        print(f"tandem ready: Generate on {address} ({mode}, {len(launcher.children)} processes)", flush=True)
+        replicas = f", {settings.draft_replicas} draft replicas" if settings.draft_dir is not None else ""
+        print(f"tandem ready: Generate on {address} ({mode}{replicas}, {len(launcher.children)} processes)", flush=True)
         return launcher.wait()
     except ChildFailed as error:
         print(f"tandem serve: {error}", file=sys.stderr, flush=True)

@@ -152,6 +152,27 @@ class TargetRunner:
             results.append(StepResult(request.request_id, outcome.accepted, outcome.tokens, captured))
         return results
 
+    @torch.inference_mode()
+    def reassign(self, request_id: str, capture: tuple[int, ...]) -> CapturedRows | None:
+        """Points a request at another draft (capture () : none) and recomputes its committed rows for it.
+
+        The rows are recomputed in a scratch sequence that is released at once: the request's own KV
+        is never rewritten, so its outputs cannot change (a recomputed KV could differ in the last bits).
+        """
+        request = self._get(request_id)
+        request.capture = capture
+        if not capture:
+            return None
+        committed = request.kv.length
+        scratch = SequenceKV()
+        try:
+            metadata = self.cache.plan([(scratch, committed)])
+            input_ids = torch.tensor(request.tokens[:committed], device=self.device)
+            output = self.model(input_ids, metadata, self.cache, capture)
+        finally:
+            self.cache.release(scratch)
+        return self._captured(request, output, slice(0, committed), 0, request.tokens[1 : committed + 1])
+
     def release(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
             request = self.requests.pop(request_id, None)

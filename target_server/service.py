@@ -70,29 +70,33 @@ class TargetService(target_pb2_grpc.TargetServicer):
     ) -> target_pb2.PrefillResponse:
         inputs = []
         for item in request.items:
-            capture: tuple[int, ...] = ()
-            if item.draft_replica:
-                subscriber = self.subscribers.get(item.draft_replica)
-                if subscriber is None:
-                    await context.abort(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"draft_replica: {item.draft_replica!r} is not subscribed to this target",
-                    )
-                    raise AssertionError("unreachable")
-                capture = subscriber.capture
             try:
                 sampling = sampling_from_proto(item.sampling)
             except ValueError as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {error}")
-            inputs.append(PrefillInput(item.request_id, list(item.input_ids), sampling, capture))
+            inputs.append(
+                PrefillInput(item.request_id, list(item.input_ids), sampling, self._capture(item.draft_replica))
+            )
         results: list[StepResult] = await self._guarded(context, self._run(self.runner.prefill, inputs))
-        for item in request.items:
-            if item.draft_replica:
+        for item, prefill_input in zip(request.items, inputs, strict=True):
+            if prefill_input.capture:
                 self.replica_of[item.request_id] = item.draft_replica
         self._publish(results, round_number=0)
         return target_pb2.PrefillResponse(
-            results=[target_pb2.PrefillResult(request_id=r.request_id, next_token=r.new_tokens[0]) for r in results]
+            results=[
+                target_pb2.PrefillResult(
+                    request_id=result.request_id, next_token=result.new_tokens[0], streaming=bool(prefill_input.capture)
+                )
+                for result, prefill_input in zip(results, inputs, strict=True)
+            ]
         )
+
+    def _capture(self, replica: str) -> tuple[int, ...]:
+        """The capture indices of a subscribed replica; () for none or an unknown (e.g. dead) replica."""
+        subscriber = self.subscribers.get(replica) if replica else None
+        if replica and subscriber is None:
+            LOG.warning("draft replica %r is not subscribed: its request goes on target-only", replica)
+        return subscriber.capture if subscriber is not None else ()
 
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
@@ -119,6 +123,21 @@ class TargetService(target_pb2_grpc.TargetServicer):
         for request_id in request.request_ids:
             self.replica_of.pop(request_id, None)
         return target_pb2.ReleaseResponse()
+
+    async def Reassign(
+        self, request: target_pb2.ReassignRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.ReassignResponse:
+        results = []
+        for item in request.items:
+            capture = self._capture(item.draft_replica)
+            rows = await self._guarded(context, self._run(self.runner.reassign, item.request_id, capture))
+            self.replica_of.pop(item.request_id, None)
+            if rows is not None:
+                self.replica_of[item.request_id] = item.draft_replica
+                self.subscribers[item.draft_replica].queue.put_nowait(hidden_message(rows, item.round))
+            LOG.info("request %s reassigned to %s", item.request_id, item.draft_replica if capture else "no draft")
+            results.append(target_pb2.ReassignResult(request_id=item.request_id, streaming=bool(capture)))
+        return target_pb2.ReassignResponse(results=results)
 
     async def SubscribeHidden(
         self, request: target_pb2.SubscribeRequest, context: grpc.aio.ServicerContext

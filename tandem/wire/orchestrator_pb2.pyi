@@ -6,6 +6,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AddReplicaRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class RemoveReplicaRequest(_message.Message):
+    __slots__ = ("replica_id",)
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+
+class ListReplicasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("replica_id", "address", "state", "outstanding")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    state: str
+    outstanding: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., outstanding: _Optional[int] = ...) -> None: ...
+
+class ListReplicasResponse(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "input_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "disable_speculation")
     PROMPT_FIELD_NUMBER: _ClassVar[int]

@@ -99,3 +99,166 @@ class Orchestrator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class OrchestratorAdminStub:
+    """Operations on a running orchestrator (not for end users).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AddReplica = channel.unary_unary(
+                '/tandem.v1.OrchestratorAdmin/AddReplica',
+                request_serializer=tandem_dot_v1_dot_orchestrator__pb2.AddReplicaRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_orchestrator__pb2.ReplicaStatus.FromString,
+                _registered_method=True)
+        self.RemoveReplica = channel.unary_unary(
+                '/tandem.v1.OrchestratorAdmin/RemoveReplica',
+                request_serializer=tandem_dot_v1_dot_orchestrator__pb2.RemoveReplicaRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_orchestrator__pb2.ReplicaStatus.FromString,
+                _registered_method=True)
+        self.ListReplicas = channel.unary_unary(
+                '/tandem.v1.OrchestratorAdmin/ListReplicas',
+                request_serializer=tandem_dot_v1_dot_orchestrator__pb2.ListReplicasRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_orchestrator__pb2.ListReplicasResponse.FromString,
+                _registered_method=True)
+
+
+class OrchestratorAdminServicer:
+    """Operations on a running orchestrator (not for end users).
+    """
+
+    def AddReplica(self, request, context):
+        """Adds a draft replica by address; it joins once it answers GetInfo.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveReplica(self, request, context):
+        """Stops assigning requests to a replica, waits until its requests have finished, then forgets it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListReplicas(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_OrchestratorAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AddReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddReplica,
+                    request_deserializer=tandem_dot_v1_dot_orchestrator__pb2.AddReplicaRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_orchestrator__pb2.ReplicaStatus.SerializeToString,
+            ),
+            'RemoveReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveReplica,
+                    request_deserializer=tandem_dot_v1_dot_orchestrator__pb2.RemoveReplicaRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_orchestrator__pb2.ReplicaStatus.SerializeToString,
+            ),
+            'ListReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplicas,
+                    request_deserializer=tandem_dot_v1_dot_orchestrator__pb2.ListReplicasRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_orchestrator__pb2.ListReplicasResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tandem.v1.OrchestratorAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tandem.v1.OrchestratorAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class OrchestratorAdmin:
+    """Operations on a running orchestrator (not for end users).
+    """
+
+    @staticmethod
+    def AddReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.OrchestratorAdmin/AddReplica',
+            tandem_dot_v1_dot_orchestrator__pb2.AddReplicaRequest.SerializeToString,
+            tandem_dot_v1_dot_orchestrator__pb2.ReplicaStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.OrchestratorAdmin/RemoveReplica',
+            tandem_dot_v1_dot_orchestrator__pb2.RemoveReplicaRequest.SerializeToString,
+            tandem_dot_v1_dot_orchestrator__pb2.ReplicaStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.OrchestratorAdmin/ListReplicas',
+            tandem_dot_v1_dot_orchestrator__pb2.ListReplicasRequest.SerializeToString,
+            tandem_dot_v1_dot_orchestrator__pb2.ListReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

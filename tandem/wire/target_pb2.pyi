@@ -56,12 +56,14 @@ class PrefillRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("request_id", "next_token")
+    __slots__ = ("request_id", "next_token", "streaming")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     next_token: int
-    def __init__(self, request_id: _Optional[str] = ..., next_token: _Optional[int] = ...) -> None: ...
+    streaming: bool
+    def __init__(self, request_id: _Optional[str] = ..., next_token: _Optional[int] = ..., streaming: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("results",)
@@ -108,6 +110,36 @@ class ReleaseRequest(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReassignItem(_message.Message):
+    __slots__ = ("request_id", "draft_replica", "round")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    draft_replica: str
+    round: int
+    def __init__(self, request_id: _Optional[str] = ..., draft_replica: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class ReassignRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ReassignItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[ReassignItem, _Mapping]]] = ...) -> None: ...
+
+class ReassignResult(_message.Message):
+    __slots__ = ("request_id", "streaming")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    streaming: bool
+    def __init__(self, request_id: _Optional[str] = ..., streaming: _Optional[bool] = ...) -> None: ...
+
+class ReassignResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ReassignResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ReassignResult, _Mapping]]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

@@ -55,6 +55,11 @@ class TargetStub:
                 request_serializer=tandem_dot_v1_dot_target__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_target__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Reassign = channel.unary_unary(
+                '/tandem.v1.Target/Reassign',
+                request_serializer=tandem_dot_v1_dot_target__pb2.ReassignRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_target__pb2.ReassignResponse.FromString,
+                _registered_method=True)
         self.SubscribeHidden = channel.unary_stream(
                 '/tandem.v1.Target/SubscribeHidden',
                 request_serializer=tandem_dot_v1_dot_target__pb2.SubscribeRequest.SerializeToString,
@@ -98,6 +103,14 @@ class TargetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reassign(self, request, context):
+        """Moves requests to another draft replica (or to none): the target recomputes the aux hidden states of
+        every committed position and publishes them to the new replica, which starts the request from scratch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubscribeHidden(self, request, context):
         """A draft replica subscribes once; the target then streams to it the aux hidden states and committed
         tokens of every request assigned to that replica.
@@ -135,6 +148,11 @@ def add_TargetServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=tandem_dot_v1_dot_target__pb2.ReleaseRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_target__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Reassign': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reassign,
+                    request_deserializer=tandem_dot_v1_dot_target__pb2.ReassignRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_target__pb2.ReassignResponse.SerializeToString,
             ),
             'SubscribeHidden': grpc.unary_stream_rpc_method_handler(
                     servicer.SubscribeHidden,
@@ -256,6 +274,33 @@ class Target:
             '/tandem.v1.Target/Release',
             tandem_dot_v1_dot_target__pb2.ReleaseRequest.SerializeToString,
             tandem_dot_v1_dot_target__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reassign(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Target/Reassign',
+            tandem_dot_v1_dot_target__pb2.ReassignRequest.SerializeToString,
+            tandem_dot_v1_dot_target__pb2.ReassignResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,98 @@
+"""Draft replicas fail and join without costing a request; greedy outputs stay equal to target-only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from tandem.grpc_util import channel_options
+from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
+from tests.integration.stack import draft_info, generate, serve, service_addresses, tandem_command
+
+PROMPTS = [f"def function_{index}(value):\n    return" for index in range(16)]
+
+
+def replica_pid(replica_id: str) -> int:
+    """The pid of the `tandem draft --replica-id REPLICA_ID` process (read from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            arguments = (entry / "cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, PermissionError, NotADirectoryError, ProcessLookupError):
+            continue
+        flag = arguments.index(b"--replica-id") if b"--replica-id" in arguments else -1
+        if b"draft" in arguments and flag >= 0 and arguments[flag + 1] == replica_id.encode():
+            pids.append(int(entry.name))
+    assert len(pids) == 1, f"expected one process for {replica_id}, found {pids}"
+    return pids[0]
+
+
+def admin(address: str) -> orchestrator_pb2_grpc.OrchestratorAdminStub:
+    return orchestrator_pb2_grpc.OrchestratorAdminStub(grpc.insecure_channel(address, options=channel_options()))
+
+
+def greedy(address: str, prompt: str, max_new_tokens: int, disable_speculation: bool = False) -> list[int]:
+    completion = generate(
+        address, prompt=prompt, max_new_tokens=max_new_tokens, ignore_eos=True, disable_speculation=disable_speculation
+    )
+    assert completion.finish_reason == "length"
+    return completion.token_ids
+
+
+def test_sigkilled_replica_costs_no_request(llama_target: Path, random_draft: Path) -> None:
+    with serve(llama_target, random_draft, "--draft-replicas", "2", "--speculative-num-steps", "3") as stack:
+        replicas = admin(stack.address).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
+        assert sorted(r.replica_id for r in replicas) == ["draft-0", "draft-1"]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [pool.submit(greedy, stack.address, prompt, 120) for prompt in PROMPTS]
+            time.sleep(1.0)  # the streams are running
+            os.kill(replica_pid("draft-1"), signal.SIGKILL)
+            speculative = [future.result(timeout=300) for future in futures]
+        replicas = admin(stack.address).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
+        assert [r.replica_id for r in replicas] == ["draft-0"]
+        target_only = [greedy(stack.address, prompt, 120, disable_speculation=True) for prompt in PROMPTS]
+    assert speculative == target_only
+
+
+def test_last_replica_lost_then_a_new_one_joins(tmp_path: Path, llama_target: Path, random_draft: Path) -> None:
+    with serve(llama_target, random_draft, "--speculative-num-steps", "3") as stack:
+        target_address = service_addresses(stack.log)["target"]
+        ready_file = tmp_path / "new-draft.address"
+        arguments = ["draft", "--model", str(random_draft), "--target-address", target_address]
+        arguments += ["--replica-id", "draft-new", "--port", "0", "--ready-file", str(ready_file)]
+        newcomer = subprocess.Popen(tandem_command(*arguments))
+        try:
+            deadline = time.monotonic() + 120
+            while not ready_file.exists():
+                assert newcomer.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+            new_address = ready_file.read_text()
+            with ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(greedy, stack.address, prompt, 400) for prompt in PROMPTS[:4]]
+                time.sleep(1.0)
+                os.kill(replica_pid("draft-0"), signal.SIGKILL)
+                time.sleep(0.5)  # the running requests go on target-only
+                status = admin(stack.address).AddReplica(orchestrator_pb2.AddReplicaRequest(address=new_address))
+                assert (status.replica_id, status.state) == ("draft-new", "serving")
+                # The running requests switch back to speculation on the newcomer.
+                deadline = time.monotonic() + 60
+                while draft_info(new_address).running_requests == 0 and not all(f.done() for f in futures):
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                switched_back = draft_info(new_address).running_requests
+                speculative = [future.result(timeout=300) for future in futures]
+            assert switched_back > 0
+            target_only = [greedy(stack.address, prompt, 400, disable_speculation=True) for prompt in PROMPTS[:4]]
+            assert speculative == target_only
+            # New requests use the newcomer too.
+            completion = generate(stack.address, prompt="def x():", max_new_tokens=20, ignore_eos=True)
+            assert completion.stats.draft_tokens > 0
+        finally:
+            newcomer.send_signal(signal.SIGTERM)
+            newcomer.wait(timeout=60)
