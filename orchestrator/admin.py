@@ -29,9 +29,29 @@ def replica_status(replica: Replica, state: str | None = None) -> orchestrator_p
 
 
 class AdminService(orchestrator_pb2_grpc.OrchestratorAdminServicer):
-    def __init__(self, scheduler: Scheduler, connect: Connect) -> None:
+    def __init__(self, scheduler: Scheduler, connect: Connect, scaler: orchestrator_pb2_grpc.ScalerStub | None) -> None:
         self.scheduler = scheduler
         self.connect = connect
+        self.scaler = scaler
+
+    async def Scale(
+        self, request: orchestrator_pb2.ScaleRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.ListReplicasResponse:
+        if request.draft_replicas < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"draft_replicas: {request.draft_replicas} < 0")
+        if self.scaler is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "no scaler: this orchestrator was not started by `tandem serve`; scale the draft replicas with your "
+                "deployment and use AddReplica / RemoveReplica",
+            )
+            raise AssertionError("unreachable")
+        try:
+            # The scaler calls AddReplica / RemoveReplica back on this service as replicas come and go.
+            await self.scaler.Scale(request)
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), f"scaler: {error.details()}")
+        return await self.ListReplicas(orchestrator_pb2.ListReplicasRequest(), context)
 
     async def AddReplica(
         self, request: orchestrator_pb2.AddReplicaRequest, context: grpc.aio.ServicerContext

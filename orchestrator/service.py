@@ -112,4 +112,9 @@ async def start_orchestrator(
         default_max_new_tokens=settings.default_max_new_tokens,
     )
     loop_task = asyncio.create_task(scheduler.run())
-    return OrchestratorService(scheduler, limits), AdminService(scheduler, connect_replica), loop_task
+    scaler = None
+    if settings.scaler_address:
+        scaler_channel = grpc.aio.insecure_channel(settings.scaler_address, options=channel_options())
+        scaler = orchestrator_pb2_grpc.ScalerStub(scaler_channel)
+    admin = AdminService(scheduler, connect_replica, scaler)
+    return OrchestratorService(scheduler, limits), admin, loop_task

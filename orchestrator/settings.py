@@ -21,3 +21,4 @@ class OrchestratorSettings:
     tokenizer_dir: Path
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     default_max_new_tokens: int = 128
+    scaler_address: str | None = None  # what starts and stops draft replicas (the `tandem serve` launcher)

@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     orchestrator_parser.add_argument(
         "--default-max-new-tokens", type=int, default=OrchestratorSettings.default_max_new_tokens
     )
+    orchestrator_parser.add_argument("--scaler-address", help="the launcher that starts and stops draft replicas")
     _add_listen(orchestrator_parser, default_port=ServeSettings.port)
 
     bench_parser = commands.add_parser("bench", help="benchmark speculative vs target-only vs colocated")
@@ -106,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--speculative-num-steps", type=int, default=BenchSettings.num_steps)
     bench_parser.add_argument("--no-colocated", action="store_true", help="skip the one-process baseline")
     bench_parser.add_argument("--out", type=Path, default=BenchSettings.out_dir)
+
+    scale_parser = commands.add_parser("scale", help="change the number of draft replicas of a running stack")
+    scale_parser.add_argument("--draft-replicas", type=int, required=True)
+    scale_parser.add_argument("--address", default=f"127.0.0.1:{ServeSettings.port}")
 
     generate_parser = commands.add_parser("generate", help="stream a completion from a running Tandem")
     generate_parser.add_argument("prompt")
@@ -168,6 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tandem.client import generate
 
         return generate(args)
+    if args.command == "scale":
+        from tandem.client import scale
+
+        return scale(args.address, args.draft_replicas)
     configure_logging(args.command)
     try:
         run_service(args)
@@ -211,6 +220,7 @@ def run_service(args: argparse.Namespace) -> None:
             tokenizer_dir=args.tokenizer,
             scheduler=SchedulerSettings(num_steps=args.speculative_num_steps, max_batch_size=args.max_batch_size),
             default_max_new_tokens=args.default_max_new_tokens,
+            scaler_address=args.scaler_address,
         )
         asyncio.run(serve_orchestrator(orchestrator, _listen(args)))
 

@@ -11,6 +11,20 @@ from tandem.grpc_util import channel_options
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 
 
+def scale(address: str, draft_replicas: int) -> int:
+    """Asks the orchestrator (and through it the launcher) to run `draft_replicas` replicas."""
+    with grpc.insecure_channel(address, options=channel_options()) as channel:
+        admin = orchestrator_pb2_grpc.OrchestratorAdminStub(channel)
+        try:
+            response = admin.Scale(orchestrator_pb2.ScaleRequest(draft_replicas=draft_replicas), timeout=3600)
+        except grpc.RpcError as error:
+            print(f"tandem scale: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    for replica in response.replicas:
+        print(f"{replica.replica_id}\t{replica.address}\t{replica.state}\t{replica.outstanding} requests")
+    return 0
+
+
 def generate(args: argparse.Namespace) -> int:
     request = orchestrator_pb2.GenerateRequest(
         prompt=args.prompt,

@@ -7,6 +7,7 @@ target) on SIGINT or SIGTERM. A child that exits during start-up stops everythin
 
 from __future__ import annotations
 
+import itertools
 import re
 import signal
 import subprocess
@@ -15,9 +16,15 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+
+import grpc
+
+from tandem.grpc_util import channel_options
+from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 
 STARTUP_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 15.0
@@ -54,14 +61,20 @@ class Launcher:
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
         self._workdir = tempfile.TemporaryDirectory(prefix="tandem-serve-")
         self._stopping = False
+        self._replica_ids = itertools.count()
+        self._scale_lock = threading.Lock()
+        self._target_address = ""
+        self._orchestrator_address = ""
+        self._scaler: grpc.Server | None = None
 
     def start(self) -> str:
         """Starts target, draft and orchestrator in order; returns the public address."""
         s = self.settings
         target = self._spawn("target", ["target", "--model", str(s.target_dir), "--dtype", s.dtype])
         target_address = self._wait_ready("target", target)
+        self._target_address = target_address
         draft_addresses = []
-        replicas = [f"draft-{index}" for index in range(s.draft_replicas)] if s.draft_dir is not None else []
+        replicas = [f"draft-{next(self._replica_ids)}" for _ in range(s.draft_replicas)] if s.draft_dir else []
         ready_files = {
             replica: self._spawn(replica, self.draft_arguments(replica, target_address)) for replica in replicas
         }
@@ -71,8 +84,38 @@ class Launcher:
         for address in draft_addresses:
             arguments += ["--draft-address", address]
         arguments += ["--speculative-num-steps", str(s.num_steps), "--max-batch-size", str(s.max_batch_size)]
+        if s.draft_dir is not None:
+            arguments += ["--scaler-address", self._start_scaler()]
         orchestrator = self._spawn("orchestrator", arguments, host=s.host, port=s.port)
-        return self._wait_ready("orchestrator", orchestrator)
+        self._orchestrator_address = self._wait_ready("orchestrator", orchestrator)
+        return self._orchestrator_address
+
+    def _start_scaler(self) -> str:
+        """A Scaler service in this process: the orchestrator forwards OrchestratorAdmin.Scale to it."""
+        self._scaler = grpc.server(ThreadPoolExecutor(max_workers=2), options=channel_options())
+        orchestrator_pb2_grpc.add_ScalerServicer_to_server(LauncherScaler(self), self._scaler)
+        port = self._scaler.add_insecure_port("127.0.0.1:0")
+        self._scaler.start()
+        return f"127.0.0.1:{port}"
+
+    def scale(self, count: int) -> None:
+        """Starts or stops draft replicas until `count` run; new ones join the orchestrator, removed ones drain."""
+        with self._scale_lock:
+            running = [(name, p) for name, p in list(self.children) if name.startswith("draft-") and p.poll() is None]
+            host, _, port = self._orchestrator_address.rpartition(":")
+            local = f"127.0.0.1:{port}" if host in ("0.0.0.0", "::", "[::]") else self._orchestrator_address
+            with grpc.insecure_channel(local, options=channel_options()) as channel:
+                admin = orchestrator_pb2_grpc.OrchestratorAdminStub(channel)
+                for _ in range(count - len(running)):
+                    replica = f"draft-{next(self._replica_ids)}"
+                    ready_file = self._spawn(replica, self.draft_arguments(replica, self._target_address))
+                    address = self._wait_ready(replica, ready_file)
+                    admin.AddReplica(orchestrator_pb2.AddReplicaRequest(address=address))
+                for name, process in reversed(running[count:]):
+                    admin.RemoveReplica(orchestrator_pb2.RemoveReplicaRequest(replica_id=name))
+                    self.children.remove((name, process))  # a planned stop, not a death to report
+                    process.send_signal(signal.SIGTERM)
+                    process.wait(timeout=STOP_TIMEOUT_S)
 
     def draft_arguments(self, replica_id: str, target_address: str) -> list[str]:
         s = self.settings
@@ -118,7 +161,7 @@ class Launcher:
         """
         reported: set[str] = set()
         while not self._stopping:
-            for name, process in self.children:
+            for name, process in list(self.children):
                 if process.poll() is None or name in reported:
                     continue
                 reported.add(name)
@@ -135,6 +178,8 @@ class Launcher:
         self._stopping = True
 
     def stop(self) -> None:
+        if self._scaler is not None:
+            self._scaler.stop(grace=None)
         for _, process in reversed(self.children):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -144,6 +189,20 @@ class Launcher:
                     process.kill()
                     process.wait()
         self._workdir.cleanup()
+
+
+class LauncherScaler(orchestrator_pb2_grpc.ScalerServicer):
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+
+    def Scale(
+        self, request: orchestrator_pb2.ScaleRequest, context: grpc.ServicerContext
+    ) -> orchestrator_pb2.ScaleResponse:
+        try:
+            self.launcher.scale(request.draft_replicas)
+        except (ChildFailed, TimeoutError, grpc.RpcError) as error:
+            context.abort(grpc.StatusCode.INTERNAL, f"scaling to {request.draft_replicas} replicas failed: {error}")
+        return orchestrator_pb2.ScaleResponse()
 
 
 def serve(settings: ServeSettings) -> int:

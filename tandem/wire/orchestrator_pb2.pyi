@@ -6,6 +6,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ScaleRequest(_message.Message):
+    __slots__ = ("draft_replicas",)
+    DRAFT_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    draft_replicas: int
+    def __init__(self, draft_replicas: _Optional[int] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class AddReplicaRequest(_message.Message):
     __slots__ = ("address",)
     ADDRESS_FIELD_NUMBER: _ClassVar[int]

@@ -126,6 +126,11 @@ class OrchestratorAdminStub:
                 request_serializer=tandem_dot_v1_dot_orchestrator__pb2.ListReplicasRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_orchestrator__pb2.ListReplicasResponse.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/tandem.v1.OrchestratorAdmin/Scale',
+                request_serializer=tandem_dot_v1_dot_orchestrator__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_orchestrator__pb2.ListReplicasResponse.FromString,
+                _registered_method=True)
 
 
 class OrchestratorAdminServicer:
@@ -152,6 +157,14 @@ class OrchestratorAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Starts or stops draft replicas until draft_replicas serve; needs a scaler (the launcher that owns the
+        processes, e.g. `tandem serve`). New replicas join when ready; removed ones drain first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrchestratorAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +181,11 @@ def add_OrchestratorAdminServicer_to_server(servicer, server):
             'ListReplicas': grpc.unary_unary_rpc_method_handler(
                     servicer.ListReplicas,
                     request_deserializer=tandem_dot_v1_dot_orchestrator__pb2.ListReplicasRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_orchestrator__pb2.ListReplicasResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=tandem_dot_v1_dot_orchestrator__pb2.ScaleRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_orchestrator__pb2.ListReplicasResponse.SerializeToString,
             ),
     }
@@ -253,6 +271,108 @@ class OrchestratorAdmin:
             '/tandem.v1.OrchestratorAdmin/ListReplicas',
             tandem_dot_v1_dot_orchestrator__pb2.ListReplicasRequest.SerializeToString,
             tandem_dot_v1_dot_orchestrator__pb2.ListReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.OrchestratorAdmin/Scale',
+            tandem_dot_v1_dot_orchestrator__pb2.ScaleRequest.SerializeToString,
+            tandem_dot_v1_dot_orchestrator__pb2.ListReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ScalerStub:
+    """Implemented by whatever owns the draft replica processes (the `tandem serve` launcher).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Scale = channel.unary_unary(
+                '/tandem.v1.Scaler/Scale',
+                request_serializer=tandem_dot_v1_dot_orchestrator__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_orchestrator__pb2.ScaleResponse.FromString,
+                _registered_method=True)
+
+
+class ScalerServicer:
+    """Implemented by whatever owns the draft replica processes (the `tandem serve` launcher).
+    """
+
+    def Scale(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ScalerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=tandem_dot_v1_dot_orchestrator__pb2.ScaleRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_orchestrator__pb2.ScaleResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tandem.v1.Scaler', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tandem.v1.Scaler', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Scaler:
+    """Implemented by whatever owns the draft replica processes (the `tandem serve` launcher).
+    """
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Scaler/Scale',
+            tandem_dot_v1_dot_orchestrator__pb2.ScaleRequest.SerializeToString,
+            tandem_dot_v1_dot_orchestrator__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

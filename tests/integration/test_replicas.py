@@ -96,3 +96,36 @@ def test_last_replica_lost_then_a_new_one_joins(tmp_path: Path, llama_target: Pa
         finally:
             newcomer.send_signal(signal.SIGTERM)
             newcomer.wait(timeout=60)
+
+
+def test_scale_1_to_3_to_1_under_16_streams(llama_target: Path, random_draft: Path) -> None:
+    first_wave, second_wave = PROMPTS[:8], PROMPTS[8:]
+    with serve(llama_target, random_draft, "--speculative-num-steps", "3") as stack:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [pool.submit(greedy, stack.address, prompt, 300) for prompt in first_wave]
+            up = subprocess.run(
+                tandem_command("scale", "--draft-replicas", "3", "--address", stack.address),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert up.returncode == 0, up.stderr
+            assert sorted(line.split("\t")[0] for line in up.stdout.splitlines()) == ["draft-0", "draft-1", "draft-2"]
+            # New requests go to the least loaded replicas: the new ones.
+            futures += [pool.submit(greedy, stack.address, prompt, 300) for prompt in second_wave]
+            deadline = time.monotonic() + 60
+            while True:
+                replicas = admin(stack.address).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
+                new_load = sum(r.outstanding for r in replicas if r.replica_id != "draft-0")
+                if new_load > 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert new_load > 0
+            # The same through the admin RPC: back to one replica; the others drain their requests first.
+            admin(stack.address).Scale(orchestrator_pb2.ScaleRequest(draft_replicas=1), timeout=300)
+            speculative = [future.result(timeout=300) for future in futures]
+        replicas = admin(stack.address).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
+        assert [r.replica_id for r in replicas] == ["draft-0"]
+        target_only = [greedy(stack.address, prompt, 300, disable_speculation=True) for prompt in PROMPTS]
+        assert not any("exited with code" in line for line in stack.log)
+    assert speculative == target_only
