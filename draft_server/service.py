@@ -24,6 +24,7 @@ from draft_server.settings import DraftSettings
 from tandem.grpc_util import channel_options, wait_for_ready
 from tandem.models.aux_layers import CaptureSpec, resolve_capture
 from tandem.models.eagle3 import Eagle3Draft, load_eagle3
+from tandem.models.registry import target_architecture
 from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire.codec import WeightAssembler, tensor_from_proto
 
@@ -156,7 +157,11 @@ def prepare_draft(settings: DraftSettings, info: target_pb2.TargetInfo) -> tuple
     model, has_embedding = load_eagle3(settings.model_dir, dtype=getattr(torch, settings.dtype))
     check_compatibility(model.config, info, has_embedding)
     capture = resolve_capture(
-        model.config.aux_layer_ids, info.num_layers, model.config.num_aux, settings.aux_layer_convention
+        model.config.aux_layer_ids,
+        info.num_layers,
+        model.config.num_aux,
+        settings.aux_layer_convention,
+        default_indices=target_architecture(info.architecture).default_capture_indices,
     )
     return model, capture, has_embedding
 

@@ -13,7 +13,7 @@ With no ids at all the default input set (2, L // 2, L - 3) is used and a loud w
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,11 +45,13 @@ def resolve_capture(
     num_layers: int,
     num_aux: int,
     convention: Convention = "auto",
+    default_indices: Callable[[int], tuple[int, ...]] = default_capture_indices,
 ) -> CaptureSpec:
+    """`default_indices` is the target family's default set (registry), used when the draft names no layers."""
     if convention not in CONVENTIONS:
         raise AuxLayerError(f"aux layer convention: {convention!r} is not one of {', '.join(CONVENTIONS)}")
     if not layer_ids:
-        indices = default_capture_indices(num_layers)
+        indices = default_indices(num_layers)
         if num_aux != len(indices):
             raise AuxLayerError(
                 f"eagle_aux_hidden_state_layer_ids: missing, and the default set has {len(indices)} layers "
@@ -57,8 +59,8 @@ def resolve_capture(
             )
         LOG.warning(
             "!!! draft config gives no eagle_aux_hidden_state_layer_ids: capturing the DEFAULT target "
-            "layers %s (inputs of layers 2, L/2, L-3 with L=%d). If the head was trained on other layers, "
-            "acceptance will be poor with no other error.",
+            "layer inputs %s of the target family's default set (L=%d). If the head was trained on other "
+            "layers, acceptance will be poor with no other error.",
             list(indices),
             num_layers,
         )

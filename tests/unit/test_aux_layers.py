@@ -100,3 +100,13 @@ def test_count_mismatch_refused() -> None:
 def test_unknown_convention_refused() -> None:
     with pytest.raises(AuxLayerError, match="'outputs' is not one of auto, output, input"):
         resolve_capture([1, 5, 9], num_layers=16, num_aux=3, convention="outputs")  # type: ignore[arg-type]
+
+
+def test_default_set_comes_from_the_target_family(caplog: pytest.LogCaptureFixture) -> None:
+    from tandem.models.registry import target_architecture
+
+    gemma_default = target_architecture("Gemma3ForCausalLM").default_capture_indices
+    with caplog.at_level(logging.WARNING):
+        spec = resolve_capture(None, num_layers=26, num_aux=3, default_indices=gemma_default)
+    assert spec.indices == (2, 13, 24)
+    assert "[2, 13, 24]" in caplog.text and "DEFAULT" in caplog.text
