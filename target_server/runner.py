@@ -74,14 +74,16 @@ class TargetRunner:
         parameter = next(model.parameters())
         self.model = model
         self.max_context = max_context
+        layout = config.cache_layout
         self.cache = PagedKVCache(
             config.num_layers,
             cache.num_blocks,
             cache.block_size,
-            config.num_kv_heads,
-            config.head_dim,
+            layout.num_kv_heads,
+            layout.key_dim,
             parameter.dtype,
             parameter.device,
+            value_dim=layout.value_dim,
         )
         self.requests: dict[str, TargetRequest] = {}
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.errors import StartupError
+from tandem.layers.kv_cache import CacheLayout
 
 
 class ConfigError(StartupError):
@@ -111,6 +112,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        return CacheLayout(self.num_kv_heads, self.head_dim, self.head_dim)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], traits: FamilyTraits | None = None) -> ModelConfig:

@@ -85,17 +85,6 @@ class DeepseekV3Config:
     def cache_layout(self) -> CacheLayout:
         return self.attention.cache_layout
 
-    # The cache row in the terms of the registry's TargetConfig, which the target runner builds its PagedKVCache
-    # from: one KV "head" as wide as the cached row. A cache built from these alone also allocates value rows of that
-    # width, which MLA never touches; building it from cache_layout (value_dim 0) avoids that.
-    @property
-    def num_kv_heads(self) -> int:
-        return self.cache_layout.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.cache_layout.key_dim
-
     def is_moe_layer(self, layer_index: int) -> bool:
         """DeepSeek's rule: dense below first_k_dense_replace, then MoE on every moe_layer_freq-th layer."""
         return layer_index >= self.first_k_dense_replace and layer_index % self.moe_layer_freq == 0

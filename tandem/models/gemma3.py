@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tandem.layers.attention import Attention
-from tandem.layers.kv_cache import AttentionMetadata, PagedKVCache
+from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache
 from tandem.layers.mlp import ACTIVATIONS, GatedMLP
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
@@ -70,6 +70,10 @@ class Gemma3Config:
     global_rope: RopeConfig
     local_rope: RopeConfig
     final_logit_softcapping: float | None
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        return CacheLayout(self.num_kv_heads, self.head_dim, self.head_dim)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> Gemma3Config:

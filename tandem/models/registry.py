@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from tandem.layers.kv_cache import AttentionMetadata, PagedKVCache
+from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache
 from tandem.models import aux_layers, gemma3
 from tandem.models.config import TARGET_FAMILIES, ConfigError, ModelConfig, read_hf_config
 from tandem.models.deepseek_v3 import CHECKPOINT_NAMES as DEEPSEEK_V3_NAMES
@@ -44,9 +44,7 @@ class TargetConfig(Protocol):
     @property
     def vocab_size(self) -> int: ...
     @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
+    def cache_layout(self) -> CacheLayout: ...  # what one token leaves in one layer of the KV cache
     @property
     def max_position_embeddings(self) -> int: ...
     @property
