@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ async def run_server(
     on_stop: Callable[[], Awaitable[None]] | None = None,
     background: Sequence[asyncio.Task[None]] = (),
 ) -> None:
-    """Serves until SIGINT or SIGTERM, then reports NOT_SERVING, runs on_stop and stops the server.
+    """Serves until SIGINT, SIGTERM or cancellation, then reports NOT_SERVING, runs on_stop and stops the server.
 
     `background` tasks are essential to the service (a scheduler loop, a hidden-state stream): when one
     ends, the process stops instead of serving in a broken state.
@@ -50,8 +51,11 @@ async def run_server(
     LOG.info("%s serving on %s", name, address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    # Signals reach only the main thread. A server run on a loop in another thread (a Ray actor's) is
+    # stopped by cancelling its task, which ends in the same graceful shutdown below.
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
     failed: list[str] = []
 
     def on_background_done(task: asyncio.Task[None]) -> None:
@@ -62,7 +66,11 @@ async def run_server(
 
     for task in background:
         task.add_done_callback(on_background_done)
-    await stop.wait()
+    cancelled = False
+    try:
+        await stop.wait()
+    except asyncio.CancelledError:
+        cancelled = True
     for reason in failed:
         LOG.error("%s: %s, stopping", name, reason)
     LOG.info("%s stopping", name)
@@ -74,6 +82,8 @@ async def run_server(
         task.cancel()
     if failed:
         raise SystemExit(1)
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def configure_logging(name: str, level: str = "INFO") -> None:

@@ -1,0 +1,353 @@
+"""`tandem serve --launcher ray`: the three services as Ray actors, on a local cluster or a joined one.
+
+Each actor runs the coroutine that `tandem target|draft|orchestrator` runs, on an event loop in a thread
+of the actor, and reports the address it bound through an actor method. Ray only places, starts, watches
+and stops the services: per-round traffic stays on their gRPC calls and streams. Actors are never
+restarted (max_restarts=0). As with the process launcher, a target or orchestrator that dies (or stops
+on its own) is reported and `tandem serve` exits non-zero; a draft replica that dies is reported and
+serving goes on without it (the orchestrator moves its requests to the other replicas or target-only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, cast
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from draft_server.settings import DraftSettings
+from orchestrator.settings import OrchestratorSettings, SchedulerSettings
+from tandem.errors import StartupError
+from tandem.launcher import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, ServeSettings
+from tandem.models.aux_layers import Convention
+from tandem.serving import ListenSettings, configure_logging
+from target_server.settings import TargetSettings
+
+LOG = logging.getLogger(__name__)
+
+ServiceSettings = TargetSettings | DraftSettings | OrchestratorSettings
+
+# Ray's resource counts place actors; they do not limit them. One bundle per target rank, so a TP group
+# lands on one node. A draft replica (one decoder layer) asks for half a CPU, so that a two-CPU machine
+# holds the target and two replicas; the orchestrator (I/O and bookkeeping) asks for none.
+TARGET_RANKS = 1  # tensor parallelism (issue 3) adds ranks; each gets its own bundle
+DRAFT_CPUS = 0.5
+POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class ServiceExit:
+    """How a service ended: `code` is what its own process would have exited with."""
+
+    code: int
+    reason: str
+
+
+class ServiceFailed(RuntimeError):
+    def __init__(self, name: str, ended: ServiceExit) -> None:
+        super().__init__(f"{name} {ended.reason}")
+        self.code = ended.code or 1
+
+
+async def run_service(settings: ServiceSettings, listen: ListenSettings) -> None:
+    """The service coroutine its `tandem` subcommand runs (imported here: they load torch)."""
+    if isinstance(settings, TargetSettings):
+        from target_server.main import serve_target
+
+        await serve_target(settings, listen)
+    elif isinstance(settings, DraftSettings):
+        from draft_server.main import serve_draft
+
+        await serve_draft(settings, listen)
+    else:
+        from orchestrator.main import serve_orchestrator
+
+        await serve_orchestrator(settings, listen)
+
+
+class ServiceActor:
+    """One service on an event loop in a thread of this actor; the methods only watch and stop it.
+
+    `host` None binds the address of the actor's node (a joined cluster spans machines).
+    """
+
+    def __init__(self, name: str, settings: ServiceSettings, host: str | None, port: int) -> None:
+        configure_logging(name)
+        self.name = name
+        self._workdir = tempfile.TemporaryDirectory(prefix=f"tandem-{name}-")
+        self._ready_file = Path(self._workdir.name) / "address"
+        listen = ListenSettings(host=host or ray.util.get_node_ip_address(), port=port, ready_file=self._ready_file)
+        self._lock = threading.Lock()
+        self._started = threading.Event()
+        self._ended = threading.Event()
+        self._exit: ServiceExit | None = None  # set under _lock while the loop still runs
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        threading.Thread(target=self._run, args=(settings, listen), name=name, daemon=True).start()
+
+    def __repr__(self) -> str:
+        return self.name  # Ray prefixes the actor's forwarded log lines with this
+
+    def _run(self, settings: ServiceSettings, listen: ListenSettings) -> None:
+        # A nested coroutine, not a method: one `async def` method would make Ray run every method of
+        # this actor on a single event loop, where the blocking wait_until_stopped() would starve the rest.
+        async def serve() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._task = asyncio.current_task()
+            self._started.set()
+            try:
+                await run_service(settings, listen)
+                outcome = ServiceExit(0, "stopped")
+            except asyncio.CancelledError:
+                outcome = ServiceExit(0, "stopped")
+            except StartupError as error:
+                outcome = ServiceExit(2, f"cannot start: {error}")  # 2: what `tandem <service>` exits with
+            except SystemExit as error:  # run_server: an essential background task ended
+                outcome = ServiceExit(error.code if isinstance(error.code, int) else 1, "stopped on its own")
+            except Exception as error:
+                LOG.exception("%s failed", self.name)
+                outcome = ServiceExit(1, f"failed: {error!r}")
+            with self._lock:
+                self._exit = outcome
+
+        try:
+            asyncio.run(serve())
+        finally:
+            self._workdir.cleanup()
+            self._ended.set()
+
+    def address(self) -> str | None:
+        """Blocks until the service serves and returns its host:port; None if it ended first."""
+        while not self._ready_file.exists():
+            if self._ended.wait(timeout=0.05):
+                return None
+        return self._ready_file.read_text().strip()
+
+    def process(self) -> str:
+        """Where this actor runs, for the launcher's log."""
+        return f"pid {os.getpid()} on node {ray.util.get_node_ip_address()}"
+
+    def wait_until_stopped(self) -> ServiceExit:
+        """Blocks for as long as the service runs; the launcher watches this call to notice an end."""
+        self._ended.wait()
+        assert self._exit is not None
+        return self._exit
+
+    def stop(self) -> ServiceExit:
+        """Stops the service as SIGTERM stops its process (cancellation, then the graceful shutdown)."""
+        self._started.wait()
+        with self._lock:
+            if self._exit is None:
+                assert self._loop is not None and self._task is not None
+                self._loop.call_soon_threadsafe(self._task.cancel)
+        return self.wait_until_stopped()
+
+
+@dataclass(frozen=True)
+class RunningService:
+    name: str
+    actor: Any  # ray.actor.ActorHandle of a ServiceActor (Ray's handles are untyped)
+    stopped: ray.ObjectRef[ServiceExit]  # its pending wait_until_stopped()
+    essential: bool  # its end stops `tandem serve` (target, orchestrator; not a draft replica)
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (the cgroup/affinity limit, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class RayLauncher:
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.services: list[RunningService] = []
+        self._actor_class = ray.remote(ServiceActor)
+        self._placement: PlacementGroup | None = None
+        self._stopping = False
+
+    def connect(self) -> None:
+        address = self.settings.ray_address
+        # "local" always starts a new cluster, even when one started with `ray start` runs on this machine.
+        if address is None:
+            ray.init(address="local", num_cpus=available_cpus(), include_dashboard=False, log_to_driver=True)
+        else:
+            ray.init(address=address, log_to_driver=True)
+
+    def start(self) -> str:
+        """Places and starts target, drafts and orchestrator in order; returns the public address."""
+        s = self.settings
+        # A local cluster is this machine: services stay on loopback, as with the process launcher.
+        internal_host = "127.0.0.1" if s.ray_address is None else None
+        target_settings = TargetSettings(model_dir=s.target_dir, dtype=s.dtype)
+        target = self._start("target", target_settings, internal_host, 0, self._place_target(TARGET_RANKS))
+        target_address = self._wait_ready(target)
+        replicas = [f"draft-{index}" for index in range(s.draft_replicas)] if s.draft_dir is not None else []
+        draft_options = {"num_cpus": DRAFT_CPUS}
+        drafts = [
+            self._start(replica, self.draft_settings(replica, target_address), internal_host, 0, draft_options)
+            for replica in replicas
+        ]
+        draft_addresses = [self._wait_ready(draft) for draft in drafts]
+        orchestrator_settings = OrchestratorSettings(
+            target_address=target_address,
+            draft_addresses=tuple(draft_addresses),
+            tokenizer_dir=s.target_dir,
+            scheduler=SchedulerSettings(num_steps=s.num_steps, max_batch_size=s.max_batch_size),
+        )
+        # --host/--port name an address of the machine running `tandem serve`, so the orchestrator runs here.
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        orchestrator_options = {"num_cpus": 0, "scheduling_strategy": here}
+        orchestrator = self._start("orchestrator", orchestrator_settings, s.host, s.port, orchestrator_options)
+        return self._wait_ready(orchestrator)
+
+    def draft_settings(self, replica_id: str, target_address: str) -> DraftSettings:
+        s = self.settings
+        assert s.draft_dir is not None
+        return DraftSettings(
+            model_dir=s.draft_dir,
+            target_address=target_address,
+            replica_id=replica_id,
+            num_steps=s.num_steps,
+            aux_layer_convention=cast(Convention, s.aux_layer_convention),  # the CLI offers only CONVENTIONS
+            dtype=s.dtype,
+        )
+
+    def _place_target(self, num_ranks: int) -> dict[str, object]:
+        """Reserves one bundle per target rank on one node; returns rank 0's actor options."""
+        use_gpus = ray.cluster_resources().get("GPU", 0) >= 1
+        bundle = {"GPU": 1.0} if use_gpus else {"CPU": 1.0}
+        self._placement = placement_group([bundle] * num_ranks, strategy="STRICT_PACK")
+        self._wait_for(self._placement.ready(), f"room for the target's {num_ranks} x {bundle} placement group")
+        return {
+            "num_cpus": bundle.get("CPU", 0),
+            "num_gpus": bundle.get("GPU", 0),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._placement, placement_group_bundle_index=0),
+        }
+
+    def _start(
+        self, name: str, settings: ServiceSettings, host: str | None, port: int, options: Mapping[str, object]
+    ) -> RunningService:
+        # max_concurrency: wait_until_stopped() blocks for the actor's lifetime beside address() and stop().
+        actor: Any = self._actor_class.options(max_restarts=0, max_concurrency=4, **options).remote(
+            name, settings, host, port
+        )
+        essential = not isinstance(settings, DraftSettings)
+        service = RunningService(name, actor, actor.wait_until_stopped.remote(), essential)
+        self.services.append(service)
+        return service
+
+    def _wait_for(self, ref: ray.ObjectRef[Any], what: str) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self._stopping:
+            done, _ = ray.wait([ref], timeout=POLL_S)
+            if done:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} within {STARTUP_TIMEOUT_S:.0f} s")
+        raise Interrupted(f"stopped while waiting for {what}")
+
+    def _wait_ready(self, service: RunningService) -> str:
+        ref = service.actor.address.remote()
+        self._wait_for(ref, f"address from {service.name}")
+        try:
+            address: str | None = ray.get(ref)
+            process: str = ray.get(service.actor.process.remote())
+        except RayActorError:
+            address = None
+        if address is None:
+            raise ServiceFailed(service.name, service_exit(service))
+        # The actor logs this too, but Ray forwards actor logs late; this line is in order with the rest.
+        report(f"{service.name} serving on {address} (Ray actor, {process})")
+        return address
+
+    def wait(self) -> int:
+        """Blocks until a signal arrives or the target or orchestrator ends; returns the launcher's exit code."""
+        watched = {service.stopped: service for service in self.services}
+        while not self._stopping:
+            done, _ = ray.wait(list(watched), num_returns=1, timeout=POLL_S)
+            if not done:
+                continue
+            service = watched.pop(done[0])
+            ending = service_exit(service)
+            if not service.essential:
+                report(f"{service.name} {ending.reason}; not restarting it, serving goes on without it")
+                continue
+            report(f"{service.name} {ending.reason}; not restarting it")
+            return ending.code or 1
+        return 0
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        self._stopping = True
+
+    def stop(self) -> None:
+        """Stops orchestrator, drafts, target (reverse start order), then leaves or ends the cluster."""
+        for service in reversed(self.services):
+            try:
+                ending: ServiceExit = ray.get(service.actor.stop.remote(), timeout=STOP_TIMEOUT_S)
+            except RayActorError as error:
+                ending = actor_died(error)
+            except GetTimeoutError:
+                ending = ServiceExit(1, f"did not stop within {STOP_TIMEOUT_S:.0f} s, killed")
+            report(f"{service.name} {ending.reason}")
+            ray.kill(service.actor)
+        if self._placement is not None:
+            remove_placement_group(self._placement)
+        # Ends a cluster that connect() started; only disconnects from a joined one.
+        ray.shutdown()
+
+
+def report(message: str) -> None:
+    # One write per line: Ray's log thread prints forwarded actor lines to the same stream meanwhile.
+    sys.stderr.write(f"tandem serve: {message}\n")
+    sys.stderr.flush()
+
+
+def service_exit(service: RunningService) -> ServiceExit:
+    """How a service that is no longer running ended, including by its actor's death."""
+    try:
+        ending: ServiceExit = ray.get(service.stopped)
+    except RayActorError as error:
+        return actor_died(error)
+    return ending
+
+
+def actor_died(error: RayActorError) -> ServiceExit:
+    return ServiceExit(1, f"died with its Ray actor ({str(error).splitlines()[0]})")
+
+
+def serve_on_ray(settings: ServeSettings) -> int:
+    launcher = RayLauncher(settings)
+    try:
+        launcher.connect()
+    except ConnectionError as error:
+        report(f"cannot reach the Ray cluster at {settings.ray_address}: {error}")
+        return 1
+    # After ray.init, which installs a SIGTERM handler of its own for the driver.
+    signal.signal(signal.SIGINT, launcher.request_stop)
+    signal.signal(signal.SIGTERM, launcher.request_stop)
+    try:
+        address = launcher.start()
+        mode = "speculative" if settings.draft_dir is not None else "target-only"
+        replicas = f", {settings.draft_replicas} draft replicas" if settings.draft_dir is not None else ""
+        actors = len(launcher.services)
+        print(f"tandem ready: Generate on {address} ({mode}{replicas}, {actors} Ray actors)", flush=True)
+        return launcher.wait()
+    except ServiceFailed as error:
+        return error.code  # stop() below reports each service, this one with why it ended
+    except Interrupted:
+        return 0
+    finally:
+        launcher.stop()

@@ -1,0 +1,132 @@
+"""`tandem serve --launcher ray` on a local Ray cluster of two CPUs.
+
+Same greedy outputs as target-only decoding through the same stack, a clean stop on SIGTERM (orchestrator,
+drafts, target in that order, every actor process gone), and killed actors reported instead of respawned:
+a dead draft replica leaves the stack serving, a dead target stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from tandem.launcher import ServeProcess
+from tests.integration.stack import Completion, generate, serve
+
+RAY = ("--launcher", "ray")
+PROMPTS = ["def fibonacci(n):", "The quick brown fox"]
+MAX_NEW_TOKENS = 16
+GONE_TIMEOUT_S = 20.0
+
+# Not anchored at the line start: the launcher's line can land after half of a forwarded actor line.
+SERVING = re.compile(r"tandem serve: (\S+) serving on (\S+) \(Ray actor, pid (\d+) on node ")
+ENDED = re.compile(r"tandem serve: (\S+) (stopped|died .*)$")
+LOG_TIMEOUT_S = 10.0
+
+
+@pytest.fixture(autouse=True)
+def two_cpus() -> Iterator[None]:
+    """`tandem serve` sizes its local Ray cluster by the CPUs it may run on; two here, on any machine."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(allowed)[:2])
+    yield
+    os.sched_setaffinity(0, allowed)
+
+
+def serving(log: Sequence[str]) -> dict[str, tuple[str, int]]:
+    """Each service's address and actor pid, from the launcher's own lines."""
+    return {m.group(1): (m.group(2), int(m.group(3))) for m in map(SERVING.search, log) if m}
+
+
+def endings(stack: ServeProcess, count: int) -> list[tuple[str, str]]:
+    """The launcher's lines on how services ended, in the order it printed them; waits for `count` of them."""
+    deadline = time.monotonic() + LOG_TIMEOUT_S
+    while len(found := [(m.group(1), m.group(2)) for m in map(ENDED.search, list(stack.log)) if m]) < count:
+        assert time.monotonic() < deadline, "".join(stack.log)
+        time.sleep(0.1)  # the output pump may still be reading what the stopped process wrote
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """False once the process is gone or a zombie (exited, not yet reaped by whoever adopted it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def accepts_connections(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
+def wait_until_gone(pids: Sequence[int], addresses: Sequence[str]) -> None:
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while any(map(is_running, pids)) or any(map(accepts_connections, addresses)):
+        assert time.monotonic() < deadline, "actor processes or their ports outlived tandem serve"
+        time.sleep(0.2)
+
+
+def greedy(address: str, disable_speculation: bool) -> list[Completion]:
+    return [
+        generate(
+            address,
+            prompt=prompt,
+            max_new_tokens=MAX_NEW_TOKENS,
+            ignore_eos=True,
+            disable_speculation=disable_speculation,
+        )
+        for prompt in PROMPTS
+    ]
+
+
+def test_speculative_equals_target_only_and_sigterm_stops_every_actor(llama_target: Path, random_draft: Path) -> None:
+    arguments = (*RAY, "--draft-replicas", "2", "--speculative-num-steps", "3")
+    with serve(llama_target, random_draft, *arguments) as stack:
+        speculative = greedy(stack.address, disable_speculation=False)
+        target_only = greedy(stack.address, disable_speculation=True)
+        assert stack.stop() == 0
+    assert [c.token_ids for c in speculative] == [c.token_ids for c in target_only]
+    assert all(len(c.token_ids) == MAX_NEW_TOKENS for c in speculative)
+    assert all(c.stats.draft_tokens > 0 for c in speculative)  # the draft actors did propose
+    assert any("(speculative, 2 draft replicas, 4 Ray actors)" in line for line in stack.log)
+    services = serving(stack.log)
+    assert list(services) == ["target", "draft-0", "draft-1", "orchestrator"]
+    assert services["orchestrator"][0] == stack.address
+    assert len({pid for _, pid in services.values()}) == 4  # one process per actor
+    # Each stop returns once that service's graceful shutdown has finished, so this is the order they ran in.
+    ended = endings(stack, 4)
+    assert ended == [("orchestrator", "stopped"), ("draft-1", "stopped"), ("draft-0", "stopped"), ("target", "stopped")]
+    wait_until_gone([pid for _, pid in services.values()], [address for address, _ in services.values()])
+
+
+def test_killed_actors_are_reported_not_restarted(llama_target: Path, random_draft: Path) -> None:
+    with serve(llama_target, random_draft, *RAY) as stack:
+        services = serving(stack.log)
+        os.kill(services["draft-0"][1], signal.SIGKILL)
+        name, reason = endings(stack, 1)[0]
+        assert name == "draft-0" and reason.startswith("died with its Ray actor")
+        # A dead replica stops nothing: the orchestrator goes on target-only.
+        completion = generate(stack.address, prompt="def main():", max_new_tokens=8, ignore_eos=True)
+        assert len(completion.token_ids) == 8
+        os.kill(services["target"][1], signal.SIGKILL)
+        assert stack.process.wait(timeout=60) == 1
+    ended = endings(stack, 5)
+    # Each death reported when noticed; then every service, as stop() found it on the way out.
+    assert [name for name, _ in ended] == ["draft-0", "target", "orchestrator", "draft-0", "target"]
+    assert ended[0][1].endswith("; not restarting it, serving goes on without it")
+    assert ended[1][1].startswith("died with its Ray actor") and ended[1][1].endswith("; not restarting it")
+    assert ended[2][1] == "stopped"
+    wait_until_gone([pid for _, pid in services.values()], [address for address, _ in services.values()])
