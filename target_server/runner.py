@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
-from tandem.models.llama import TargetOutput
 from tandem.models.registry import TargetModel
+from tandem.models.stack import TargetOutput
 from tandem.sampling.params import SamplingParams
 from tandem.sampling.verify import make_generator, sample_token, verify
 from tandem.settings import KVCacheSettings

@@ -32,7 +32,7 @@ from tandem.layers.moe import MixtureOfExperts, MoEConfig
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, yarn_softmax_mscale
 from tandem.models.config import ConfigError, RopeConfig, eos_token_ids, require_int
-from tandem.models.llama import TargetOutput
+from tandem.models.stack import TargetOutput, run_layers
 from tandem.weights.loader import PACKED_PARTS, NameMap
 
 # transformers' DeepseekV3Config defaults, for keys that a config.json leaves out. Shapes have no default: they
@@ -226,16 +226,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         cache: PagedKVCache,  # laid out as config.cache_layout
         capture: Sequence[int] = (),  # capture indices in [0, num_layers]; num_layers = final pre-norm stream
     ) -> TargetOutput:
-        wanted = set(capture)
-        captured: dict[int, torch.Tensor] = {}
         hidden = self.model.embed_tokens(input_ids)
-        for index, layer in enumerate(self.model.layers):
-            if index in wanted:
-                captured[index] = hidden
-            hidden = layer(hidden, metadata, cache)
-        if self.config.num_layers in wanted:
-            captured[self.config.num_layers] = hidden
-        return TargetOutput(normed=self.model.norm(hidden), captured=captured)
+        return run_layers(hidden, self.model.layers, self.model.norm, metadata, cache, capture)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return self.lm_head(normed).float()

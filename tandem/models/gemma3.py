@@ -27,7 +27,7 @@ from tandem.layers.mlp import ACTIVATIONS, GatedMLP
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ConfigError, RopeConfig, eos_token_ids, require_int
-from tandem.models.llama import TargetOutput
+from tandem.models.stack import TargetOutput, run_layers
 
 # transformers' Gemma3TextConfig defaults, for keys that a config.json leaves out.
 HF_DEFAULTS: dict[str, Any] = {
@@ -223,20 +223,12 @@ class Gemma3ForCausalLM(nn.Module):
         cache: PagedKVCache,
         capture: Sequence[int] = (),  # capture indices in [0, num_layers]; num_layers = final pre-norm stream
     ) -> TargetOutput:
-        wanted = set(capture)
-        captured: dict[int, torch.Tensor] = {}
         embedded = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         # The scale is rounded to the model dtype before the multiply, as transformers does (sqrt(3072) -> 55.5 in
         # bfloat16), so that bf16 streams match the reference bit for bit.
         scale = torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32, device=embedded.device)
         hidden = embedded * scale.to(embedded.dtype)
-        for index, layer in enumerate(self.model.layers):
-            if index in wanted:
-                captured[index] = hidden
-            hidden = layer(hidden, metadata, cache)
-        if self.config.num_layers in wanted:
-            captured[self.config.num_layers] = hidden
-        return TargetOutput(normed=self.model.norm(hidden), captured=captured)
+        return run_layers(hidden, self.model.layers, self.model.norm, metadata, cache, capture)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         logits = self.lm_head(normed).float()

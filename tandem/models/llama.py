@@ -7,7 +7,6 @@ mapping the loader needs is the packing of q/k/v and gate/up (tandem.weights.nam
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,6 +17,7 @@ from tandem.layers.mlp import GatedMLP
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ModelConfig
+from tandem.models.stack import TargetOutput, run_layers
 
 
 class DecoderLayer(nn.Module):
@@ -61,12 +61,6 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-@dataclass(frozen=True)
-class TargetOutput:
-    normed: torch.Tensor  # [num_tokens, hidden] final-norm output, the LM-head input
-    captured: dict[int, torch.Tensor]  # capture index -> [num_tokens, hidden] residual stream entering that layer
-
-
 class LlamaBackbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -92,16 +86,8 @@ class LlamaForCausalLM(nn.Module):
         cache: PagedKVCache,
         capture: Sequence[int] = (),  # capture indices in [0, num_layers]; num_layers = final pre-norm stream
     ) -> TargetOutput:
-        wanted = set(capture)
-        captured: dict[int, torch.Tensor] = {}
         hidden = self.model.embed_tokens(input_ids)
-        for index, layer in enumerate(self.model.layers):
-            if index in wanted:
-                captured[index] = hidden
-            hidden = layer(hidden, metadata, cache)
-        if self.config.num_layers in wanted:
-            captured[self.config.num_layers] = hidden
-        return TargetOutput(normed=self.model.norm(hidden), captured=captured)
+        return run_layers(hidden, self.model.layers, self.model.norm, metadata, cache, capture)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return self.lm_head(normed).float()

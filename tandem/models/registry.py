@@ -25,7 +25,8 @@ from tandem.models.config import TARGET_FAMILIES, ConfigError, ModelConfig, read
 from tandem.models.deepseek_v3 import CHECKPOINT_NAMES as DEEPSEEK_V3_NAMES
 from tandem.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from tandem.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
-from tandem.models.llama import LlamaForCausalLM, TargetOutput
+from tandem.models.llama import LlamaForCausalLM
+from tandem.models.stack import TargetOutput
 from tandem.weights.loader import NameMap, iter_tensors, load_weights
 
 LOG = logging.getLogger(__name__)
