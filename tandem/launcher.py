@@ -205,15 +205,20 @@ class LauncherScaler(orchestrator_pb2_grpc.ScalerServicer):
         return orchestrator_pb2.ScaleResponse()
 
 
+def ready_line(settings: ServeSettings, address: str, units: str) -> str:
+    """The one line `tandem serve` prints when Generate is servable (tools wait for it: READY_LINE)."""
+    mode = "speculative" if settings.draft_dir is not None else "target-only"
+    replicas = f", {settings.draft_replicas} draft replicas" if settings.draft_dir is not None else ""
+    return f"tandem ready: Generate on {address} ({mode}{replicas}, {units})"
+
+
 def serve(settings: ServeSettings) -> int:
     launcher = Launcher(settings)
     signal.signal(signal.SIGINT, launcher.request_stop)
     signal.signal(signal.SIGTERM, launcher.request_stop)
     try:
         address = launcher.start()
-        mode = "speculative" if settings.draft_dir is not None else "target-only"
-        replicas = f", {settings.draft_replicas} draft replicas" if settings.draft_dir is not None else ""
-        print(f"tandem ready: Generate on {address} ({mode}{replicas}, {len(launcher.children)} processes)", flush=True)
+        print(ready_line(settings, address, f"{len(launcher.children)} processes"), flush=True)
         return launcher.wait()
     except ChildFailed as error:
         print(f"tandem serve: {error}", file=sys.stderr, flush=True)

@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from draft_server.settings import DraftSettings
 from orchestrator.settings import OrchestratorSettings, SchedulerSettings
 from tandem.errors import StartupError
-from tandem.launcher import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, ServeSettings
+from tandem.launcher import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, ServeSettings, ready_line
 from tandem.models.aux_layers import Convention
 from tandem.serving import ListenSettings, configure_logging
 from target_server.settings import TargetSettings
@@ -340,10 +340,7 @@ def serve_on_ray(settings: ServeSettings) -> int:
     signal.signal(signal.SIGTERM, launcher.request_stop)
     try:
         address = launcher.start()
-        mode = "speculative" if settings.draft_dir is not None else "target-only"
-        replicas = f", {settings.draft_replicas} draft replicas" if settings.draft_dir is not None else ""
-        actors = len(launcher.services)
-        print(f"tandem ready: Generate on {address} ({mode}{replicas}, {actors} Ray actors)", flush=True)
+        print(ready_line(settings, address, f"{len(launcher.services)} Ray actors"), flush=True)
         return launcher.wait()
     except ServiceFailed as error:
         return error.code  # stop() below reports each service, this one with why it ended
