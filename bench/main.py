@@ -38,6 +38,7 @@ async def _split(settings: BenchSettings, prompts: list[str]) -> list[RunResult]
                 "--draft", str(settings.draft_dir),
                 "--port", "0",
                 "--speculative-num-steps", str(settings.num_steps),
+                "--draft-replicas", str(settings.draft_replicas),
             ]
         )  # fmt: skip
         address = stack.address

@@ -54,7 +54,8 @@ def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
 def markdown(rows: Sequence[dict[str, Any]], settings: dict[str, Any]) -> str:
     lines = [
         f"Greedy, {settings['num_prompts']} held-out prompts, {settings['max_new_tokens']} new tokens each, "
-        f"k = {settings['num_steps']} draft steps; {settings['machine']}.",
+        f"k = {settings['num_steps']} draft steps, {settings['draft_replicas']} draft replica(s); "
+        f"{settings['machine']}.",
         "",
         "| setup | concurrency | tok/s (speculative) | tok/s (target-only) | speedup | split / colocated "
         "| mean acceptance length | acceptance per position | per round ms: draft / verify / wire / scheduling |",
