@@ -1,0 +1,117 @@
+"""Greedy speculative decoding of the trained pair in one process, with the serving runners and no gRPC.
+
+TargetRunner and DraftRunner are the classes the two servers run; here they are called directly, round by round:
+draft (propose k tokens from the rows the target committed), verify (one target pass over k + 1 tokens), commit.
+The result measures what the pair is made of: acceptance length and the cost of a draft step and a verify pass.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draft_server.runner import DraftRunner, ProposeInput, TargetRows
+from tandem.models.aux_layers import resolve_capture
+from tandem.models.eagle3 import load_eagle3
+from tandem.sampling.params import SamplingParams
+from tandem.settings import KVCacheSettings
+from tandem.training.target import load_llama_target
+from target_server.runner import PrefillInput, TargetRunner
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class AcceptanceReport:
+    num_prompts: int
+    num_steps: int  # k, draft tokens per round
+    mean_acceptance_length: float  # committed tokens per verification round (accepted + 1)
+    acceptance_per_position: tuple[float, ...]  # share of rounds whose draft i (0-based) was accepted
+    draft_round_ms: float  # median time of one propose call: ingest plus k chain steps
+    verify_ms: float  # median time of one target pass over k + 1 tokens
+    target_token_ms: float  # median time of one target pass over 1 token (plain decoding)
+    matches_target_only: bool  # the speculative output equals plain greedy decoding on every prompt
+    projected_speedup: float  # acceptance length * target_token_ms / (draft_round_ms + verify_ms)
+
+
+def measure_acceptance(
+    target_dir: Path,
+    draft_dir: Path,
+    prompts: Sequence[Sequence[int]],
+    num_steps: int = 5,
+    max_new_tokens: int = 128,
+) -> AcceptanceReport:
+    target = load_llama_target(target_dir)
+    draft, has_embedding = load_eagle3(draft_dir)
+    if not has_embedding:
+        draft.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
+    capture = resolve_capture(draft.config.aux_layer_ids, target.config.num_layers, draft.config.num_aux).indices
+    cache = KVCacheSettings(num_blocks=256, block_size=16)
+    target_runner = TargetRunner(target, cache, max_context=target.config.max_position_embeddings)
+    draft_runner = DraftRunner(draft, cache)
+    draft_times: list[float] = []
+    verify_times: list[float] = []
+    plain_times: list[float] = []
+    accepted_counts: list[int] = []
+    all_match = True
+    for index, prompt in enumerate(tqdm(prompts, desc="acceptance", unit="prompt")):
+        request_id = f"prompt-{index}"
+        (result,) = target_runner.prefill([PrefillInput(request_id, list(prompt), GREEDY, capture)])
+        generated = list(result.new_tokens)
+        captured = result.captured
+        while len(generated) < max_new_tokens:
+            assert captured is not None
+            rows = TargetRows(captured.start_position, captured.next_tokens, captured.features)
+            started = time.perf_counter()
+            (proposal,) = draft_runner.propose([ProposeInput(request_id, rows, num_steps)])
+            draft_times.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            (result,) = target_runner.verify([(request_id, proposal)])
+            verify_times.append(time.perf_counter() - started)
+            accepted_counts.append(result.accepted)
+            generated.extend(result.new_tokens)
+            captured = result.captured
+        target_runner.release([request_id])
+        draft_runner.release([request_id])
+        plain = _plain_greedy(target_runner, f"plain-{index}", prompt, len(generated), plain_times)
+        all_match = all_match and plain == generated
+    mean_length = 1.0 + statistics.fmean(accepted_counts)
+    per_position = tuple(
+        sum(1 for count in accepted_counts if count > position) / len(accepted_counts) for position in range(num_steps)
+    )
+    draft_ms = 1000 * statistics.median(draft_times)
+    verify_ms = 1000 * statistics.median(verify_times)
+    token_ms = 1000 * statistics.median(plain_times)
+    return AcceptanceReport(
+        num_prompts=len(prompts),
+        num_steps=num_steps,
+        mean_acceptance_length=mean_length,
+        acceptance_per_position=per_position,
+        draft_round_ms=draft_ms,
+        verify_ms=verify_ms,
+        target_token_ms=token_ms,
+        matches_target_only=all_match,
+        projected_speedup=mean_length * token_ms / (draft_ms + verify_ms),
+    )
+
+
+@torch.inference_mode()
+def _plain_greedy(
+    runner: TargetRunner, request_id: str, prompt: Sequence[int], length: int, times: list[float]
+) -> list[int]:
+    """Target-only greedy decoding of `length` tokens; appends the time of each single-token pass to times."""
+    (result,) = runner.prefill([PrefillInput(request_id, list(prompt), GREEDY, ())])
+    generated = list(result.new_tokens)
+    while len(generated) < length:
+        started = time.perf_counter()
+        (result,) = runner.verify([(request_id, [])])
+        times.append(time.perf_counter() - started)
+        generated.extend(result.new_tokens)
+    runner.release([request_id])
+    return generated

@@ -1,0 +1,297 @@
+"""The demo training pipeline (tandem.training) on tiny shapes.
+
+What is trained must be what is served: the dense training forwards are compared with the paged serving forwards
+and with transformers, the saved files are read back by the serving loaders, and the unrolled draft chain of the
+training-time test is compared, step by step, with the chain DraftRunner runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from draft_server.runner import DraftRunner, ProposeInput, TargetRows
+from tandem.layers.kv_cache import PagedKVCache, SequenceKV
+from tandem.models.aux_layers import resolve_capture
+from tandem.models.eagle3 import load_eagle3
+from tandem.settings import KVCacheSettings
+from tandem.training.data import (
+    END_OF_TEXT,
+    HELD_OUT_PACKAGES,
+    PAD,
+    encode_documents,
+    pack_blocks,
+    sample_prompts,
+    split_corpus,
+    stdlib_root,
+    token_id,
+    train_tokenizer,
+)
+from tandem.training.dense import chain_mask, target_forward, unrolled_draft_logits
+from tandem.training.eagle3 import (
+    IGNORED_LABEL,
+    DraftShape,
+    DraftTraining,
+    build_draft,
+    chain_inputs,
+    collect_draft_data,
+    draft_vocabulary,
+    save_draft,
+    target_to_draft_map,
+    train_draft,
+)
+from tandem.training.target import (
+    OptimiserSettings,
+    TargetShape,
+    TargetTraining,
+    build_target,
+    greedy_generate,
+    load_llama_target,
+    save_target,
+    train_target,
+)
+from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
+
+TOLERANCE = 1e-4
+TINY_TARGET = TargetShape(
+    vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2
+)
+TINY_DRAFT = DraftShape(
+    hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1, draft_vocab_size=64, aux_layer_ids=(1, 2)
+)
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n",
+    "for index in range(10):\n    print(index * index)\n",
+] * 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return train_tokenizer(TEXTS, TINY_TARGET.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def target_config(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
+    return TINY_TARGET.hf_config(token_id(tokenizer, END_OF_TEXT), token_id(tokenizer, PAD))
+
+
+@pytest.fixture(scope="module")
+def saved_target(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer: PreTrainedTokenizerFast, target_config: dict[str, Any]
+) -> Path:
+    directory = tmp_path_factory.mktemp("target")
+    save_target(build_target(target_config, seed=0), target_config, tokenizer, directory)
+    return directory
+
+
+# Corpus.
+
+
+def write_files(root: Path, names: list[str]) -> None:
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x = 1\n")
+
+
+def test_split_skips_tests_and_holds_out_named_packages(tmp_path: Path) -> None:
+    write_files(
+        tmp_path,
+        [
+            "argparse.py",
+            "asyncio/tasks.py",
+            "asyncio/tests.py",  # a module named tests, not a test folder: kept
+            "json/decoder.py",
+            "email/mime/text.py",
+            "test/test_argparse.py",
+            "unittest/test/test_case.py",
+            "unittest/case.py",
+            "idlelib/idle_test/test_config.py",
+            "lib2to3/tests/data/fixers.py",
+            "site-packages/thirdparty/module.py",
+            "encodings/cp1252.py",
+        ],
+    )
+    split = split_corpus(tmp_path, held_out=("json", "email"))
+    assert [str(p.relative_to(tmp_path)) for p in split.train] == [
+        "argparse.py",
+        "asyncio/tasks.py",
+        "asyncio/tests.py",
+        "unittest/case.py",
+    ]
+    assert [str(p.relative_to(tmp_path)) for p in split.held_out] == ["email/mime/text.py", "json/decoder.py"]
+
+
+def test_real_stdlib_split_has_no_held_out_or_test_files() -> None:
+    split = split_corpus(stdlib_root())
+    assert len(split.train) > 100 and len(split.held_out) > 10
+    for path in split.train:
+        relative = path.relative_to(split.root)
+        assert split.package_of(path) not in HELD_OUT_PACKAGES, relative
+        assert not {"test", "tests", "idle_test", "site-packages"} & set(relative.parts[:-1]), relative
+    assert {split.package_of(path) for path in split.held_out} == set(HELD_OUT_PACKAGES)
+
+
+def test_tokenizer_round_trips_code_and_prompts_stay_inside_one_document(tokenizer: PreTrainedTokenizerFast) -> None:
+    code = "if x:\n\tprint('héllo')  # ünïcode\n"
+    assert tokenizer.decode(tokenizer(code)["input_ids"]) == code
+    end = token_id(tokenizer, END_OF_TEXT)
+    stream = encode_documents(tokenizer, TEXTS)
+    assert int((stream == end).sum()) == len(TEXTS)
+    prompts = sample_prompts(stream, count=8, length=6, seed=0, forbidden=end)
+    assert prompts.shape == (8, 6) and not bool((prompts == end).any())
+    assert pack_blocks(torch.arange(10), 4).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+# Target.
+
+
+def test_a_few_steps_reduce_the_loss(target_config: dict[str, Any]) -> None:
+    model = build_target(target_config, seed=0)
+    pattern = torch.arange(8).repeat(5)[:33]  # a periodic sequence is learnable in a few steps
+    blocks = torch.stack([pattern.roll(shift) for shift in range(4)])  # [4, 33]
+    settings = TargetTraining(
+        steps=25, batch_size=4, block_length=32, optimiser=OptimiserSettings(1e-2, warmup_steps=2), bf16_autocast=False
+    )
+    record = train_target(model, blocks, blocks, settings)
+    assert record.steps_done == 25
+    assert record.curve[-1].loss < 0.5 * record.curve[0].loss
+    assert record.held_out_loss < 0.5 * record.curve[0].loss
+
+
+def test_saved_target_loads_in_transformers_and_tandem_with_equal_logits(saved_target: Path) -> None:
+    ours = load_llama_target(saved_target)
+    theirs = AutoModelForCausalLM.from_pretrained(saved_target, dtype=torch.float32).eval()
+    token_ids = torch.randint(0, TINY_TARGET.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = theirs(token_ids).logits
+        dense = ours.compute_logits(target_forward(ours, token_ids).normed)
+        cache = PagedKVCache(TINY_TARGET.num_layers, 8, 4, TINY_TARGET.num_kv_heads, 8, torch.float32)
+        metadata = cache.plan([(SequenceKV(), 12)])
+        paged = ours.compute_logits(ours(token_ids[0], metadata, cache).normed)
+    assert (dense - expected).abs().max().item() <= TOLERANCE
+    assert (paged - expected[0]).abs().max().item() <= TOLERANCE
+
+
+def test_greedy_generate_continues_like_recomputing_from_scratch(saved_target: Path) -> None:
+    model = load_llama_target(saved_target)
+    prompts = torch.randint(0, TINY_TARGET.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    tokens, argmax, features = greedy_generate(model, prompts, num_new=4, capture=(1, 3))
+    assert tokens.shape == argmax.shape == (2, 9)
+    with torch.no_grad():
+        full = target_forward(model, tokens, capture=(1, 3))
+    assert torch.equal(argmax, model.compute_logits(full.normed).argmax(dim=-1))
+    assert torch.equal(tokens[:, 5:], argmax[:, 4:-1])  # every new token is the argmax at the previous position
+    assert features is not None
+    expected = torch.cat([full.captured[1], full.captured[3]], dim=-1).to(torch.bfloat16)
+    assert (features.float() - expected.float()).abs().max().item() <= 1e-2
+
+
+# EAGLE3 head.
+
+
+def test_draft_vocabulary_keeps_the_most_frequent_ids_in_order() -> None:
+    counts = torch.tensor([5, 0, 9, 1, 7, 0])
+    draft_to_target = draft_vocabulary(counts, 3)
+    assert draft_to_target.tolist() == [0, 2, 4]
+    assert target_to_draft_map(draft_to_target, 6).tolist() == [0, IGNORED_LABEL, 1, IGNORED_LABEL, 2, IGNORED_LABEL]
+
+
+def test_chain_inputs_follow_the_worked_example() -> None:
+    tokens = torch.tensor([[10, 11, 12, 13]])  # x
+    argmax = torch.tensor([[20, 21, 22, 23]])  # g
+    identity = torch.arange(30)
+    step_tokens, step_labels = chain_inputs(tokens, argmax, num_steps=3, target_to_draft=identity, pad_id=0)
+    assert step_tokens[0].tolist() == [[11, 12, 13, 0]]  # x[p + 1]
+    assert step_labels[0].tolist() == [[21, 22, 23, IGNORED_LABEL]]  # g[p + 1]
+    assert step_tokens[1].tolist() == [[21, 22, 23, 0]]  # g[p + 1]
+    assert step_labels[1].tolist() == [[22, 23, IGNORED_LABEL, IGNORED_LABEL]]  # g[p + 2]
+    assert step_tokens[2].tolist() == [[22, 23, 0, 0]]
+    assert step_labels[2].tolist() == [[23, IGNORED_LABEL, IGNORED_LABEL, IGNORED_LABEL]]
+    assert chain_mask(3, 1).int().tolist() == [[1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1]]
+
+
+def test_saved_head_loads_with_load_eagle3(saved_target: Path, target_config: dict[str, Any], tmp_path: Path) -> None:
+    draft_to_target = torch.arange(0, 2 * TINY_DRAFT.draft_vocab_size, 2)  # every other target id
+    config = TINY_DRAFT.hf_config(target_config)
+    draft = build_draft(config, draft_to_target, seed=0)
+    save_draft(draft, config, tmp_path)
+
+    loaded, has_embedding = load_eagle3(tmp_path)
+    assert has_embedding  # the draft's hidden (16) differs from the target's (32): it needs its own table
+    assert loaded.config.target_hidden_size == TINY_TARGET.hidden_size
+    assert loaded.config.aux_layer_ids == TINY_DRAFT.aux_layer_ids
+    capture = resolve_capture(loaded.config.aux_layer_ids, TINY_TARGET.num_layers, loaded.config.num_aux)
+    assert (capture.convention, capture.indices) == ("output", (2, 3))
+    target_ids = loaded.to_target_ids(torch.arange(TINY_DRAFT.draft_vocab_size))
+    assert torch.equal(target_ids, draft_to_target)
+    assert int(target_ids.min()) >= 0 and int(target_ids.max()) < TINY_TARGET.vocab_size
+    saved = dict(draft.named_parameters())
+    for name, parameter in loaded.named_parameters():
+        assert torch.equal(parameter, saved[name].detach().to(torch.bfloat16).float()), name
+
+
+def test_unrolled_chain_matches_the_draft_runner_step_by_step(tmp_path: Path) -> None:
+    """Two rounds as the servers run them: ingest rows 0..5 and draft 4 steps, then ingest rows 6..9 and draft
+    4 steps. The unrolled training forward over all 10 positions must give, at the anchor of each round, the logits
+    the runner computed at every step, when it is fed the tokens the runner drafted."""
+    target_dir = write_tiny_target(tmp_path / "target", TinyTargetSpec())
+    draft_dir = write_tiny_eagle3(
+        tmp_path / "draft", target_dir, TinyEagle3Spec(hidden_size=32, draft_vocab_size=100, layer_ids=(1, 2, 3))
+    )
+    target = load_llama_target(target_dir)
+    draft, _ = load_eagle3(draft_dir)
+    capture = resolve_capture(draft.config.aux_layer_ids, target.config.num_layers, draft.config.num_aux).indices
+    tokens = torch.randint(3, 320, (11,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        output = target_forward(target, tokens[None, :10], capture)
+    features = torch.cat([output.captured[index] for index in capture], dim=-1)  # [1, 10, 3 * 64]
+
+    recorded: list[torch.Tensor] = []
+    hook = draft.register_forward_hook(lambda module, args, step: recorded.append(step.logits))
+    runner = DraftRunner(draft, KVCacheSettings(num_blocks=16, block_size=4))
+    rounds = [(0, 6), (6, 10)]
+    proposals = []
+    for start, end in rounds:
+        rows = TargetRows(start, tokens[start + 1 : end + 1].tolist(), features[0, start:end])
+        proposals.append(runner.propose([ProposeInput("a", rows, num_steps=4)])[0])
+    hook.remove()
+
+    for round_index, ((start, end), proposal) in enumerate(zip(rounds, proposals, strict=True)):
+        anchor = end - 1
+        step_tokens = [tokens[None, 1:11]]
+        for drafted in proposal[:-1]:
+            chain_tokens = torch.zeros(1, 10, dtype=torch.long)
+            chain_tokens[0, anchor] = drafted
+            step_tokens.append(chain_tokens)
+        with torch.no_grad():
+            unrolled = unrolled_draft_logits(draft, features, step_tokens)
+        runner_steps = recorded[4 * round_index : 4 * round_index + 4]
+        ingest = runner_steps[0]  # the ingest pass scores every ingested row
+        assert (unrolled[0][0, start:end] - ingest).abs().max().item() <= TOLERANCE
+        for step in range(1, 4):
+            assert (unrolled[step][0, anchor] - runner_steps[step][0]).abs().max().item() <= TOLERANCE
+        drafted_again = [int(draft.to_target_ids(logits[0, anchor].argmax())) for logits in unrolled]
+        assert drafted_again == proposal
+
+
+def test_draft_training_reduces_the_chain_loss(saved_target: Path, target_config: dict[str, Any]) -> None:
+    target = load_llama_target(saved_target)
+    capture = resolve_capture(TINY_DRAFT.aux_layer_ids, TINY_TARGET.num_layers, 2).indices
+    prompts = torch.randint(3, TINY_TARGET.vocab_size, (16, 4), generator=torch.Generator().manual_seed(3))
+    data = collect_draft_data(target, prompts, num_new=12, capture=capture, batch_size=8, bf16_autocast=False)
+    counts = torch.bincount(data.argmax.flatten(), minlength=TINY_TARGET.vocab_size)
+    draft_to_target = draft_vocabulary(counts, TINY_DRAFT.draft_vocab_size)
+    draft = build_draft(TINY_DRAFT.hf_config(target_config), draft_to_target, seed=0)
+    settings = DraftTraining(
+        epochs=15, batch_size=8, num_steps=3, optimiser=OptimiserSettings(1e-2, warmup_steps=2), bf16_autocast=False
+    )
+    record = train_draft(draft, data, target_to_draft_map(draft_to_target, TINY_TARGET.vocab_size), 1, settings)
+    assert record.steps_done == 30
+    assert record.curve[-1].loss < 0.75 * record.curve[0].loss
+    assert len(record.step_accuracy) == 3
