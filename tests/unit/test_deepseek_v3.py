@@ -31,8 +31,8 @@ from tandem.models import deepseek_v3
 from tandem.models.config import ConfigError
 from tandem.models.registry import load_target
 from tests.helpers.checkpoints import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, dense_weight, norm_weight
+from tests.helpers.parity import assert_matches, reference_forward, split, token_ids
 from tests.helpers.tokenizer import write_tokenizer
-from tests.unit.test_target_parity import assert_matches, reference_forward, split, token_ids
 
 BLOCK_SIZE = 4  # small, so that every sequence here spans several blocks
 NUM_BLOCKS = 64

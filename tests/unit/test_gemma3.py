@@ -26,8 +26,7 @@ from tandem.models.config import ConfigError, RopeConfig
 from tandem.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from tandem.models.registry import load_target, target_architecture
 from tests.helpers.checkpoints import NORM_WEIGHT_NOISE_STD, WEIGHT_STD
-from tests.helpers.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, write_tokenizer
-from tests.unit.test_target_parity import (
+from tests.helpers.parity import (
     TOLERANCE,
     assert_matches,
     make_cache,
@@ -36,6 +35,7 @@ from tests.unit.test_target_parity import (
     split,
     token_ids,
 )
+from tests.helpers.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, write_tokenizer
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 WINDOW = 8
