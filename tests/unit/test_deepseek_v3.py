@@ -25,17 +25,24 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from tandem.layers.kv_cache import CacheLayout, PagedKVCache, SequenceKV
+from tandem.layers.kv_cache import CacheLayout, SequenceKV
 from tandem.layers.moe import GroupedTopKRouter, MixtureOfExperts
 from tandem.models import deepseek_v3
 from tandem.models.config import ConfigError
 from tandem.models.registry import load_target
 from tests.helpers.checkpoints import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, dense_weight, norm_weight
-from tests.helpers.parity import assert_matches, reference_forward, split, token_ids
+from tests.helpers.parity import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    assert_matches,
+    make_cache,
+    reference_forward,
+    run_chunks,
+    split,
+    token_ids,
+)
 from tests.helpers.tokenizer import write_tokenizer
 
-BLOCK_SIZE = 4  # small, so that every sequence here spans several blocks
-NUM_BLOCKS = 64
 NUM_LAYERS = 3
 KV_LORA_RANK = 32
 ROPE_DIM = 8
@@ -156,51 +163,6 @@ def hf_config(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tiny_config(SPECS["q-lora-interleaved-rope"]).save_pretrained(directory)
     config: dict[str, Any] = json.loads((directory / "config.json").read_text())
     return config
-
-
-def make_cache(model: deepseek_v3.DeepseekV3ForCausalLM) -> PagedKVCache:
-    layout = model.config.cache_layout
-    return PagedKVCache(
-        model.config.num_layers,
-        NUM_BLOCKS,
-        BLOCK_SIZE,
-        layout.num_kv_heads,
-        layout.key_dim,
-        torch.float32,
-        value_dim=layout.value_dim,
-    )
-
-
-def run_chunks(
-    model: deepseek_v3.DeepseekV3ForCausalLM,
-    chunks_per_sequence: Sequence[Sequence[Sequence[int]]],  # [sequence][step] -> token ids of that step
-) -> tuple[list[torch.Tensor], list[dict[int, torch.Tensor]]]:
-    """Feeds every sequence its chunks, one packed forward per step; a sequence with no chunk left sits out.
-
-    Returns, per sequence, the logits of all its tokens [length, vocab] and its captured streams
-    (capture index -> [length, hidden]), concatenated over the steps.
-    """
-    cache = make_cache(model)
-    capture = list(range(model.config.num_layers + 1))
-    sequences = [SequenceKV() for _ in chunks_per_sequence]
-    logits: list[list[torch.Tensor]] = [[] for _ in chunks_per_sequence]
-    captured: list[dict[int, list[torch.Tensor]]] = [{index: [] for index in capture} for _ in chunks_per_sequence]
-    for step in range(max(len(chunks) for chunks in chunks_per_sequence)):
-        active = [index for index, chunks in enumerate(chunks_per_sequence) if step < len(chunks)]
-        metadata = cache.plan([(sequences[index], len(chunks_per_sequence[index][step])) for index in active])
-        input_ids = torch.tensor([token for index in active for token in chunks_per_sequence[index][step]])
-        with torch.no_grad():
-            output = model(input_ids, metadata, cache, capture)
-            step_logits = model.compute_logits(output.normed)
-        for index, span in zip(active, metadata.spans, strict=True):
-            rows = slice(span.query_start, span.query_start + span.query_len)
-            logits[index].append(step_logits[rows])
-            for capture_index in capture:
-                captured[index][capture_index].append(output.captured[capture_index][rows])
-    return (
-        [torch.cat(parts) for parts in logits],
-        [{index: torch.cat(parts) for index, parts in streams.items()} for streams in captured],
-    )
 
 
 def test_single_prefill(models: Models) -> None:
