@@ -76,24 +76,34 @@ def read_sources(paths: Sequence[Path]) -> Iterator[str]:
             yield text
 
 
-def train_tokenizer(texts: Sequence[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE: every byte has a token, so any text round-trips; merges learned from texts."""
+def train_tokenizer(
+    texts: Sequence[str],
+    vocab_size: int,
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+    bos_token: str = END_OF_TEXT,
+    eos_token: str = END_OF_TEXT,
+    pad_token: str = PAD,
+) -> PreTrainedTokenizerFast:
+    """Byte-level BPE: every byte has a token, so any text round-trips; merges learned from texts.
+
+    The special tokens take the first ids, in order; the vocabulary holds at most vocab_size tokens.
+    """
     tokenizer = Tokenizer(models.BPE())
     # No prefix space: decode(encode(text)) == text, which streaming detokenization relies on.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        bos_token=END_OF_TEXT,
-        eos_token=END_OF_TEXT,
-        pad_token=PAD,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        pad_token=pad_token,
         # Cleanup rewrites spaces around punctuation, which would break the round trip of code.
         clean_up_tokenization_spaces=False,
     )

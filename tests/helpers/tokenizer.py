@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from tandem.training.data import train_tokenizer
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -84,23 +83,7 @@ def write_tokenizer(directory: Path, vocab_size: int = 320) -> None:
 
     The vocabulary holds at most vocab_size tokens: 256 bytes, the special tokens, then merges learned from CORPUS.
     """
-    tokenizer = Tokenizer(models.BPE())
-    # No prefix space: a prefix space would break decode(encode(text)) == text.
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    tokenizer = train_tokenizer(
+        [CORPUS], vocab_size, SPECIAL_TOKENS, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
     )
-    tokenizer.train_from_iterator([CORPUS], trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        pad_token=PAD_TOKEN,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        # Cleanup rewrites spaces around punctuation, which would break the round trip.
-        clean_up_tokenization_spaces=False,
-    )
-    wrapped.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
