@@ -2,7 +2,7 @@
 
 The benchmark runs this beside the three-process stack so that the cost of splitting the services
 (serialization, transport, process hops) is measured as a ratio in the same run. Everything else is
-the same code: Scheduler, TargetRunner, DraftRunner, validation, detokenization.
+the same code: Scheduler, TargetRunner, the draft's runner, validation, detokenization.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from draft_server.runner import DraftRunner, ProposeInput, TargetRows
-from draft_server.service import prepare_draft
+from draft_server.formats import ProposalRunner, prepare_draft
+from draft_server.runner import ProposeInput, TargetRows
 from draft_server.settings import DraftSettings
 from orchestrator.backends import (
     BackendError,
@@ -49,7 +49,7 @@ REPLICA_ID = "colocated"
 class LocalDraft:
     """A DraftBackend over an in-process DraftRunner; the target hands it rows directly."""
 
-    def __init__(self, runner: DraftRunner, capture: tuple[int, ...]) -> None:
+    def __init__(self, runner: ProposalRunner, capture: tuple[int, ...]) -> None:
         self.runner = runner
         self.capture = capture
         self.rows: dict[tuple[str, int], TargetRows] = {}
@@ -153,10 +153,12 @@ class ColocatedEngine:
                 cache=settings.cache,
                 dtype=settings.dtype,
             )
-            head, capture, has_embedding = prepare_draft(draft_settings, target_info(target_runner, settings.dtype))
-            if not has_embedding:
-                head.embed_tokens.weight.data.copy_(model.model.embed_tokens.weight.data)
-            draft = LocalDraft(DraftRunner(head, settings.cache), capture.indices)
+            prepared = prepare_draft(draft_settings, target_info(target_runner, settings.dtype))
+            # The same tables the target would stream, handed over in memory.
+            tables = {"embed_tokens": model.model.embed_tokens.weight.data, "lm_head": model.lm_head.weight.data}
+            for name in prepared.missing_tables:
+                prepared.fill_table(name, tables[name])
+            draft = LocalDraft(prepared.build_runner(settings.cache), prepared.capture.indices)
             replicas.add(REPLICA_ID, "in-process", draft)
         self.tokenizer = AutoTokenizer.from_pretrained(str(settings.target_dir))
         eos_ids = set(model.config.eos_token_ids)

@@ -18,10 +18,9 @@ def check_compatibility(draft: Eagle3Config, target: target_pb2.TargetInfo, has_
             f"hidden size: the draft expects target_hidden_size {draft.target_hidden_size}, "
             f"the target has hidden_size {target.hidden_size}"
         )
-    if draft.layer.vocab_size != target.vocab_size:
+    if draft.vocab_size != target.vocab_size:
         problems.append(
-            f"vocabulary: the draft has vocab_size {draft.layer.vocab_size}, the target has vocab_size "
-            f"{target.vocab_size}"
+            f"vocabulary: the draft has vocab_size {draft.vocab_size}, the target has vocab_size {target.vocab_size}"
         )
     if not has_embedding and draft.hidden_size != target.hidden_size:
         problems.append(

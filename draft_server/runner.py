@@ -11,14 +11,39 @@ Draft KV written by steps j >= 2 is speculative: the next ingest truncates back 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+from torch import nn
 
-from tandem.layers.kv_cache import PagedKVCache, SequenceKV
-from tandem.models.eagle3 import Eagle3Draft
+from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache, SequenceKV
+from tandem.models.eagle3 import DraftStep
 from tandem.settings import KVCacheSettings
+
+
+class DraftModelConfig(Protocol):
+    @property
+    def cache_layout(self) -> CacheLayout: ...  # what one token leaves in the draft's KV cache
+
+
+class DraftModel(Protocol):
+    """What the runner drives: an EAGLE3 head (tandem.models.eagle3.Eagle3Draft) or a NextN layer reused at every
+    step (tandem.models.mtp.NextNDraft)."""
+
+    @property
+    def config(self) -> DraftModelConfig: ...
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+    def project_features(self, features: torch.Tensor) -> torch.Tensor: ...  # [n, feature width] -> [n, hidden]
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] target vocabulary ids
+        hidden: torch.Tensor,  # [num_tokens, hidden] projected target features or the previous step's hidden
+        metadata: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> DraftStep: ...
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...  # [n] -> [n]
 
 
 class DraftRequestError(ValueError):
@@ -47,12 +72,19 @@ class DraftRequest:
 
 
 class DraftRunner:
-    def __init__(self, model: Eagle3Draft, cache: KVCacheSettings) -> None:
+    def __init__(self, model: DraftModel, cache: KVCacheSettings) -> None:
         parameter = next(model.parameters())
-        layer = model.config.layer
+        layout = model.config.cache_layout
         self.model = model
         self.cache = PagedKVCache(
-            1, cache.num_blocks, cache.block_size, layer.num_kv_heads, layer.head_dim, parameter.dtype, parameter.device
+            1,
+            cache.num_blocks,
+            cache.block_size,
+            layout.num_kv_heads,
+            layout.key_dim,
+            parameter.dtype,
+            parameter.device,
+            value_dim=layout.value_dim,
         )
         self.requests: dict[str, DraftRequest] = {}
 

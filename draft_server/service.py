@@ -1,7 +1,7 @@
 """A draft replica's gRPC service and its start-up against the target.
 
-Start-up: read the target's info, load the head, check compatibility, resolve the aux capture
-indices, pull the embedding from the target if the checkpoint has none, subscribe to the target's
+Start-up: read the target's info, load the draft (draft_server.formats: check compatibility, resolve the
+capture indices), pull the shared tables the checkpoint lacks from the target, subscribe to the target's
 hidden-state stream. Per round, Propose joins the orchestrator's request with the target's rows for
 the same (request id, round) and runs the runner on one worker thread.
 """
@@ -16,27 +16,24 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
-import torch
 
-from draft_server.compat import check_compatibility
-from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, TargetRows
+from draft_server.formats import PreparedDraft, ProposalRunner, prepare_draft
+from draft_server.runner import DraftRequestError, ProposeInput, TargetRows
 from draft_server.settings import DraftSettings
+from draft_server.shared_tables import pull_tables
 from tandem.grpc_util import channel_options, wait_for_ready
-from tandem.models.aux_layers import CaptureSpec, resolve_capture
-from tandem.models.eagle3 import Eagle3Draft, load_eagle3
-from tandem.models.registry import target_architecture
 from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from tandem.wire.codec import WeightAssembler, tensor_from_proto
+from tandem.wire.codec import tensor_from_proto
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class DraftService(draft_pb2_grpc.DraftServicer):
-    def __init__(self, runner: DraftRunner, settings: DraftSettings, capture: CaptureSpec) -> None:
+    def __init__(self, runner: ProposalRunner, settings: DraftSettings, prepared: PreparedDraft) -> None:
         self.runner = runner
+        self.prepared = prepared
         self.settings = settings
-        self.capture = capture
         self._rows: dict[tuple[str, int], tuple[TargetRows, float]] = {}
         self._arrived = asyncio.Condition()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
@@ -54,9 +51,10 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     ) -> draft_pb2.DraftInfo:
         return draft_pb2.DraftInfo(
             replica_id=self.settings.replica_id,
-            architecture=type(self.runner.model).__name__,
+            architecture=self.prepared.architecture,
+            kind=self.prepared.kind,
             num_steps=self.settings.num_steps,
-            capture_indices=list(self.capture.indices),
+            capture_indices=list(self.prepared.capture.indices),
             running_requests=len(self.runner.requests),
             kv_blocks_total=self.runner.cache.num_blocks,
             kv_blocks_free=self.runner.cache.num_free_blocks,
@@ -135,54 +133,16 @@ async def start_draft(settings: DraftSettings) -> tuple[DraftService, asyncio.Ta
         info.vocab_size,
         info.num_layers,
     )
-    model, capture, has_embedding = prepare_draft(settings, info)
-    if not has_embedding:
-        embedding = await pull_weight(target, "embed_tokens")
-        model.embed_tokens.weight.data.copy_(embedding)
-    runner = DraftRunner(model, settings.cache)
-    service = DraftService(runner, settings, capture)
+    prepared = prepare_draft(settings, info)
+    if prepared.missing_tables:
+        tables = await pull_tables(target, prepared.missing_tables)
+        for name, table in tables.items():
+            prepared.fill_table(name, table.full())
+    runner = prepared.build_runner(settings.cache)
+    LOG.info("%s draft ready, %d KV blocks", prepared.kind, runner.cache.num_blocks)
+    service = DraftService(runner, settings, prepared)
     stream = target.SubscribeHidden(
-        target_pb2.SubscribeRequest(replica_id=settings.replica_id, capture_indices=list(capture.indices))
+        target_pb2.SubscribeRequest(replica_id=settings.replica_id, capture_indices=list(prepared.capture.indices))
     )
     consumer = asyncio.create_task(service.consume(stream))
     return service, consumer, channel
-
-
-def prepare_draft(settings: DraftSettings, info: target_pb2.TargetInfo) -> tuple[Eagle3Draft, CaptureSpec, bool]:
-    """Loads the head, checks it against the target and resolves its capture indices.
-
-    Returns (model, capture, has_embedding); without an embedding in the checkpoint the caller fills
-    `model.embed_tokens` from the target.
-    """
-    model, has_embedding = load_eagle3(settings.model_dir, dtype=getattr(torch, settings.dtype))
-    check_compatibility(model.config, info, has_embedding)
-    capture = resolve_capture(
-        model.config.aux_layer_ids,
-        info.num_layers,
-        model.config.num_aux,
-        settings.aux_layer_convention,
-        default_indices=target_architecture(info.architecture).default_capture_indices,
-    )
-    return model, capture, has_embedding
-
-
-async def pull_weight(target: target_pb2_grpc.TargetStub, name: str) -> torch.Tensor:
-    """Streams one shared table from the target, logging progress every quarter."""
-    reported: dict[str, int] = {}
-
-    def progress(tensor_name: str, received: int, total: int) -> None:
-        quarter = 4 * received // max(total, 1)
-        if reported.get(tensor_name) != quarter:
-            reported[tensor_name] = quarter
-            LOG.info("pulling %s from the target: %d / %d bytes", tensor_name, received, total)
-
-    assembler = WeightAssembler(progress=progress)
-    result = None
-    async for chunk in target.GetWeights(target_pb2.WeightsRequest(names=[name])):
-        completed = assembler.add(chunk)
-        if completed is not None:
-            result = completed[1]
-    assembler.finish()
-    if result is None:
-        raise RuntimeError(f"the target sent no {name}")
-    return result

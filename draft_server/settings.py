@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from tandem.models.aux_layers import Convention
 from tandem.settings import KVCacheSettings
+
+# DeepSeek NextN reused for several steps: what a step hands to the next, the layer's shared_head.norm output
+# (SGLang) or its pre-norm stream (vLLM).
+MTPFeedback = Literal["post_norm", "pre_norm"]
+MTP_FEEDBACKS: tuple[MTPFeedback, ...] = ("post_norm", "pre_norm")
+# Multi-layer MTP: layer k consumes layer k - 1's output ("chain", Step-3.5) or the target's hidden too.
+MTPMode = Literal["chain", "independent"]
+MTP_MODES: tuple[MTPMode, ...] = ("chain", "independent")
 
 
 @dataclass(frozen=True)
@@ -20,3 +29,5 @@ class DraftSettings:
     dtype: str = "float32"
     rows_timeout_s: float = 60.0  # how long Propose waits for the target's rows of a round
     rows_ttl_s: float = 120.0  # rows nobody asked for (finished requests) are dropped after this
+    mtp_feedback: MTPFeedback = "post_norm"
+    mtp_mode: MTPMode = "chain"

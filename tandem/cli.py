@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.settings import BenchSettings
-from draft_server.settings import DraftSettings
+from draft_server.settings import MTP_FEEDBACKS, MTP_MODES, DraftSettings
 from orchestrator.settings import OrchestratorSettings, SchedulerSettings
 from tandem.errors import StartupError
 from tandem.launcher import ServeSettings, serve
@@ -43,6 +43,21 @@ def _model_dir(given: Path | None, demo: Path, flag: str) -> Path:
     return demo
 
 
+def _add_mtp_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mtp-feedback",
+        choices=MTP_FEEDBACKS,
+        default=DraftSettings.mtp_feedback,
+        help="DeepSeek NextN drafts: what one step hands to the next (SGLang: post_norm, vLLM: pre_norm)",
+    )
+    parser.add_argument(
+        "--mtp-mode",
+        choices=MTP_MODES,
+        default=DraftSettings.mtp_mode,
+        help="multi-layer MTP drafts: layer k reads layer k-1's output (chain) or the target's hidden",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--launcher", choices=LAUNCHERS, default=ServeSettings.launcher, help="child processes, or Ray actors"
     )
     serve_parser.add_argument("--ray-address", help="Ray cluster to join (with --launcher ray); default: a local one")
+    serve_parser.add_argument("--tp", type=int, default=ServeSettings.tp, help="the target's tensor-parallel ranks")
+    _add_mtp_options(serve_parser)
 
     target_parser = commands.add_parser("target", help="run the target service")
     target_parser.add_argument("--model", type=Path, required=True)
@@ -72,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     target_parser.add_argument("--max-context", type=int, default=TargetSettings.max_context)
     target_parser.add_argument("--kv-blocks", type=int, default=KVCacheSettings.num_blocks)
     target_parser.add_argument("--block-size", type=int, default=KVCacheSettings.block_size)
+    target_parser.add_argument("--tp", type=int, default=TargetSettings.tp, help="tensor-parallel ranks")
     _add_listen(target_parser)
 
     draft_parser = commands.add_parser("draft", help="run one draft replica")
@@ -83,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     draft_parser.add_argument("--dtype", choices=DTYPES, default=DraftSettings.dtype)
     draft_parser.add_argument("--kv-blocks", type=int, default=KVCacheSettings.num_blocks)
     draft_parser.add_argument("--block-size", type=int, default=KVCacheSettings.block_size)
+    _add_mtp_options(draft_parser)
     _add_listen(draft_parser)
 
     orchestrator_parser = commands.add_parser("orchestrator", help="run the public orchestrator service")
@@ -148,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_batch_size=args.max_batch_size,
             launcher=args.launcher,
             ray_address=args.ray_address,
+            tp=args.tp,
+            mtp_feedback=args.mtp_feedback,
+            mtp_mode=args.mtp_mode,
         )
         if settings.launcher == "ray":
             from tandem.ray_launcher import serve_on_ray  # imports ray: only on this path
@@ -198,6 +220,7 @@ def run_service(args: argparse.Namespace) -> None:
             dtype=args.dtype,
             max_context=args.max_context,
             cache=KVCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
+            tp=args.tp,
         )
         asyncio.run(serve_target(target, _listen(args)))
     elif args.command == "draft":
@@ -211,6 +234,8 @@ def run_service(args: argparse.Namespace) -> None:
             aux_layer_convention=args.aux_layer_convention,
             cache=KVCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
             dtype=args.dtype,
+            mtp_feedback=args.mtp_feedback,
+            mtp_mode=args.mtp_mode,
         )
         asyncio.run(serve_draft(draft, _listen(args)))
     elif args.command == "orchestrator":

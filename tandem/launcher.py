@@ -23,8 +23,10 @@ from types import FrameType
 
 import grpc
 
+from draft_server.settings import DraftSettings, MTPFeedback, MTPMode
 from tandem.grpc_util import channel_options
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
+from target_server.settings import TargetSettings
 
 STARTUP_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 15.0
@@ -43,6 +45,9 @@ class ServeSettings:
     max_batch_size: int = 32
     launcher: str = "process"  # "ray": tandem.ray_launcher
     ray_address: str | None = None  # the Ray cluster to join; None: start a local one
+    tp: int = TargetSettings.tp  # the target's tensor-parallel ranks
+    mtp_feedback: MTPFeedback = DraftSettings.mtp_feedback  # see draft_server.settings
+    mtp_mode: MTPMode = DraftSettings.mtp_mode
 
 
 class ChildFailed(RuntimeError):
@@ -70,7 +75,8 @@ class Launcher:
     def start(self) -> str:
         """Starts target, draft and orchestrator in order; returns the public address."""
         s = self.settings
-        target = self._spawn("target", ["target", "--model", str(s.target_dir), "--dtype", s.dtype])
+        target_arguments = ["target", "--model", str(s.target_dir), "--dtype", s.dtype, "--tp", str(s.tp)]
+        target = self._spawn("target", target_arguments)
         target_address = self._wait_ready("target", target)
         self._target_address = target_address
         draft_addresses = []
@@ -128,6 +134,8 @@ class Launcher:
             "--speculative-num-steps", str(s.num_steps),
             "--aux-layer-convention", s.aux_layer_convention,
             "--dtype", s.dtype,
+            "--mtp-feedback", s.mtp_feedback,
+            "--mtp-mode", s.mtp_mode,
         ]  # fmt: skip
 
     def _spawn(self, name: str, arguments: Sequence[str], host: str = "127.0.0.1", port: int = 0) -> Path:

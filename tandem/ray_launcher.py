@@ -44,7 +44,6 @@ ServiceSettings = TargetSettings | DraftSettings | OrchestratorSettings
 # Ray's resource counts place actors; they do not limit them. One bundle per target rank, so a TP group
 # lands on one node. A draft replica (one decoder layer) asks for half a CPU, so that a two-CPU machine
 # holds the target and two replicas; the orchestrator (I/O and bookkeeping) asks for none.
-TARGET_RANKS = 1  # tensor parallelism (issue 3) adds ranks; each gets its own bundle
 DRAFT_CPUS = 0.5
 POLL_S = 0.2
 
@@ -157,6 +156,50 @@ class ServiceActor:
         return self.wait_until_stopped()
 
 
+class RankActor:
+    """A target rank other than 0 (target_server.rank) on a thread of this actor; rank 0's STOP ends it."""
+
+    def __init__(self, name: str, settings: TargetSettings, rank: int) -> None:
+        configure_logging(name)
+        self.name = name
+        self._ended = threading.Event()
+        self._exit: ServiceExit | None = None
+        threading.Thread(target=self._run, args=(settings, rank), name=name, daemon=True).start()
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def _run(self, settings: TargetSettings, rank: int) -> None:
+        from target_server.rank import run_rank  # loads torch: only in the actor
+
+        try:
+            run_rank(settings, rank)
+            self._exit = ServiceExit(0, "stopped")
+        except StartupError as error:
+            self._exit = ServiceExit(2, f"cannot start: {error}")
+        except Exception as error:  # the group broke: rank 0 went away without saying stop
+            LOG.exception("%s failed", self.name)
+            self._exit = ServiceExit(1, f"failed: {error!r}")
+        finally:
+            self._ended.set()
+
+    def wait_until_stopped(self) -> ServiceExit:
+        self._ended.wait()
+        assert self._exit is not None
+        return self._exit
+
+    def stop(self) -> ServiceExit:
+        """Rank 0 stops this rank (the launcher stops rank 0 first); this only waits for that."""
+        return self.wait_until_stopped()
+
+
+def rendezvous_on_this_node(host: str | None) -> str:
+    """A free "host:port" on the node this runs on (`host` None: the node's IP), for the target's ranks to meet."""
+    from tandem.parallel.group import free_rendezvous  # loads torch: only on the node
+
+    return free_rendezvous(host or ray.util.get_node_ip_address())
+
+
 @dataclass(frozen=True)
 class RunningService:
     name: str
@@ -175,6 +218,7 @@ class RayLauncher:
         self.settings = settings
         self.services: list[RunningService] = []
         self._actor_class = ray.remote(ServiceActor)
+        self._rank_class = ray.remote(RankActor)
         self._placement: PlacementGroup | None = None
         self._stopping = False
 
@@ -191,8 +235,18 @@ class RayLauncher:
         s = self.settings
         # A local cluster is this machine: services stay on loopback, as with the process launcher.
         internal_host = "127.0.0.1" if s.ray_address is None else None
-        target_settings = TargetSettings(model_dir=s.target_dir, dtype=s.dtype)
-        target = self._start("target", target_settings, internal_host, 0, self._place_target(TARGET_RANKS))
+        rank_options = self._place_target(s.tp)
+        rendezvous = None
+        if s.tp > 1:
+            # The ranks meet at a free port of their node; rank 0's actor serves it. Ranks 1..tp-1 are started
+            # before rank 0, so that stop() (reverse order) stops rank 0 first, which then stops them.
+            probe = ray.remote(rendezvous_on_this_node).options(**rank_options[0]).remote(internal_host)
+            self._wait_for(probe, "a free port on the target's node")
+            rendezvous = ray.get(probe)
+        target_settings = TargetSettings(model_dir=s.target_dir, dtype=s.dtype, tp=s.tp, rendezvous=rendezvous)
+        for rank in range(1, s.tp):
+            self._start_rank(rank, target_settings, rank_options[rank])
+        target = self._start("target", target_settings, internal_host, 0, rank_options[0])
         target_address = self._wait_ready(target)
         replicas = [f"draft-{index}" for index in range(s.draft_replicas)] if s.draft_dir is not None else []
         draft_options = {"num_cpus": DRAFT_CPUS}
@@ -223,19 +277,34 @@ class RayLauncher:
             num_steps=s.num_steps,
             aux_layer_convention=cast(Convention, s.aux_layer_convention),  # the CLI offers only CONVENTIONS
             dtype=s.dtype,
+            mtp_feedback=s.mtp_feedback,
+            mtp_mode=s.mtp_mode,
         )
 
-    def _place_target(self, num_ranks: int) -> dict[str, object]:
-        """Reserves one bundle per target rank on one node; returns rank 0's actor options."""
+    def _place_target(self, num_ranks: int) -> list[dict[str, object]]:
+        """Reserves one bundle per target rank on one node; returns each rank's actor options, in rank order."""
         use_gpus = ray.cluster_resources().get("GPU", 0) >= 1
         bundle = {"GPU": 1.0} if use_gpus else {"CPU": 1.0}
         self._placement = placement_group([bundle] * num_ranks, strategy="STRICT_PACK")
         self._wait_for(self._placement.ready(), f"room for the target's {num_ranks} x {bundle} placement group")
-        return {
-            "num_cpus": bundle.get("CPU", 0),
-            "num_gpus": bundle.get("GPU", 0),
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._placement, placement_group_bundle_index=0),
-        }
+        return [
+            {
+                "num_cpus": bundle.get("CPU", 0),
+                "num_gpus": bundle.get("GPU", 0),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self._placement, placement_group_bundle_index=rank
+                ),
+            }
+            for rank in range(num_ranks)
+        ]
+
+    def _start_rank(self, rank: int, settings: TargetSettings, options: Mapping[str, object]) -> RunningService:
+        """Target rank `rank` > 0; it joins rank 0 at settings.rendezvous and is stopped by rank 0."""
+        name = f"target-rank{rank}"
+        actor: Any = self._rank_class.options(max_restarts=0, max_concurrency=4, **options).remote(name, settings, rank)
+        service = RunningService(name, actor, actor.wait_until_stopped.remote(), essential=True)
+        self.services.append(service)
+        return service
 
     def _start(
         self, name: str, settings: ServiceSettings, host: str | None, port: int, options: Mapping[str, object]

@@ -1,20 +1,28 @@
-"""Entry point of one target process (what `tandem target` and a Kubernetes target pod run)."""
+"""Entry point of one target process (what `tandem target` and a Kubernetes target pod run).
+
+With tp > 1 this process is rank 0: it starts and joins the other ranks (target_server.ranks), serves gRPC, and stops
+them when it stops; it also stops, exit code 1, when one of them dies.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 import torch
 
-from tandem.models.registry import load_target
+from tandem.errors import StartupError
+from tandem.models.registry import check_tensor_parallel, load_target
 from tandem.serving import ListenSettings, run_server
 from tandem.wire import target_pb2, target_pb2_grpc
+from target_server.ranks import RankDriver, start_ranks
 from target_server.runner import TargetRunner
 from target_server.service import TargetService
 from target_server.settings import TargetSettings
 
 LOG = logging.getLogger(__name__)
+RANK_POLL_S = 0.5
 
 
 def target_info(runner: TargetRunner, dtype: str) -> target_pb2.TargetInfo:
@@ -28,30 +36,62 @@ def target_info(runner: TargetRunner, dtype: str) -> target_pb2.TargetInfo:
         max_context=runner.max_context,
         dtype=dtype,
         eos_token_ids=list(config.eos_token_ids),
-        tp_size=1,
+        tp_size=runner.ranks.group.world_size,
     )
 
 
-async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None:
+def start_target(settings: TargetSettings) -> TargetRunner:
+    """Rank 0: starts and joins the other ranks (none with tp 1), loads this rank's shard, waits for theirs."""
     started = time.perf_counter()
-    LOG.info("loading target from %s (%s)", settings.model_dir, settings.dtype)
-    model = load_target(settings.model_dir, dtype=getattr(torch, settings.dtype))
+    if settings.tp < 1:
+        raise StartupError(f"tp: {settings.tp} (must be >= 1)")
+    if settings.tp > 1:
+        check_tensor_parallel(settings.model_dir, settings.tp)  # refuses an unfit tp before any rank starts
+    ranks = start_ranks(settings, torch.device("cpu"))  # the target computes on the CPU (load_target's default)
+    try:
+        LOG.info("rank 0/%d: loading target from %s (%s)", settings.tp, settings.model_dir, settings.dtype)
+        model = load_target(settings.model_dir, dtype=getattr(torch, settings.dtype), group=ranks.group)
+        ranks.wait_until_loaded()
+    except BaseException:
+        ranks.abort()
+        raise
     config = model.config
     max_context = min(settings.max_context or config.max_position_embeddings, config.max_position_embeddings)
     LOG.info(
-        "loaded %s: %d layers, hidden %d, vocab %d in %.1f s",
+        "loaded %s: %d layers, hidden %d, vocab %d, tp %d in %.1f s",
         config.architecture,
         config.num_layers,
         config.hidden_size,
         config.vocab_size,
+        settings.tp,
         time.perf_counter() - started,
     )
-    runner = TargetRunner(model, settings.cache, max_context)
+    return TargetRunner(model, settings.cache, max_context, ranks)
+
+
+async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None:
+    runner = start_target(settings)
+    ranks = runner.ranks
     service = TargetService(runner, target_info(runner, settings.dtype))
+
+    async def stop() -> None:
+        await service.stop()
+        await asyncio.to_thread(ranks.stop)  # waits for a forward pass in flight, then stops the other ranks
+
+    watch = [asyncio.create_task(watch_ranks(ranks), name="target ranks")] if ranks.processes else []
     await run_server(
         "target",
         lambda server: target_pb2_grpc.add_TargetServicer_to_server(service, server),
         ["tandem.v1.Target"],
         listen,
-        on_stop=service.stop,
+        on_stop=stop,
+        background=watch,
     )
+
+
+async def watch_ranks(ranks: RankDriver) -> None:
+    """Ends, raising RankFailed, when a rank process exits while the target serves: run_server then stops."""
+    while True:
+        if not ranks.stopping:
+            ranks.check_running()
+        await asyncio.sleep(RANK_POLL_S)

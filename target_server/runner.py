@@ -20,12 +20,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
+from tandem.layers.kv_cache import OutOfKVBlocks, SequenceKV
 from tandem.models.registry import TargetModel
 from tandem.models.stack import TargetOutput
+from tandem.parallel.group import SINGLE_PROCESS
 from tandem.sampling.params import SamplingParams
 from tandem.sampling.verify import make_generator, sample_token, verify
 from tandem.settings import KVCacheSettings
+from target_server.ranks import RankDriver, build_cache
+from target_server.step import ForwardStep
 
 
 class RequestError(ValueError):
@@ -69,22 +72,16 @@ class StepResult:
 
 
 class TargetRunner:
-    def __init__(self, model: TargetModel, cache: KVCacheSettings, max_context: int) -> None:
-        config = model.config
-        parameter = next(model.parameters())
+    """Rank 0 of the target: all request state lives here, and `ranks` runs every forward pass on all ranks
+    (tensor parallelism, target_server.ranks); its default is the single-process target."""
+
+    def __init__(
+        self, model: TargetModel, cache: KVCacheSettings, max_context: int, ranks: RankDriver | None = None
+    ) -> None:
         self.model = model
         self.max_context = max_context
-        layout = config.cache_layout
-        self.cache = PagedKVCache(
-            config.num_layers,
-            cache.num_blocks,
-            cache.block_size,
-            layout.num_kv_heads,
-            layout.key_dim,
-            parameter.dtype,
-            parameter.device,
-            value_dim=layout.value_dim,
-        )
+        self.ranks = ranks if ranks is not None else RankDriver(SINGLE_PROCESS)
+        self.cache = build_cache(model, cache)
         self.requests: dict[str, TargetRequest] = {}
 
     @property
@@ -111,9 +108,10 @@ class TargetRunner:
                 self.cache.release(request.kv)
             raise
         input_ids = torch.tensor([t for request in requests for t in request.tokens], device=self.device)
-        output = self.model(input_ids, metadata, self.cache, self._capture_union(requests))
         last_rows = torch.tensor([span.query_start + span.query_len - 1 for span in metadata.spans], device=self.device)
-        logits = self.model.compute_logits(output.normed[last_rows]).cpu()  # [num_requests, vocab]
+        step = ForwardStep(input_ids, metadata, tuple(self._capture_union(requests)), last_rows)
+        output, logits = self.ranks.forward(self.model, self.cache, step)
+        logits = logits.cpu()  # [num_requests, vocab]
         results = []
         for row, (request, span) in enumerate(zip(requests, metadata.spans, strict=True)):
             first = sample_token(logits[row], request.sampling, request.generator)
@@ -140,8 +138,10 @@ class TargetRunner:
         metadata = self.cache.plan([(request.kv, 1 + len(draft)) for request, draft in pairs])
         flat_inputs = [token for request, draft in pairs for token in (request.tokens[-1], *draft)]
         input_ids = torch.tensor(flat_inputs, device=self.device)
-        output = self.model(input_ids, metadata, self.cache, self._capture_union(requests))
-        logits = self.model.compute_logits(output.normed).cpu()  # [num_tokens, vocab]
+        every_row = torch.arange(len(flat_inputs), device=self.device)
+        step = ForwardStep(input_ids, metadata, tuple(self._capture_union(requests)), every_row)
+        output, logits = self.ranks.forward(self.model, self.cache, step)
+        logits = logits.cpu()  # [num_tokens, vocab]
         results = []
         for (request, draft), span, start in zip(pairs, metadata.spans, start_lengths, strict=True):
             rows = slice(span.query_start, span.query_start + span.query_len)
@@ -170,10 +170,20 @@ class TargetRunner:
         try:
             metadata = self.cache.plan([(scratch, committed)])
             input_ids = torch.tensor(request.tokens[:committed], device=self.device)
-            output = self.model(input_ids, metadata, self.cache, capture)
+            no_logits = torch.empty(0, dtype=torch.long, device=self.device)
+            output, _ = self.ranks.forward(self.model, self.cache, ForwardStep(input_ids, metadata, capture, no_logits))
         finally:
             self.cache.release(scratch)
         return self._captured(request, output, slice(0, committed), 0, request.tokens[1 : committed + 1])
+
+    def weight_shards(self, name: str) -> list[torch.Tensor]:  # -> tp tensors [s, hidden], padding rows zero
+        """The vocab-parallel shards of a shared table ("embed_tokens" or "lm_head") as each rank holds it, by the
+        rule of tandem.parallel.vocab; tandem.parallel.vocab.assemble_shards gives the checkpoint's table back.
+
+        Safe from any thread (RankDriver's lock); with tp > 1 it gathers the shards over torch.distributed and so
+        blocks like a forward pass: keep it off the event loop.
+        """
+        return self.ranks.weight_shards(self.model, name)
 
     def release(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
-import torch
 
 from tandem.layers.kv_cache import OutOfKVBlocks
 from tandem.sampling.params import SamplingParams
 from tandem.wire import common_pb2, target_pb2, target_pb2_grpc
-from tandem.wire.codec import DEFAULT_CHUNK_BYTES, iter_weight_chunks, tensor_to_proto
+from tandem.wire.codec import DEFAULT_CHUNK_BYTES, ShardOf, iter_weight_chunks, tensor_to_proto
+from target_server.ranks import SHARED_TABLES
 from target_server.runner import CapturedRows, PrefillInput, RequestError, StepResult, TargetRunner
 
 LOG = logging.getLogger(__name__)
@@ -147,10 +147,11 @@ class TargetService(target_pb2_grpc.TargetServicer):
         if not capture:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "capture_indices: empty")
         for index in capture:
-            if not 0 <= index <= num_layers:
+            # num_layers + 1 is the final norm's output (see tandem.models.stack.run_layers).
+            if not 0 <= index <= num_layers + 1:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"capture_indices: {index} is outside 0..{num_layers} (the target has {num_layers} layers)",
+                    f"capture_indices: {index} is outside 0..{num_layers + 1} (the target has {num_layers} layers)",
                 )
         if request.replica_id in self.subscribers:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"replica_id: {request.replica_id!r} is subscribed")
@@ -167,20 +168,19 @@ class TargetService(target_pb2_grpc.TargetServicer):
     async def GetWeights(
         self, request: target_pb2.WeightsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[target_pb2.WeightChunk]:
-        tables = self.shared_tables()
         for name in request.names:
-            if name not in tables:
+            if name not in SHARED_TABLES:
                 await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"names: {name!r} is not one of {', '.join(sorted(tables))}"
+                    grpc.StatusCode.INVALID_ARGUMENT, f"names: {name!r} is not one of {', '.join(SHARED_TABLES)}"
                 )
         chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES
+        vocab_size = self.runner.model.config.vocab_size
         for name in request.names:
-            for chunk in iter_weight_chunks(name, tables[name], chunk_bytes):
-                yield chunk
-
-    def shared_tables(self) -> dict[str, torch.Tensor]:
-        model = self.runner.model
-        return {"embed_tokens": model.model.embed_tokens.weight.detach(), "lm_head": model.lm_head.weight.detach()}
+            # Gathering the shards runs the model's ranks: it goes through the model thread like any forward.
+            shards = await self._run(self.runner.weight_shards, name)
+            for rank, shard in enumerate(shards):
+                for chunk in iter_weight_chunks(name, shard, chunk_bytes, ShardOf(rank, len(shards), vocab_size)):
+                    yield chunk
 
     async def stop(self) -> None:
         for subscriber in self.subscribers.values():

@@ -14,3 +14,7 @@ class TargetSettings:
     dtype: str = "float32"
     max_context: int = 0  # 0: the model's max_position_embeddings
     cache: KVCacheSettings = field(default_factory=KVCacheSettings)
+    tp: int = 1  # tensor-parallel ranks (target_server.ranks)
+    # Where the ranks meet ("host:port", rank 0 serves it). None: rank 0 picks a free loopback port and starts
+    # ranks 1..tp-1 itself as child processes; given: someone else (the Ray launcher) starts them.
+    rendezvous: str | None = None

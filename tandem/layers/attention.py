@@ -3,6 +3,10 @@
 Options used by some families: a softmax scale other than head_dim ** -0.5 (Gemma's query_pre_attn_scalar), and a
 sliding window, with which a query at position p sees only the keys at positions (p - sliding_window, p], itself
 included (the Hugging Face rule). Example with sliding_window 3: the query at position 5 sees positions 3, 4 and 5.
+
+Tensor parallel: each rank holds num_heads / tp query heads and num_kv_heads / tp KV heads (the q/k/v projection is
+column parallel, so a rank's query heads and the KV heads they share stay together), attends over its own KV-cache
+shard, and o_proj (row parallel) sums the ranks' outputs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from tandem.layers.kv_cache import AttentionMetadata, PagedKVCache
 from tandem.layers.linear import PackedLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
+from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
+from tandem.parallel.layers import RowParallelLinear
 
 
 class Attention(nn.Module):
@@ -33,17 +39,18 @@ class Attention(nn.Module):
         qk_norm_unit_offset: bool = False,  # Gemma-style (1 + weight) q/k norms
         scaling: float | None = None,  # softmax scale; None means head_dim ** -0.5
         sliding_window: int | None = None,  # None: every earlier position is visible
+        group: ParallelGroup = SINGLE_PROCESS,
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        self.num_heads = group.split(num_heads, "num_attention_heads")  # this rank's heads
+        self.num_kv_heads = group.split(num_kv_heads, "num_key_value_heads")
         self.head_dim = head_dim
         self.scaling = scaling
         self.sliding_window = sliding_window
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = PackedLinear(input_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, output_size, bias=o_bias)
+        self.qkv_proj = PackedLinear(input_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias, group)
+        self.o_proj = RowParallelLinear(q_size, output_size, o_bias, group)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, qk_norm_unit_offset) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, qk_norm_unit_offset) if qk_norm_eps is not None else None
         self.rotary = rotary

@@ -22,6 +22,7 @@ from torch import nn
 
 from tandem.layers.attention import _attend
 from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache
+from tandem.layers.linear import PackedLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -47,27 +48,49 @@ class MLAConfig:
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """Module and parameter names are the checkpoint's (model.layers.N.self_attn.kv_b_proj ...)."""
+    """Module and parameter names are the checkpoint's (model.layers.N.self_attn.kv_b_proj ...).
 
-    def __init__(self, layer_index: int, config: MLAConfig, rotary: RotaryEmbedding) -> None:
+    `input_size` is the width of the projections' input (2*hidden for an EAGLE3 head, which attends over
+    concat([embedding, hidden])). With `fused_a_projection` the q and kv down projections are one matmul,
+    `fused_qkv_a_proj_with_mqa`, whose rows are q_a_proj's then kv_a_proj_with_mqa's (loaded part by part); it needs
+    the low-rank query (q_lora_rank set).
+    """
+
+    def __init__(
+        self,
+        layer_index: int,
+        config: MLAConfig,
+        rotary: RotaryEmbedding,
+        input_size: int | None = None,  # None: config.hidden_size
+        fused_a_projection: bool = False,
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.config = config
         self.rotary = rotary
+        input_size = input_size or config.hidden_size
         query_size = config.num_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
+        kv_a_size = config.kv_lora_rank + config.qk_rope_head_dim
         self.q_proj: nn.Linear | None = None
         self.q_a_proj: nn.Linear | None = None
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: nn.Linear | None = None
+        self.kv_a_proj_with_mqa: nn.Linear | None = None
+        self.fused_qkv_a_proj_with_mqa: PackedLinear | None = None
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(config.hidden_size, query_size, bias=False)
+            if fused_a_projection:
+                raise ValueError("a fused q/kv down projection needs q_lora_rank")
+            self.q_proj = nn.Linear(input_size, query_size, bias=False)
         else:
-            self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=config.attention_bias)
+            if fused_a_projection:
+                parts = {"q_a": config.q_lora_rank, "kv_a": kv_a_size}
+                self.fused_qkv_a_proj_with_mqa = PackedLinear(input_size, parts, bias=config.attention_bias)
+            else:
+                self.q_a_proj = nn.Linear(input_size, config.q_lora_rank, bias=config.attention_bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(config.q_lora_rank, query_size, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
-            config.hidden_size, config.kv_lora_rank + config.qk_rope_head_dim, bias=config.attention_bias
-        )
+        if not fused_a_projection:
+            self.kv_a_proj_with_mqa = nn.Linear(input_size, kv_a_size, bias=config.attention_bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(
             config.kv_lora_rank, config.num_heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
@@ -76,15 +99,16 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden]
+        hidden: torch.Tensor,  # [num_tokens, input_size]
         metadata: AttentionMetadata,
         cache: PagedKVCache,
     ) -> torch.Tensor:  # -> [num_tokens, hidden]
         config = self.config
         num_tokens = hidden.shape[0]
-        query = self._query(hidden).view(num_tokens, config.num_heads, -1)
+        query, kv = self._project(hidden)
+        query = query.view(num_tokens, config.num_heads, -1)
         query_nope, query_rope = query.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
-        latent, key_rope = self.kv_a_proj_with_mqa(hidden).split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
+        latent, key_rope = kv.split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [num_tokens, kv_lora_rank]
         # key_rope is one head shared by all query heads: [num_tokens, 1, qk_rope_head_dim].
         query_rope, key_rope = self.rotary(metadata.positions, query_rope, key_rope[:, None, :])
@@ -99,11 +123,26 @@ class MultiHeadLatentAttention(nn.Module):
         output = torch.einsum("thc,hvc->thv", attended, value_up)  # [num_tokens, heads, v_head_dim]
         return self.o_proj(output.reshape(num_tokens, config.num_heads * config.v_head_dim))
 
-    def _query(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, heads * qk_dim]
-        if self.q_proj is not None:
-            return self.q_proj(hidden)
-        assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+    def _project(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, input_size]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # -> query [num_tokens, heads * qk_dim], kv [num_tokens, kv_lora + rope]
+        """The query and the kv down projection (latent, then the shared rope key part), before any norm."""
+        config = self.config
+        if self.fused_qkv_a_proj_with_mqa is not None:
+            assert config.q_lora_rank is not None
+            query_latent, kv = self.fused_qkv_a_proj_with_mqa(hidden).split(
+                [config.q_lora_rank, config.kv_lora_rank + config.qk_rope_head_dim], dim=-1
+            )
+        else:
+            assert self.kv_a_proj_with_mqa is not None
+            kv = self.kv_a_proj_with_mqa(hidden)
+            if self.q_proj is not None:
+                return self.q_proj(hidden), kv
+            assert self.q_a_proj is not None
+            query_latent = self.q_a_proj(hidden)
+        assert self.q_a_layernorm is not None and self.q_b_proj is not None
+        return self.q_b_proj(self.q_a_layernorm(query_latent)), kv
 
 
 def latent_attention(

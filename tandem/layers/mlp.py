@@ -1,4 +1,8 @@
-"""Gated MLP (SwiGLU, or GeGLU for Gemma) with gate and up projections packed into one matmul."""
+"""Gated MLP (SwiGLU, or GeGLU for Gemma) with gate and up projections packed into one matmul.
+
+Tensor parallel: gate/up is column parallel (each rank computes intermediate_size / tp units) and down_proj row
+parallel (its all-reduce sums the ranks' contributions).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.layers.linear import PackedLinear
+from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
+from tandem.parallel.layers import RowParallelLinear
 
 # Hugging Face `hidden_act` / `hidden_activation` names -> the function applied to the gate.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -19,10 +25,18 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "silu",
+        group: ParallelGroup = SINGLE_PROCESS,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = PackedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        group.split(intermediate_size, "intermediate_size")  # refuses an uneven split, naming the config field
+        parts = {"gate": intermediate_size, "up": intermediate_size}
+        self.gate_up_proj = PackedLinear(hidden_size, parts, bias=False, group=group)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, group=group)
         self.activation = ACTIVATIONS[activation]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]

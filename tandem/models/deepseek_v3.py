@@ -11,16 +11,23 @@ What differs from the Llama family:
 Kimi-K2 checkpoints use this architecture name with model_type "kimi_k2"; the architecture name alone selects this
 family, so the alias needs nothing else.
 
+The EAGLE3 MLA head (Eagle3DeepseekV2ForCausalLM, tandem.models.eagle3) is one layer of this family read from the same
+kind of config.json (`DeepseekV3DraftLayerConfig`): the same decoder layer with a 2*hidden attention input, a fused
+q/kv down projection and a dense MLP.
+
 EAGLE3 drafts on this target name their layers by the generic rule of tandem.models.aux_layers: with convention
 "auto", a first id of 1 means output-of-layer ids (capture index = id + 1), otherwise input-to-layer ids; that is the
 rule SGLang applies to DeepSeek-V2/V3 drafts (`ids[0] == 1`). With no ids the default set (2, L // 2, L - 3) is used.
+
+Tensor parallelism is not supported yet: MLA's latent projections and the MoE experts are not sharded, so a group of
+more than one rank is refused at construction (ParallelismError naming the tp).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -33,6 +40,7 @@ from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, yarn_softmax_mscale
 from tandem.models.config import ConfigError, RopeConfig, eos_token_ids, require_int
 from tandem.models.stack import TargetOutput, run_layers
+from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup, ParallelismError
 from tandem.weights.loader import PACKED_PARTS, NameMap
 
 # transformers' DeepseekV3Config defaults, for keys that a config.json leaves out. Shapes have no default: they
@@ -89,26 +97,16 @@ class DeepseekV3Config:
         """DeepSeek's rule: dense below first_k_dense_replace, then MoE on every moe_layer_freq-th layer."""
         return layer_index >= self.first_k_dense_replace and layer_index % self.moe_layer_freq == 0
 
+    def experts(self, layer_index: int) -> MoEConfig | None:
+        """The layer's mixture of experts, or None for a dense MLP."""
+        return self.moe if self.is_moe_layer(layer_index) else None
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> DeepseekV3Config:
         hf = HF_DEFAULTS | hf
         _check_supported(hf)
         hidden_size = require_int(hf, "hidden_size")
-        num_heads = require_int(hf, "num_attention_heads")
-        rope = RopeConfig.from_hf(hf)
-        qk_nope_head_dim = require_int(hf, "qk_nope_head_dim")
-        qk_rope_head_dim = require_int(hf, "qk_rope_head_dim")
-        attention = MLAConfig(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            q_lora_rank=None if hf["q_lora_rank"] is None else int(hf["q_lora_rank"]),
-            kv_lora_rank=require_int(hf, "kv_lora_rank"),
-            qk_nope_head_dim=qk_nope_head_dim,
-            qk_rope_head_dim=qk_rope_head_dim,
-            v_head_dim=require_int(hf, "v_head_dim"),
-            attention_bias=bool(hf["attention_bias"]),
-            softmax_scale=(qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * yarn_softmax_mscale(rope),
-        )
+        attention, rope = latent_attention_from_hf(hf)
         moe = MoEConfig(
             hidden_size=hidden_size,
             expert_intermediate_size=require_int(hf, "moe_intermediate_size"),
@@ -141,21 +139,94 @@ class DeepseekV3Config:
         )
 
 
+@dataclass(frozen=True)
+class DeepseekV3DraftLayerConfig:
+    """The one layer of an EAGLE3 MLA head (Eagle3DeepseekV2ForCausalLM, e.g. Kimi-K2.5's), from its DeepSeek-V3
+    style config.json: the target's attention and rope translation, and a dense MLP whatever the MoE keys say.
+
+    q_lora_rank must be set: the head's `fused_qkv_a_proj_with_mqa` packs q_a_proj with kv_a_proj_with_mqa. Unlike
+    the target, a missing q_lora_rank is refused rather than defaulted, since a guessed rank would only surface as
+    a shape error on some tensor.
+    """
+
+    vocab_size: int  # the TARGET vocabulary (the embedding's rows)
+    hidden_size: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeConfig  # of the qk_rope_head_dim part
+    rope_interleave: bool
+    attention: MLAConfig
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        return self.attention.cache_layout
+
+    def experts(self, layer_index: int) -> MoEConfig | None:
+        """Always None: EAGLE3 MLA heads have a dense MLP."""
+        return None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> DeepseekV3DraftLayerConfig:
+        if hf.get("q_lora_rank") is None:
+            raise ConfigError(
+                "q_lora_rank: missing or null; an EAGLE3 MLA head needs the low-rank query, whose q_a_proj is packed "
+                "with kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa"
+            )
+        hf = HF_DEFAULTS | hf
+        _check_weights_and_activation(hf)
+        attention, rope = latent_attention_from_hf(hf)
+        return cls(
+            vocab_size=require_int(hf, "vocab_size"),
+            hidden_size=attention.hidden_size,
+            intermediate_size=require_int(hf, "intermediate_size"),
+            rms_norm_eps=float(hf["rms_norm_eps"]),
+            rope=rope,
+            rope_interleave=bool(hf["rope_interleave"]),
+            attention=attention,
+        )
+
+
+def latent_attention_from_hf(hf: dict[str, Any]) -> tuple[MLAConfig, RopeConfig]:
+    """MLA shapes and the rope of their qk_rope_head_dim part, from a config with HF_DEFAULTS applied.
+
+    The softmax scale carries YaRN's mscale correction (tandem.layers.rotary.yarn_softmax_mscale).
+    """
+    rope = RopeConfig.from_hf(hf)
+    qk_nope_head_dim = require_int(hf, "qk_nope_head_dim")
+    qk_rope_head_dim = require_int(hf, "qk_rope_head_dim")
+    attention = MLAConfig(
+        hidden_size=require_int(hf, "hidden_size"),
+        num_heads=require_int(hf, "num_attention_heads"),
+        q_lora_rank=None if hf["q_lora_rank"] is None else int(hf["q_lora_rank"]),
+        kv_lora_rank=require_int(hf, "kv_lora_rank"),
+        qk_nope_head_dim=qk_nope_head_dim,
+        qk_rope_head_dim=qk_rope_head_dim,
+        v_head_dim=require_int(hf, "v_head_dim"),
+        attention_bias=bool(hf["attention_bias"]),
+        softmax_scale=(qk_nope_head_dim + qk_rope_head_dim) ** -0.5 * yarn_softmax_mscale(rope),
+    )
+    return attention, rope
+
+
 def _check_supported(hf: dict[str, Any]) -> None:
-    if hf["hidden_act"] != "silu":
-        raise ConfigError(f"hidden_act: {hf['hidden_act']!r} is not supported (silu)")
+    _check_weights_and_activation(hf)
     if hf["scoring_func"] != "sigmoid":
         raise ConfigError(f"scoring_func: {hf['scoring_func']!r} is not supported (sigmoid, DeepSeek-V3's router)")
     if hf["topk_method"] != "noaux_tc":
         raise ConfigError(f"topk_method: {hf['topk_method']!r} is not supported (noaux_tc, DeepSeek-V3's router)")
+    if int(hf["moe_layer_freq"]) < 1:
+        raise ConfigError(f"moe_layer_freq: {hf['moe_layer_freq']} (must be >= 1)")
+
+
+def _check_weights_and_activation(hf: dict[str, Any]) -> None:
+    if hf["hidden_act"] != "silu":
+        raise ConfigError(f"hidden_act: {hf['hidden_act']!r} is not supported (silu)")
     quantization = hf.get("quantization_config")
     if quantization is not None:
         # The official DeepSeek-V3 and Kimi-K2 files are block-wise fp8 with weight_scale_inv tensors; loading their
         # weights without the scales would give a model that runs and answers garbage.
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
         raise ConfigError(f"quantization_config: {method!r} checkpoints are not supported (dequantize to bf16 first)")
-    if int(hf["moe_layer_freq"]) < 1:
-        raise ConfigError(f"moe_layer_freq: {hf['moe_layer_freq']} (must be >= 1)")
 
 
 def _check_router(moe: MoEConfig) -> None:
@@ -177,16 +248,43 @@ def _check_router(moe: MoEConfig) -> None:
         raise ConfigError(f"n_shared_experts: {moe.num_shared_experts} is not supported (DeepSeek-V3 has >= 1)")
 
 
+class MLALayerConfig(Protocol):
+    """What a DeepSeek-V3 decoder layer reads of its config: the target's (DeepseekV3Config) or an EAGLE3 MLA
+    head's (DeepseekV3DraftLayerConfig)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...  # the dense MLP's
+    @property
+    def rms_norm_eps(self) -> float: ...
+    @property
+    def attention(self) -> MLAConfig: ...
+    def experts(self, layer_index: int) -> MoEConfig | None: ...
+
+
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, config: DeepseekV3Config, layer_index: int, rotary: RotaryEmbedding) -> None:
+    """Pre-norm MLA decoder layer. `attention_input_size` is 2*hidden for EAGLE3 heads, which attend over
+    concat([embedding, hidden]) instead of the normed residual stream; they also fuse the q/kv down projections
+    (`fused_a_projection`, see MultiHeadLatentAttention)."""
+
+    def __init__(
+        self,
+        config: MLALayerConfig,
+        layer_index: int,
+        rotary: RotaryEmbedding,
+        attention_input_size: int | None = None,
+        fused_a_projection: bool = False,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MultiHeadLatentAttention(layer_index, config.attention, rotary)
+        self.self_attn = MultiHeadLatentAttention(
+            layer_index, config.attention, rotary, attention_input_size, fused_a_projection
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        experts = config.experts(layer_index)
         self.mlp: MixtureOfExperts | GatedMLP = (
-            MixtureOfExperts(config.moe)
-            if config.is_moe_layer(layer_index)
-            else GatedMLP(config.hidden_size, config.intermediate_size)
+            MixtureOfExperts(experts) if experts is not None else GatedMLP(config.hidden_size, config.intermediate_size)
         )
 
     def forward(
@@ -194,8 +292,11 @@ class DeepseekV3DecoderLayer(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden] residual stream entering the layer
         metadata: AttentionMetadata,
         cache: PagedKVCache,
+        attention_input: torch.Tensor | None = None,  # [num_tokens, attention_input_size]; default: normed hidden
     ) -> torch.Tensor:  # -> [num_tokens, hidden] residual stream leaving the layer
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), metadata, cache)
+        if attention_input is None:
+            attention_input = self.input_layernorm(hidden)
+        hidden = hidden + self.self_attn(attention_input, metadata, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -211,8 +312,13 @@ class DeepseekV3Backbone(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, config: DeepseekV3Config) -> None:
+    def __init__(self, config: DeepseekV3Config, group: ParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
+        if group.world_size > 1:
+            raise ParallelismError(
+                f"tp {group.world_size}: {config.architecture} runs on one rank only for now (its MLA and MoE layers "
+                "are not sharded); serve it with tp 1"
+            )
         self.config = config
         self.model = DeepseekV3Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -224,10 +330,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens]
         metadata: AttentionMetadata,
         cache: PagedKVCache,  # laid out as config.cache_layout
-        capture: Sequence[int] = (),  # capture indices in [0, num_layers]; num_layers = final pre-norm stream
+        capture: Sequence[int] = (),  # capture indices in [0, num_layers + 1] (tandem.models.stack.run_layers)
     ) -> TargetOutput:
         hidden = self.model.embed_tokens(input_ids)
         return run_layers(hidden, self.model.layers, self.model.norm, metadata, cache, capture)
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """What one token leaves in one layer of the KV cache (one rank holds it all)."""
+        return self.config.cache_layout
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return self.lm_head(normed).float()

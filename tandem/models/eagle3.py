@@ -1,49 +1,131 @@
-"""EAGLE3 draft head in the SpecForge / SGLang checkpoint format.
+"""EAGLE3 draft head in the SpecForge / SGLang checkpoint format, on the decoder layer of a target family.
 
-One decoder layer (the target families' DecoderLayer with 2*hidden attention input). For each row:
+One decoder layer with 2*hidden attention input. For each row:
     residual  = fc(aux features)           first step: target features [num_aux * target_hidden]
               = previous draft hidden      later steps (width hidden, fc skipped)
     attention input = concat([input_layernorm(embed(token)), hidden_norm(residual)])   # embedding first
     stream    = layer(residual, attention input)
     logits    = lm_head(norm(stream))      over the draft vocabulary; target id = draft id + d2t[draft id]
     carried   = stream (pre-norm), or norm(stream) when norm_output is set
+
+The config's architecture name picks the decoder layer (`EAGLE3_LAYER_KINDS`); the rest of the head is shared:
+- LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM: the Llama family's DecoderLayer, grouped-query attention whose
+  cache keeps num_kv_heads keys and values per token;
+- Eagle3DeepseekV2ForCausalLM (Kimi-K2.5's kimi-k2.5-eagle3-mla): the DeepSeek-V3 family's DeepseekV3DecoderLayer,
+  multi-head latent attention whose cache keeps one kv_lora_rank + qk_rope_head_dim row per token and no values,
+  with q_a_proj and kv_a_proj_with_mqa fused into one down projection of the 2*hidden input, and a dense MLP.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
 
-from tandem.layers.kv_cache import AttentionMetadata, PagedKVCache
+from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ConfigError, FamilyTraits, ModelConfig, read_hf_config
+from tandem.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3DraftLayerConfig
 from tandem.models.llama import DecoderLayer
-from tandem.weights.loader import NameMap, checkpoint_files, iter_tensors, load_weights
-
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+from tandem.weights.loader import (
+    MLA_A_PROJECTION_PARTS,
+    PACKED_PARTS,
+    NameMap,
+    checkpoint_files,
+    iter_tensors,
+    load_weights,
+)
 
 # Checkpoint prefixes -> module names; specific renames first (first match wins).
-EAGLE3_NAME_MAP = NameMap(
-    renames=(
-        ("midlayer.hidden_norm.", "hidden_norm."),
-        ("layers.0.hidden_norm.", "hidden_norm."),
-        ("midlayer.", "layer."),
-        ("layers.0.", "layer."),
-        ("aux_norm_low.", "fc_norm.0."),
-        ("aux_norm_mid.", "fc_norm.1."),
-        ("aux_norm_high.", "fc_norm.2."),
-    )
+EAGLE3_RENAMES = (
+    ("midlayer.hidden_norm.", "hidden_norm."),
+    ("layers.0.hidden_norm.", "hidden_norm."),
+    ("midlayer.", "layer."),
+    ("layers.0.", "layer."),
+    ("aux_norm_low.", "fc_norm.0."),
+    ("aux_norm_mid.", "fc_norm.1."),
+    ("aux_norm_high.", "fc_norm.2."),
 )
+# Llama layers pack q/k/v and gate/up (the default packing).
+EAGLE3_NAME_MAP = NameMap(renames=EAGLE3_RENAMES)
+# MLA layers pack gate/up and the q/kv down projections; q_b_proj, kv_b_proj and o_proj load as they are.
+EAGLE3_MLA_NAME_MAP = NameMap(
+    renames=EAGLE3_RENAMES,
+    packed={"gate_proj": PACKED_PARTS["gate_proj"], "up_proj": PACKED_PARTS["up_proj"], **MLA_A_PROJECTION_PARTS},
+)
+
+
+class Eagle3LayerConfig(Protocol):
+    """What the head reads of its decoder layer's config (ModelConfig or DeepseekV3DraftLayerConfig)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...  # the TARGET vocabulary
+    @property
+    def rms_norm_eps(self) -> float: ...
+    @property
+    def cache_layout(self) -> CacheLayout: ...  # what one token leaves in the draft's KV cache
+
+
+class Eagle3Layer(Protocol):
+    """The decoder layer as the head drives it: its input_layernorm normalizes the embedding."""
+
+    input_layernorm: RMSNorm
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden] residual stream entering the layer
+        metadata: AttentionMetadata,
+        cache: PagedKVCache,
+        attention_input: torch.Tensor | None = None,  # [num_tokens, 2 * hidden]
+    ) -> torch.Tensor: ...  # -> [num_tokens, hidden] residual stream leaving the layer
+
+
+LayerConfigT = TypeVar("LayerConfigT", bound=Eagle3LayerConfig)
+
+
+@dataclass(frozen=True)
+class Eagle3LayerKind(Generic[LayerConfigT]):
+    """One kind of EAGLE3 decoder layer: how to read its config, build it and name its checkpoint tensors."""
+
+    read_config: Callable[[dict[str, Any]], LayerConfigT]  # HF config -> the layer's config
+    build: Callable[[LayerConfigT, int], Eagle3Layer]  # (layer config, attention input size) -> layer 0
+    name_map: NameMap
+
+
+def _read_llama_layer(hf: dict[str, Any]) -> ModelConfig:
+    return ModelConfig.from_hf(hf, traits=FamilyTraits())
+
+
+def _build_llama_layer(config: ModelConfig, attention_input_size: int) -> DecoderLayer:
+    return DecoderLayer(config, 0, RotaryEmbedding(config.head_dim, config.rope), attention_input_size)
+
+
+def _build_mla_layer(config: DeepseekV3DraftLayerConfig, attention_input_size: int) -> DeepseekV3DecoderLayer:
+    rotary = RotaryEmbedding(config.attention.qk_rope_head_dim, config.rope, config.rope_interleave)
+    return DeepseekV3DecoderLayer(config, 0, rotary, attention_input_size, fused_a_projection=True)
+
+
+_LLAMA_LAYER = Eagle3LayerKind(_read_llama_layer, _build_llama_layer, EAGLE3_NAME_MAP)
+EAGLE3_LAYER_KINDS: dict[str, Eagle3LayerKind[Any]] = {
+    "LlamaForCausalLMEagle3": _LLAMA_LAYER,
+    "Eagle3LlamaForCausalLM": _LLAMA_LAYER,
+    "Eagle3DeepseekV2ForCausalLM": Eagle3LayerKind(
+        DeepseekV3DraftLayerConfig.from_hf, _build_mla_layer, EAGLE3_MLA_NAME_MAP
+    ),
+}
 
 
 @dataclass(frozen=True)
 class Eagle3Config:
-    layer: ModelConfig  # the decoder layer's shapes; layer.vocab_size is the TARGET vocabulary
+    architecture: str  # a key of EAGLE3_LAYER_KINDS
+    layer: Eagle3LayerConfig  # the decoder layer's config; layer.vocab_size is the TARGET vocabulary
     target_hidden_size: int
     draft_vocab_size: int
     num_aux: int
@@ -56,20 +138,34 @@ class Eagle3Config:
     def hidden_size(self) -> int:
         return self.layer.hidden_size
 
+    @property
+    def vocab_size(self) -> int:
+        """The TARGET vocabulary: the embedding's rows and the range of d2t's target ids."""
+        return self.layer.vocab_size
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        return self.layer.cache_layout
+
+    @property
+    def layer_kind(self) -> Eagle3LayerKind[Any]:
+        return EAGLE3_LAYER_KINDS[self.architecture]
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> Eagle3Config:
         architecture = (hf.get("architectures") or ["?"])[0]
-        if architecture not in EAGLE3_ARCHITECTURES:
-            known = ", ".join(EAGLE3_ARCHITECTURES)
+        if architecture not in EAGLE3_LAYER_KINDS:
+            known = ", ".join(EAGLE3_LAYER_KINDS)
             raise ConfigError(f"architectures: {architecture!r} is not an EAGLE3 head ({known})")
         if int(hf.get("num_hidden_layers", 1)) != 1:
             raise ConfigError(f"num_hidden_layers: EAGLE3 heads have 1 layer, got {hf['num_hidden_layers']}")
-        layer = ModelConfig.from_hf(hf, traits=FamilyTraits())
+        layer = EAGLE3_LAYER_KINDS[architecture].read_config(hf)
         eagle = hf.get("eagle_config") or {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids", hf.get("eagle_aux_hidden_state_layer_ids"))
         aux_ids = tuple(int(i) for i in ids) if ids else None
         num_aux = int(hf.get("num_aux_hidden_states") or (len(aux_ids) if aux_ids else 3))
         return cls(
+            architecture=architecture,
             layer=layer,
             target_hidden_size=int(hf.get("target_hidden_size") or layer.hidden_size),
             draft_vocab_size=int(hf.get("draft_vocab_size") or layer.vocab_size),
@@ -92,19 +188,19 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = config
         hidden = config.hidden_size
+        eps = config.layer.rms_norm_eps
         aux_width = config.num_aux * config.target_hidden_size
-        self.rotary = RotaryEmbedding(config.layer.head_dim, config.layer.rope)
-        self.embed_tokens = nn.Embedding(config.layer.vocab_size, hidden)
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.fc_norm = (
-            nn.ModuleList(RMSNorm(config.target_hidden_size, config.layer.rms_norm_eps) for _ in range(config.num_aux))
+            nn.ModuleList(RMSNorm(config.target_hidden_size, eps) for _ in range(config.num_aux))
             if config.fc_norm
             else None
         )
-        self.norm_before_fc = RMSNorm(aux_width, config.layer.rms_norm_eps) if config.norm_before_fc else None
+        self.norm_before_fc = RMSNorm(aux_width, eps) if config.norm_before_fc else None
         self.fc = nn.Linear(aux_width, hidden, bias=False)
-        self.hidden_norm = RMSNorm(hidden, config.layer.rms_norm_eps)
-        self.layer = DecoderLayer(config.layer, 0, self.rotary, attention_input_size=2 * hidden)
-        self.norm = RMSNorm(hidden, config.layer.rms_norm_eps)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.layer: Eagle3Layer = config.layer_kind.build(config.layer, 2 * hidden)
+        self.norm = RMSNorm(hidden, eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
 
@@ -122,7 +218,7 @@ class Eagle3Draft(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens] target vocabulary ids
         hidden: torch.Tensor,  # [num_tokens, hidden] projected target features or the previous draft hidden
         metadata: AttentionMetadata,
-        cache: PagedKVCache,
+        cache: PagedKVCache,  # laid out as config.cache_layout
     ) -> DraftStep:
         embedded = self.layer.input_layernorm(self.embed_tokens(input_ids))
         attention_input = torch.cat([embedded, self.hidden_norm(hidden)], dim=-1)  # [num_tokens, 2 * hidden]
@@ -147,23 +243,24 @@ def checkpoint_has(model_dir: Path, name: str) -> bool:
 
 
 def load_eagle3(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[Eagle3Draft, bool]:
-    """Loads an EAGLE3 head; returns (model, has_embedding). Without an embedding in the checkpoint the
-    caller must fill `embed_tokens` from the target."""
+    """Loads an EAGLE3 head of any layer kind; returns (model, has_embedding). Without an embedding in the
+    checkpoint the caller must fill `embed_tokens` from the target."""
     config = Eagle3Config.from_hf(read_hf_config(model_dir))
     with torch.device("meta"):
         model = Eagle3Draft(config)
     model = model.to_empty(device=device).to(dtype)
     # The embedding usually comes from the target; d2t may be absent when the draft vocabulary is the full one.
-    full_vocabulary = config.draft_vocab_size == config.layer.vocab_size
+    full_vocabulary = config.draft_vocab_size == config.vocab_size
     optional = frozenset({"embed_tokens.weight", "d2t"} if full_vocabulary else {"embed_tokens.weight"})
     model.d2t.zero_()  # type: ignore[operator]
-    load_weights(model, iter_tensors(model_dir), EAGLE3_NAME_MAP, source=str(model_dir), optional=optional)
+    name_map = config.layer_kind.name_map
+    load_weights(model, iter_tensors(model_dir), name_map, source=str(model_dir), optional=optional)
     d2t: torch.Tensor = model.d2t  # type: ignore[assignment]
     target_ids = torch.arange(config.draft_vocab_size, device=d2t.device) + d2t
-    if int(target_ids.min()) < 0 or int(target_ids.max()) >= config.layer.vocab_size:
+    if int(target_ids.min()) < 0 or int(target_ids.max()) >= config.vocab_size:
         raise ConfigError(
             f"d2t: maps draft ids to target ids {int(target_ids.min())}..{int(target_ids.max())}, "
-            f"outside the target vocabulary 0..{config.layer.vocab_size - 1}"
+            f"outside the target vocabulary 0..{config.vocab_size - 1}"
         )
     model.eval()
     return model, checkpoint_has(model_dir, "embed_tokens.weight")

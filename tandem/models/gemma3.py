@@ -10,6 +10,12 @@ What differs from the Llama family, each a flag of a shared block or a line here
 - sliding-window (local) layers are interleaved with global ones; local layers use their own rope base
   (rope_local_base_freq), global layers rope_theta with the optional linear scaling;
 - an optional final logit softcap: logits = cap * tanh(logits / cap).
+
+Tensor parallel (`group`): attention heads and MLP units are split across ranks as in the Llama family, but the
+embedding and the (usually tied) LM head stay replicated, the plain replicated embedding that REFERENCE.md describes
+for Gemma3: every rank holds the whole raw table and computes the whole logits, so the sqrt(hidden) scale and the
+softcap need no communication. A draft that shares the table gets it cut by the vocab-parallel rule
+(TargetRunner.weight_shards).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ConfigError, RopeConfig, eos_token_ids, require_int
 from tandem.models.stack import TargetOutput, run_layers
+from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
 
 # transformers' Gemma3TextConfig defaults, for keys that a config.json leaves out.
 HF_DEFAULTS: dict[str, Any] = {
@@ -159,7 +166,7 @@ def default_capture_indices(num_layers: int) -> tuple[int, ...]:
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: Gemma3Config, layer_index: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Gemma3Config, layer_index: int, rotary: RotaryEmbedding, group: ParallelGroup) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, unit_offset=True)
@@ -177,10 +184,11 @@ class Gemma3DecoderLayer(nn.Module):
             qk_norm_unit_offset=True,
             scaling=config.query_pre_attn_scalar**-0.5,
             sliding_window=config.sliding_window if config.sliding_layers[layer_index] else None,
+            group=group,
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset=True)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
-        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation, group)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
 
     def forward(
@@ -195,23 +203,24 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Backbone(nn.Module):
-    def __init__(self, config: Gemma3Config) -> None:
+    def __init__(self, config: Gemma3Config, group: ParallelGroup) -> None:
         super().__init__()
         self.global_rotary = RotaryEmbedding(config.head_dim, config.global_rope)
         self.local_rotary = RotaryEmbedding(config.head_dim, config.local_rope)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)  # unscaled, as in the checkpoint
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, index, self.local_rotary if sliding else self.global_rotary)
+            Gemma3DecoderLayer(config, index, self.local_rotary if sliding else self.global_rotary, group)
             for index, sliding in enumerate(config.sliding_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
 
 
 class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, config: Gemma3Config) -> None:
+    def __init__(self, config: Gemma3Config, group: ParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
         self.config = config
-        self.model = Gemma3Backbone(config)
+        self.group = group
+        self.model = Gemma3Backbone(config, group)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -221,7 +230,7 @@ class Gemma3ForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens]
         metadata: AttentionMetadata,
         cache: PagedKVCache,
-        capture: Sequence[int] = (),  # capture indices in [0, num_layers]; num_layers = final pre-norm stream
+        capture: Sequence[int] = (),  # capture indices in [0, num_layers + 1] (tandem.models.stack.run_layers)
     ) -> TargetOutput:
         embedded = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         # The scale is rounded to the model dtype before the multiply, as transformers does (sqrt(3072) -> 55.5 in
@@ -229,6 +238,12 @@ class Gemma3ForCausalLM(nn.Module):
         scale = torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32, device=embedded.device)
         hidden = embedded * scale.to(embedded.dtype)
         return run_layers(hidden, self.model.layers, self.model.norm, metadata, cache, capture)
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """What one token leaves in one layer of this rank's KV cache: its share of the KV heads."""
+        layout = self.config.cache_layout
+        return CacheLayout(layout.num_kv_heads // self.group.world_size, layout.key_dim, layout.value_dim)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         logits = self.lm_head(normed).float()

@@ -2,6 +2,10 @@
 
 Module names mirror the Hugging Face checkpoints (model.layers.N.self_attn...), so the only name
 mapping the loader needs is the packing of q/k/v and gate/up (tandem.weights.names.PACKED_PARTS).
+
+Tensor parallel (`group`): attention heads and MLP units are split across ranks (tandem.layers.attention, .mlp), the
+embedding and LM head by the vocab-parallel rule (tandem.parallel.vocab); norms and the residual stream are
+replicated, so every rank ends a layer with the same hidden states.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ import torch
 from torch import nn
 
 from tandem.layers.attention import Attention
-from tandem.layers.kv_cache import AttentionMetadata, PagedKVCache
+from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ModelConfig
 from tandem.models.stack import TargetOutput, run_layers
+from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
+from tandem.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 
 
 class DecoderLayer(nn.Module):
@@ -30,6 +36,7 @@ class DecoderLayer(nn.Module):
         layer_index: int,
         rotary: RotaryEmbedding,
         attention_input_size: int | None = None,
+        group: ParallelGroup = SINGLE_PROCESS,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -44,9 +51,10 @@ class DecoderLayer(nn.Module):
             qkv_bias=config.traits.qkv_bias,
             o_bias=config.traits.o_bias,
             qk_norm_eps=config.rms_norm_eps if config.traits.qk_norm else None,
+            group=group,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, group=group)
 
     def forward(
         self,
@@ -62,20 +70,23 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBackbone(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, group: ParallelGroup) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(config.head_dim, config.rope)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, index, self.rotary) for index in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, index, self.rotary, group=group) for index in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, group: ParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaBackbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.group = group
+        self.model = LlamaBackbone(config, group)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -84,10 +95,16 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens]
         metadata: AttentionMetadata,
         cache: PagedKVCache,
-        capture: Sequence[int] = (),  # capture indices in [0, num_layers]; num_layers = final pre-norm stream
+        capture: Sequence[int] = (),  # capture indices in [0, num_layers + 1] (tandem.models.stack.run_layers)
     ) -> TargetOutput:
         hidden = self.model.embed_tokens(input_ids)
         return run_layers(hidden, self.model.layers, self.model.norm, metadata, cache, capture)
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """What one token leaves in one layer of this rank's KV cache: its share of the KV heads."""
+        layout = self.config.cache_layout
+        return CacheLayout(layout.num_kv_heads // self.group.world_size, layout.key_dim, layout.value_dim)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return self.lm_head(normed).float()

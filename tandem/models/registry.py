@@ -5,6 +5,9 @@ TargetOutput, compute_logits, a `config` with the shapes the servers need, and t
 `model.embed_tokens` and `lm_head`. A family is one `TargetArchitecture` entry: how to build the model from the
 HF config, the checkpoint name map, its default EAGLE3 capture indices, and what of the checkpoint is not the
 target's (layers after the last one) or stays in float32.
+
+Tensor parallel: a family is built for one rank of a `ParallelGroup` and holds that rank's shard of the weights;
+`load_target` reads only that shard from the checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tandem.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from tandem.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.stack import TargetOutput
+from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
 from tandem.weights.loader import NameMap, iter_tensors, load_weights
 
 LOG = logging.getLogger(__name__)
@@ -66,12 +70,14 @@ class TargetModel(Protocol):
     def model(self) -> TargetBackbone: ...
     @property
     def lm_head(self) -> nn.Linear: ...
+    @property
+    def cache_layout(self) -> CacheLayout: ...  # this rank's share of config.cache_layout
     def __call__(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         metadata: AttentionMetadata,
         cache: PagedKVCache,
-        capture: Sequence[int] = (),  # capture indices in [0, num_layers]; num_layers = final pre-norm stream
+        capture: Sequence[int] = (),  # capture indices in [0, num_layers + 1] (tandem.models.stack.run_layers)
     ) -> TargetOutput: ...
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor: ...  # [n, hidden] -> [n, vocab] float32
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
@@ -79,7 +85,7 @@ class TargetModel(Protocol):
 
 @dataclass(frozen=True)
 class TargetArchitecture:
-    build: Callable[[dict[str, Any]], TargetModel]  # HF config -> model (weights not loaded)
+    build: Callable[[dict[str, Any], ParallelGroup], TargetModel]  # HF config, rank -> model (weights not loaded)
     name_map: NameMap  # checkpoint names -> our module names
     default_capture_indices: Callable[[int], tuple[int, ...]]  # num_layers -> capture indices for a draft naming none
     # The checkpoint holds draft layers after the target's last one (DeepSeek NextN / MTP layers,
@@ -89,16 +95,16 @@ class TargetArchitecture:
     float32_buffers: tuple[str, ...] = ()
 
 
-def _build_llama(hf: dict[str, Any]) -> LlamaForCausalLM:
-    return LlamaForCausalLM(ModelConfig.from_hf(hf))
+def _build_llama(hf: dict[str, Any], group: ParallelGroup) -> LlamaForCausalLM:
+    return LlamaForCausalLM(ModelConfig.from_hf(hf), group)
 
 
-def _build_gemma3(hf: dict[str, Any]) -> Gemma3ForCausalLM:
-    return Gemma3ForCausalLM(Gemma3Config.from_hf(hf))
+def _build_gemma3(hf: dict[str, Any], group: ParallelGroup) -> Gemma3ForCausalLM:
+    return Gemma3ForCausalLM(Gemma3Config.from_hf(hf), group)
 
 
-def _build_deepseek_v3(hf: dict[str, Any]) -> DeepseekV3ForCausalLM:
-    return DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(hf))
+def _build_deepseek_v3(hf: dict[str, Any], group: ParallelGroup) -> DeepseekV3ForCausalLM:
+    return DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(hf), group)
 
 
 _LLAMA_FAMILY = TargetArchitecture(_build_llama, NameMap(), aux_layers.default_capture_indices)
@@ -124,18 +130,31 @@ def target_architecture(name: str) -> TargetArchitecture:
     return TARGET_ARCHITECTURES[name]
 
 
-def load_target(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> TargetModel:
+def check_tensor_parallel(model_dir: Path, tp: int) -> None:
+    """Raises ConfigError / ParallelismError if the model cannot be split into tp ranks, before any rank starts.
+
+    Builds rank 0's model on the meta device (no memory, no weights, no process group).
+    """
     hf = read_hf_config(model_dir)
-    architectures = hf.get("architectures") or []
-    if not architectures:
-        raise ConfigError("architectures: missing from config.json")
-    architecture = target_architecture(architectures[0])
     with torch.device("meta"):
-        model = architecture.build(hf)
+        _architecture(hf).build(hf, ParallelGroup(rank=0, world_size=tp))
+
+
+def load_target(
+    model_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    group: ParallelGroup = SINGLE_PROCESS,
+) -> TargetModel:
+    """Builds this rank's model and reads its shard of the checkpoint (all of it with one rank)."""
+    hf = read_hf_config(model_dir)
+    architecture = _architecture(hf)
+    with torch.device("meta"):
+        model = architecture.build(hf, group)
     # Every family is an nn.Module; the protocol only lists what the servers use.
     assert isinstance(model, nn.Module)
     model = model.to_empty(device=device).to(dtype)
-    _keep_float32(model, architecture.float32_buffers)
+    keep_float32(model, architecture.float32_buffers)
     tied = model.config.tie_word_embeddings
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -155,7 +174,15 @@ def load_target(model_dir: Path, dtype: torch.dtype = torch.float32, device: str
     return model
 
 
-def _keep_float32(model: nn.Module, suffixes: tuple[str, ...]) -> None:
+def _architecture(hf: dict[str, Any]) -> TargetArchitecture:
+    architectures = hf.get("architectures") or []
+    if not architectures:
+        raise ConfigError("architectures: missing from config.json")
+    return target_architecture(architectures[0])
+
+
+def keep_float32(model: nn.Module, suffixes: tuple[str, ...]) -> None:
+    """Puts the buffers named by `suffixes` back in float32 after the model was cast (also used by MTP drafts)."""
     for name, buffer in list(model.named_buffers()):
         if name.endswith(suffixes):
             owner, _, leaf = name.rpartition(".")

@@ -14,7 +14,7 @@ from tandem.layers.kv_cache import AttentionMetadata, PagedKVCache
 @dataclass(frozen=True)
 class TargetOutput:
     normed: torch.Tensor  # [num_tokens, hidden] final-norm output, the LM-head input
-    captured: dict[int, torch.Tensor]  # capture index -> [num_tokens, hidden] residual stream entering that layer
+    captured: dict[int, torch.Tensor]  # capture index -> [num_tokens, hidden] (see run_layers)
 
 
 def run_layers(
@@ -23,10 +23,11 @@ def run_layers(
     norm: nn.Module,
     metadata: AttentionMetadata,
     cache: PagedKVCache,
-    capture: Sequence[int],  # capture indices in [0, num_layers]; num_layers = final pre-norm stream
+    capture: Sequence[int],  # capture indices in [0, num_layers + 1], see below
 ) -> TargetOutput:
-    """Runs the layers; capture index i keeps the residual stream entering layer i, and index num_layers the
-    stream leaving the last layer, before the final norm."""
+    """Runs the layers; capture index i keeps the residual stream entering layer i, index num_layers the stream
+    leaving the last layer, before the final norm, and index num_layers + 1 the final norm's output (what a
+    DeepSeek NextN draft layer consumes)."""
     wanted = set(capture)
     captured: dict[int, torch.Tensor] = {}
     index = 0
@@ -36,4 +37,7 @@ def run_layers(
         hidden = layer(hidden, metadata, cache)
     if index + 1 in wanted:
         captured[index + 1] = hidden
-    return TargetOutput(normed=norm(hidden), captured=captured)
+    normed = norm(hidden)
+    if index + 2 in wanted:
+        captured[index + 2] = normed
+    return TargetOutput(normed=normed, captured=captured)

@@ -3,6 +3,9 @@
 A checkpoint tensor name goes through `NameMap.renames` (prefix substitutions), then, if its last
 module name is a packed part (e.g. `q_proj` of `qkv_proj`), it is loaded into its rows of the packed
 parameter. Every parameter must be covered, or loading fails naming the missing checkpoint tensor.
+
+Tensor parallel: a module that holds one rank's slice of a tensor (tandem.parallel.layers.ShardedModule) says which
+slice per parameter (`ShardSpec`), and only that slice is read from the file; each rank reads its own.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,6 +23,7 @@ from torch import nn
 
 from tandem.errors import StartupError
 from tandem.layers.linear import PackedLinear
+from tandem.parallel.layers import ShardedModule, ShardSpec
 
 LOG = logging.getLogger(__name__)
 
@@ -34,6 +39,13 @@ PACKED_PARTS: dict[str, tuple[str, str]] = {
     "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
+}
+
+# MLA's q and kv down projections, for a model that runs them as one matmul (the EAGLE3 MLA head; the DeepSeek-V3
+# target keeps them apart). Rows: q_a_proj's first, then kv_a_proj_with_mqa's.
+MLA_A_PROJECTION_PARTS: dict[str, tuple[str, str]] = {
+    "q_a_proj": ("fused_qkv_a_proj_with_mqa", "q_a"),
+    "kv_a_proj_with_mqa": ("fused_qkv_a_proj_with_mqa", "kv_a"),
 }
 
 
@@ -83,18 +95,34 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(model_dir: Path, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, except those whose name `skip` accepts: these are not even read."""
+class StoredTensor:
+    """A checkpoint tensor not read yet: its shape, and a read of the whole tensor or of one slice."""
+
+    def __init__(self, handle: Any, name: str) -> None:  # handle: an open safetensors file
+        self._handle = handle
+        self._name = name
+        self.shape: tuple[int, ...] = tuple(handle.get_slice(name).get_shape())
+
+    def read(self, spec: ShardSpec | None = None) -> torch.Tensor:
+        if spec is None or spec.size is None:
+            return self._handle.get_tensor(self._name)
+        index = [slice(None)] * len(self.shape)
+        index[spec.dim] = slice(spec.start, spec.start + spec.size)
+        return self._handle.get_slice(self._name)[tuple(index)]
+
+
+def iter_tensors(model_dir: Path, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, StoredTensor]]:
+    """Every tensor of the checkpoint, except those whose name `skip` accepts; none is read before it is used."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 if skip is None or not skip(name):
-                    yield name, handle.get_tensor(name)
+                    yield name, StoredTensor(handle, name)
 
 
 def load_weights(
     module: nn.Module,
-    tensors: Iterator[tuple[str, torch.Tensor]],
+    tensors: Iterator[tuple[str, StoredTensor]],
     name_map: NameMap,
     source: str,
     optional: frozenset[str] = frozenset(),
@@ -115,22 +143,26 @@ def load_weights(
             expected.add((name, None))
     unused = []
     present_roots: set[str] = set()  # leading name components of the checkpoint's tensors, to name missing ones
-    for checkpoint_name, tensor in tensors:
+    for checkpoint_name, stored in tensors:
         present_roots.add(checkpoint_name.split(".")[0])
         parameter_name, part = name_map.to_parameter(checkpoint_name)
         if (parameter_name, part) not in expected:
             unused.append(checkpoint_name)
             continue
+        owner_name, _, leaf = parameter_name.rpartition(".")
+        owner = modules[owner_name]
+        parameter = parameters[parameter_name]
+        spec = owner.shard_spec(leaf, part) if isinstance(owner, ShardedModule) else None
         try:
+            expected_shape = spec.full_shape if spec is not None else tuple(parameter.shape)
+            if stored.shape != expected_shape:
+                raise ValueError(f"expected shape {expected_shape}, got {stored.shape}")
+            tensor = stored.read(spec)
             if part is None:
-                parameter = parameters[parameter_name]
-                if parameter.shape != tensor.shape:
-                    raise ValueError(f"expected shape {tuple(parameter.shape)}, got {tuple(tensor.shape)}")
                 parameter.data.copy_(tensor)
             else:
-                owner = modules[parameter_name.rpartition(".")[0]]
                 assert isinstance(owner, PackedLinear)
-                owner.load_part(parameter_name.rpartition(".")[2], part, tensor)
+                owner.load_part(leaf, part, tensor)
         except ValueError as error:
             raise CheckpointError(f"tensor {checkpoint_name} in {source}: {error}") from None
         expected.discard((parameter_name, part))

@@ -116,12 +116,21 @@ def tensor_from_proto(message: common_pb2.Tensor) -> torch.Tensor:
     return _tensor_from_bytes(data, dtype, shape)
 
 
+@dataclass(frozen=True)
+class ShardOf:
+    """Where a streamed tensor sits in its table: shard `rank` of `num_shards`, of a table of `vocab_size` rows."""
+
+    rank: int = 0
+    num_shards: int = 1
+    vocab_size: int = 0  # 0: not a vocabulary table
+
+
 def iter_weight_chunks(
-    name: str, tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    name: str, tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES, shard: ShardOf = ShardOf()
 ) -> Iterator[target_pb2.WeightChunk]:
     """Splits one tensor into `WeightChunk` messages of at most chunk_bytes data bytes each.
 
-    Every chunk carries the name, dtype, full shape, its byte offset and the total byte count; the last chunk
+    Every chunk carries the name, shard, dtype, shape, its byte offset and the total byte count; the last chunk
     also carries the sha256 hex digest of all bytes. An empty tensor gives a single chunk with no data.
     """
     if chunk_bytes <= 0:
@@ -145,13 +154,24 @@ def iter_weight_chunks(
             total_bytes=total_bytes,
             data=data,
             sha256=digest.hexdigest() if is_last else "",
+            shard_rank=shard.rank,
+            num_shards=shard.num_shards,
+            vocab_size=shard.vocab_size,
         )
+
+
+@dataclass(frozen=True)
+class AssembledTensor:
+    name: str
+    shard: ShardOf
+    tensor: torch.Tensor
 
 
 @dataclass
 class _PartialTensor:
     """A tensor being assembled: its header as first received, and the bytes so far."""
 
+    label: str
     dtype_name: str
     shape: tuple[int, ...]
     total_bytes: int
@@ -169,12 +189,13 @@ class WeightAssembler:
     def __init__(self, progress: Callable[[str, int, int], None] | None = None) -> None:
         """progress(name, bytes_received, total_bytes) is called after every chunk."""
         self._progress = progress
-        self._partial: dict[str, _PartialTensor] = {}
+        self._partial: dict[tuple[str, int], _PartialTensor] = {}
 
-    def add(self, chunk: target_pb2.WeightChunk) -> tuple[str, torch.Tensor] | None:
-        """Takes one chunk; returns (name, tensor) when that chunk completes its tensor, else None."""
-        name = chunk.name
-        partial = self._partial.get(name)
+    def add(self, chunk: target_pb2.WeightChunk) -> AssembledTensor | None:
+        """Takes one chunk; returns the tensor when that chunk completes it, else None."""
+        name = _label(chunk)
+        key = (chunk.name, chunk.shard_rank)
+        partial = self._partial.get(key)
         if partial is None:
             partial = self._start(chunk)
         else:
@@ -197,21 +218,23 @@ class WeightAssembler:
             self._progress(name, end, partial.total_bytes)
         if end < partial.total_bytes:
             return None
-        del self._partial[name]
+        del self._partial[key]
         actual = hashlib.sha256(partial.buffer).hexdigest()
         if chunk.sha256 != actual:
             raise ValueError(
                 f"weight {name!r}: sha256 of the {partial.total_bytes} received bytes is {actual}, "
                 f"the sender's last chunk says {chunk.sha256 or '(none)'}"
             )
-        return name, _tensor_from_bytes(partial.buffer, dtype_from_name(partial.dtype_name), partial.shape)
+        shard = ShardOf(chunk.shard_rank, chunk.num_shards or 1, chunk.vocab_size)
+        tensor = _tensor_from_bytes(partial.buffer, dtype_from_name(partial.dtype_name), partial.shape)
+        return AssembledTensor(chunk.name, shard, tensor)
 
     def finish(self) -> None:
         """Raises ValueError if any tensor is still incomplete, e.g. because a chunk never arrived."""
         if self._partial:
             incomplete = ", ".join(
-                f"{name!r} ({partial.received} of {partial.total_bytes} bytes)"
-                for name, partial in self._partial.items()
+                f"{partial.label!r} ({partial.received} of {partial.total_bytes} bytes)"
+                for partial in self._partial.values()
             )
             raise ValueError(f"weight stream ended with incomplete tensors: {incomplete}")
 
@@ -220,17 +243,18 @@ class WeightAssembler:
         expected = _expected_bytes(dtype_from_name(chunk.dtype), shape)
         if chunk.total_bytes != expected:
             raise ValueError(
-                f"weight {chunk.name!r}: dtype {chunk.dtype} and shape {list(shape)} need {expected} bytes, "
+                f"weight {_label(chunk)!r}: dtype {chunk.dtype} and shape {list(shape)} need {expected} bytes, "
                 f"chunk says total_bytes {chunk.total_bytes}"
             )
         partial = _PartialTensor(
+            label=_label(chunk),
             dtype_name=chunk.dtype,
             shape=shape,
             total_bytes=expected,
             buffer=bytearray(expected),
             received=0,
         )
-        self._partial[chunk.name] = partial
+        self._partial[(chunk.name, chunk.shard_rank)] = partial
         return partial
 
     @staticmethod
@@ -238,7 +262,12 @@ class WeightAssembler:
         shape = tuple(chunk.shape)
         if (chunk.dtype, shape, chunk.total_bytes) != (partial.dtype_name, partial.shape, partial.total_bytes):
             raise ValueError(
-                f"weight {chunk.name!r} changed mid-stream: started as dtype {partial.dtype_name}, shape "
+                f"weight {_label(chunk)!r} changed mid-stream: started as dtype {partial.dtype_name}, shape "
                 f"{list(partial.shape)}, total_bytes {partial.total_bytes}; chunk at offset {chunk.offset} says "
                 f"dtype {chunk.dtype}, shape {list(shape)}, total_bytes {chunk.total_bytes}"
             )
+
+
+def _label(chunk: target_pb2.WeightChunk) -> str:
+    """How a tensor is named in messages: "lm_head", or "lm_head shard 1 of 2" for a table sent in shards."""
+    return chunk.name if chunk.num_shards <= 1 else f"{chunk.name} shard {chunk.shard_rank} of {chunk.num_shards}"

@@ -11,7 +11,7 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("replica_id", "architecture", "num_steps", "capture_indices", "running_requests", "kv_blocks_total", "kv_blocks_free")
+    __slots__ = ("replica_id", "architecture", "num_steps", "capture_indices", "running_requests", "kv_blocks_total", "kv_blocks_free", "kind")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class DraftInfo(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     architecture: str
     num_steps: int
@@ -26,7 +27,8 @@ class DraftInfo(_message.Message):
     running_requests: int
     kv_blocks_total: int
     kv_blocks_free: int
-    def __init__(self, replica_id: _Optional[str] = ..., architecture: _Optional[str] = ..., num_steps: _Optional[int] = ..., capture_indices: _Optional[_Iterable[int]] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ...) -> None: ...
+    kind: str
+    def __init__(self, replica_id: _Optional[str] = ..., architecture: _Optional[str] = ..., num_steps: _Optional[int] = ..., capture_indices: _Optional[_Iterable[int]] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
     __slots__ = ("request_id", "round", "num_steps")

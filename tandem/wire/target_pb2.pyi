@@ -176,7 +176,7 @@ class WeightsRequest(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset", "total_bytes", "data", "sha256")
+    __slots__ = ("name", "dtype", "shape", "offset", "total_bytes", "data", "sha256", "shard_rank", "num_shards", "vocab_size")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,9 @@ class WeightChunk(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    SHARD_RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -191,4 +194,7 @@ class WeightChunk(_message.Message):
     total_bytes: int
     data: bytes
     sha256: str
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
+    shard_rank: int
+    num_shards: int
+    vocab_size: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ..., shard_rank: _Optional[int] = ..., num_shards: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...

@@ -283,9 +283,12 @@ def target_rope(target_config: dict[str, Any]) -> tuple[float, dict[str, Any] | 
     """The target's (rope_theta, rope_scaling), from transformers 5's rope_parameters or the older top-level keys."""
     if "rope_parameters" not in target_config:
         return target_config["rope_theta"], target_config.get("rope_scaling")
-    scaling = {key: value for key, value in target_config["rope_parameters"].items() if key != "rope_theta"}
+    parameters = target_config["rope_parameters"]
+    if "full_attention" in parameters:  # per layer type (Gemma3): a head takes the global layers' rope
+        parameters = parameters["full_attention"]
+    scaling = {key: value for key, value in parameters.items() if key != "rope_theta"}
     plain_rope = scaling in ({}, {"rope_type": "default"})
-    return target_config["rope_parameters"]["rope_theta"], None if plain_rope else scaling
+    return parameters["rope_theta"], None if plain_rope else scaling
 
 
 def eagle3_config(

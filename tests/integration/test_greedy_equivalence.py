@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
-from tests.integration.stack import draft_info, generate, serve, service_addresses
+from tests.integration.stack import draft_info, generate, serve, service_addresses, target_info
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -84,3 +85,35 @@ def test_layer_id_conventions_on_qwen2(
         assert list(draft_info(service_addresses(stack.log)["draft"]).capture_indices) == expected_indices
         assert any(f"capture indices {expected_indices}" in line for line in stack.log)
     assert outputs == expected
+
+
+@pytest.fixture(scope="module")
+def odd_vocabulary_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[list[int]]]:
+    """A Qwen2 target whose vocabulary (333) is not a multiple of 64, an EAGLE3 head without an embedding (it pulls
+    the target's as vocab-parallel shards over GetWeights), and transformers' greedy outputs for PROMPTS."""
+    target = write_tiny_target(
+        tmp_path_factory.mktemp("qwen2-333"), TinyTargetSpec(family="qwen2", vocab_size=333, num_layers=4)
+    )
+    draft = write_tiny_eagle3(tmp_path_factory.mktemp("draft-333"), target, TinyEagle3Spec(layer_ids=(1, 2, 3)))
+    return target, draft, [reference_greedy(target, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tensor_parallel_target_matches_transformers(
+    odd_vocabulary_pair: tuple[Path, Path, list[list[int]]], tp: int
+) -> None:
+    """tp 1 and tp 2 give transformers' greedy outputs, so the same outputs, target-only and speculative."""
+    target, draft, expected = odd_vocabulary_pair
+    with serve(target, draft, "--tp", str(tp), "--speculative-num-steps", "3") as stack:
+        target_only = run_concurrently(stack.address, disable_speculation=True)
+        speculative = run_concurrently(stack.address, disable_speculation=False)
+        assert target_info(service_addresses(stack.log)["target"]).tp_size == tp
+    assert target_only == expected
+    assert speculative == expected
+    # The launcher stopped the target with SIGTERM; rank 0 then stopped its other ranks, which said so (the output
+    # pump may still be reading their last lines).
+    for rank in range(1, tp):
+        deadline = time.monotonic() + 10.0
+        while not any(f"rank {rank}/{tp}: stopped by rank 0" in line for line in stack.log):
+            assert time.monotonic() < deadline, "".join(stack.log)
+            time.sleep(0.1)

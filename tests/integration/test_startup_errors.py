@@ -9,6 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
+from tests.helpers.mtp_checkpoints import TinyChainedMTPSpec, write_tiny_chained_mtp
 from tests.integration.stack import run_to_exit
 
 
@@ -66,3 +67,25 @@ def test_draft_tensor_with_wrong_shape_is_named(tmp_path: Path, llama_target: Pa
     save_file(weights, str(draft / "model.safetensors"), metadata={"format": "pt"})
     output = serve_to_exit(llama_target, draft)
     assert f"tensor {bad_tensor}" in output and "expected shape" in output
+
+
+def test_mtp_layers_of_another_target_are_refused(tmp_path: Path, llama_target: Path) -> None:
+    # MTP layers stored after a 4-layer target's last layer do not continue this 6-layer target.
+    shorter = write_tiny_target(tmp_path / "shorter", TinyTargetSpec(num_layers=4))
+    draft = write_tiny_chained_mtp(tmp_path / "mtp", shorter, TinyChainedMTPSpec(num_mtp_layers=2))
+    output = serve_to_exit(llama_target, draft, "--speculative-num-steps", "2")
+    assert "num_hidden_layers: the MTP checkpoint has 4, the target has 6" in output
+
+
+def test_more_steps_than_mtp_layers_are_refused(tmp_path: Path, llama_target: Path) -> None:
+    draft = write_tiny_chained_mtp(tmp_path / "mtp", llama_target, TinyChainedMTPSpec(num_mtp_layers=2))
+    output = serve_to_exit(llama_target, draft, "--speculative-num-steps", "3")
+    assert "3 draft steps, but the MTP draft has 2 layers" in output
+
+
+def test_unknown_draft_architecture_is_named(tmp_path: Path, llama_target: Path) -> None:
+    draft = write_tiny_eagle3(tmp_path / "draft", llama_target, TinyEagle3Spec(layer_ids=(1, 2, 3)))
+    config = json.loads((draft / "config.json").read_text())
+    config["architectures"] = ["MedusaModel"]
+    (draft / "config.json").write_text(json.dumps(config))
+    assert "architectures: 'MedusaModel' is not a draft this server runs" in serve_to_exit(llama_target, draft)

@@ -21,6 +21,7 @@ from tandem.grpc_util import (
 from tandem.wire import common_pb2, target_pb2
 from tandem.wire.codec import (
     DEFAULT_CHUNK_BYTES,
+    ShardOf,
     WeightAssembler,
     dtype_from_name,
     dtype_name,
@@ -173,9 +174,8 @@ def test_weight_chunks_round_trip(chunk_bytes: int) -> None:
     assert all(result is None for result in results[:-1])
     final = results[-1]
     assert final is not None
-    name, assembled = final
-    assert name == "embed_tokens"
-    _assert_identical(assembled, tensor)
+    assert (final.name, final.shard) == ("embed_tokens", ShardOf())
+    _assert_identical(final.tensor, tensor)
     expected_received = [min(offset + chunk_bytes, total_bytes) for offset in range(0, total_bytes, chunk_bytes)]
     assert progress == [("embed_tokens", received, total_bytes) for received in expected_received]
 
@@ -188,7 +188,7 @@ def test_empty_tensor_is_one_chunk() -> None:
     assert chunks[0].sha256 == hashlib.sha256(b"").hexdigest()
     result = WeightAssembler().add(chunks[0])
     assert result is not None
-    _assert_identical(result[1], tensor)
+    _assert_identical(result.tensor, tensor)
 
 
 def test_interleaved_tensors_assemble_independently() -> None:
@@ -201,7 +201,7 @@ def test_interleaved_tensors_assemble_independently() -> None:
     for index in range(max(len(first_chunks), len(second_chunks))):
         for chunks in (first_chunks, second_chunks):
             if index < len(chunks) and (result := assembler.add(chunks[index])) is not None:
-                finished[result[0]] = result[1]
+                finished[result.name] = result.tensor
     assembler.finish()
     _assert_identical(finished["first"], first)
     _assert_identical(finished["second"], second)
@@ -389,3 +389,32 @@ def test_wait_for_ready_times_out_naming_the_address() -> None:
             await wait_for_ready(f"127.0.0.1:{port}", timeout_s=0.3)
 
     asyncio.run(scenario())
+
+
+def test_shards_of_one_table_assemble_independently() -> None:
+    shards = [_sample(torch.bfloat16, (3, 4), seed=rank) for rank in range(2)]
+    streams = [
+        list(iter_weight_chunks("lm_head", shard, chunk_bytes=10, shard=ShardOf(rank, 2, 5)))
+        for rank, shard in enumerate(shards)
+    ]
+    assembler = WeightAssembler()
+    finished = []
+    for first, second in zip(*streams, strict=True):  # interleaved chunk by chunk
+        finished += [result for chunk in (first, second) if (result := assembler.add(chunk)) is not None]
+    assembler.finish()
+    assert [(result.name, result.shard) for result in finished] == [
+        ("lm_head", ShardOf(0, 2, 5)),
+        ("lm_head", ShardOf(1, 2, 5)),
+    ]
+    for result, shard in zip(finished, shards, strict=True):
+        _assert_identical(result.tensor, shard)
+
+
+def test_corrupted_shard_is_named_with_its_rank() -> None:
+    chunks = list(iter_weight_chunks("embed_tokens", _sample(torch.float32, (3, 2), seed=5), 8, ShardOf(1, 2, 5)))
+    chunks[0].data = bytes(len(chunks[0].data))
+    assembler = WeightAssembler()
+    for chunk in chunks[:-1]:
+        assembler.add(chunk)
+    with pytest.raises(ValueError, match=r"'embed_tokens shard 1 of 2'.*sha256"):
+        assembler.add(chunks[-1])

@@ -19,13 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, PreTrainedModel
-from transformers import Gemma3ForCausalLM as ReferenceGemma3
 
 from tandem.layers.kv_cache import SequenceKV
 from tandem.models.config import ConfigError, RopeConfig
 from tandem.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from tandem.models.registry import load_target, target_architecture
-from tests.helpers.checkpoints import NORM_WEIGHT_NOISE_STD, WEIGHT_STD
+from tests.helpers.gemma3_checkpoints import LOCAL, SPECS, write_tiny_gemma3
 from tests.helpers.parity import (
     TOLERANCE,
     assert_matches,
@@ -35,66 +34,6 @@ from tests.helpers.parity import (
     split,
     token_ids,
 )
-from tests.helpers.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, write_tokenizer
-
-LOCAL, GLOBAL = "sliding_attention", "full_attention"
-WINDOW = 8
-
-
-@dataclass(frozen=True)
-class TinyGemma3Spec:
-    layer_types: tuple[str, ...] = (LOCAL, LOCAL, GLOBAL, LOCAL)
-    sliding_window: int = WINDOW
-    final_logit_softcapping: float | None = None
-    tie_word_embeddings: bool = True
-    attention_bias: bool = False
-    seed: int = 0
-
-
-SPECS = {
-    "tied": TinyGemma3Spec(),
-    # A cap of 2 bends logits of a few units strongly, so a missing or misplaced softcap shows.
-    "softcap-untied-bias": TinyGemma3Spec(final_logit_softcapping=2.0, tie_word_embeddings=False, attention_bias=True),
-}
-
-
-def write_tiny_gemma3(directory: Path, spec: TinyGemma3Spec) -> Path:
-    """Writes a random Gemma3ForCausalLM with transformers' own classes, plus the test tokenizer."""
-    config = Gemma3TextConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=len(spec.layer_types),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        query_pre_attn_scalar=24,
-        sliding_window=spec.sliding_window,
-        layer_types=list(spec.layer_types),
-        rope_parameters={
-            GLOBAL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 50_000.0},
-            LOCAL: {"rope_type": "default", "rope_theta": 1_000.0},
-        },
-        final_logit_softcapping=spec.final_logit_softcapping,
-        attention_bias=spec.attention_bias,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        pad_token_id=SPECIAL_TOKENS.index(PAD_TOKEN),
-        bos_token_id=SPECIAL_TOKENS.index(BOS_TOKEN),
-        eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN),
-        dtype="float32",
-    )
-    with torch.random.fork_rng(devices=[]):
-        model = ReferenceGemma3(config)
-    generator = torch.Generator().manual_seed(spec.seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            # Gemma norms scale by (1 + weight): weights near 0 give scales near 1, but not exactly 1.
-            std = NORM_WEIGHT_NOISE_STD if "norm" in name.rsplit(".", 2)[-2] else WEIGHT_STD
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
-    model.save_pretrained(directory, safe_serialization=True)
-    write_tokenizer(directory, config.vocab_size)
-    return directory
 
 
 @dataclass(frozen=True)

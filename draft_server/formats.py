@@ -1,0 +1,148 @@
+"""The draft kinds a replica can serve, chosen by the checkpoint's architecture name through one registry.
+
+- EAGLE3 heads (`LlamaForCausalLMEagle3`, `Eagle3LlamaForCausalLM`) and EAGLE3 heads with MLA attention
+  (`Eagle3DeepseekV2ForCausalLM`): tandem.models.eagle3 on the DraftRunner, fed the aux layers named by the head.
+- MTP layers stored in a target-format checkpoint (the architecture is a TARGET's, e.g. `DeepseekV3ForCausalLM` with
+  `num_nextn_predict_layers`): tandem.models.mtp. DeepSeek NextN runs on the DraftRunner, one layer reused at every
+  step, fed the target's post-final-norm hidden; chained multi-layer MTP runs on the MTPRunner, fed the target's
+  final pre-norm stream.
+
+Each kind is prepared the same way: load, check against the target's info (refusing with both values named), say
+which capture indices to subscribe with and which shared tables to pull from the target, then build the runner
+once the tables are filled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from draft_server.compat import IncompatibleDraft, check_compatibility
+from draft_server.mtp_runner import MTPRunner
+from draft_server.runner import DraftModel, DraftRunner, ProposeInput
+from draft_server.settings import DraftSettings
+from tandem.layers.kv_cache import PagedKVCache
+from tandem.models.aux_layers import CaptureSpec, resolve_capture
+from tandem.models.config import ConfigError, read_hf_config
+from tandem.models.eagle3 import EAGLE3_LAYER_KINDS, load_eagle3
+from tandem.models.mtp import MTP_FAMILIES, NextNDraft, load_mtp
+from tandem.models.registry import target_architecture
+from tandem.settings import KVCacheSettings
+from tandem.wire import target_pb2
+
+LOG = logging.getLogger(__name__)
+
+
+class ProposalRunner(Protocol):
+    """What the draft service drives: DraftRunner or MTPRunner."""
+
+    @property
+    def cache(self) -> PagedKVCache: ...
+    @property
+    def requests(self) -> Mapping[str, object]: ...
+    def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]: ...
+    def release(self, request_ids: Sequence[str]) -> None: ...
+
+
+@dataclass(frozen=True)
+class PreparedDraft:
+    architecture: str  # the checkpoint's
+    kind: str  # "eagle3", "nextn" or "chained-mtp"
+    capture: CaptureSpec
+    missing_tables: tuple[str, ...]  # shared tables to pull from the target (its GetWeights names)
+    fill_table: Callable[[str, torch.Tensor], None]  # (name, [vocab, hidden] table)
+    build_runner: Callable[[KVCacheSettings], ProposalRunner]  # once every missing table is filled
+
+
+def prepare_draft(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
+    """Loads the draft checkpoint, checks it against the target and resolves what it needs from the target."""
+    architectures = read_hf_config(settings.model_dir).get("architectures") or ["?"]
+    prepare = DRAFT_FORMATS.get(architectures[0])
+    if prepare is None:
+        known = ", ".join(sorted(DRAFT_FORMATS))
+        raise ConfigError(f"architectures: {architectures[0]!r} is not a draft this server runs ({known})")
+    return prepare(settings, info)
+
+
+def _prepare_eagle3(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
+    model, has_embedding = load_eagle3(settings.model_dir, dtype=getattr(torch, settings.dtype))
+    check_compatibility(model.config, info, has_embedding)
+    capture = resolve_capture(
+        model.config.aux_layer_ids,
+        info.num_layers,
+        model.config.num_aux,
+        settings.aux_layer_convention,
+        default_indices=target_architecture(info.architecture).default_capture_indices,
+    )
+
+    def fill(name: str, table: torch.Tensor) -> None:
+        model.embed_tokens.weight.data.copy_(table)
+
+    return PreparedDraft(
+        architecture=model.config.architecture,
+        kind="eagle3",
+        capture=capture,
+        missing_tables=() if has_embedding else ("embed_tokens",),
+        fill_table=fill,
+        build_runner=lambda cache: DraftRunner(model, cache),
+    )
+
+
+def _prepare_mtp(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
+    loaded = load_mtp(settings.model_dir, dtype=getattr(torch, settings.dtype))
+    mtp = loaded.model
+    config = mtp.config
+    problems = [
+        f"{what}: the MTP checkpoint has {ours}, the target has {theirs}"
+        for what, ours, theirs in (
+            ("architecture", config.target.architecture, info.architecture),
+            ("hidden_size", config.hidden_size, info.hidden_size),
+            ("vocab_size", config.vocab_size, info.vocab_size),
+            # The MTP layers are stored after the target's last layer: model.layers.{num_layers + i}.
+            ("num_hidden_layers", config.num_target_layers, info.num_layers),
+        )
+        if ours != theirs
+    ]
+    if problems:
+        raise IncompatibleDraft("MTP draft does not fit the target: " + "; ".join(problems))
+    if config.style == "chained" and settings.num_steps > config.num_mtp_layers:
+        raise IncompatibleDraft(
+            f"speculative-num-steps: {settings.num_steps} draft steps, but the MTP draft has {config.num_mtp_layers} "
+            f"layers (one per step); pass --speculative-num-steps {config.num_mtp_layers} or fewer"
+        )
+    capture = CaptureSpec((config.capture_index,), config.style, None)
+    LOG.info(
+        "%s MTP draft with %d layer(s): capture index %d of %d target layers (%s)",
+        config.style,
+        config.num_mtp_layers,
+        config.capture_index,
+        info.num_layers,
+        "post-final-norm hidden" if config.capture_index > info.num_layers else "final pre-norm stream",
+    )
+
+    def build(cache: KVCacheSettings) -> ProposalRunner:
+        if config.style == "nextn":
+            model: DraftModel = NextNDraft(mtp, settings.mtp_feedback)
+            return DraftRunner(model, cache)
+        return MTPRunner(mtp, cache, chain=settings.mtp_mode == "chain")
+
+    return PreparedDraft(
+        architecture=config.target.architecture,
+        kind="nextn" if config.style == "nextn" else "chained-mtp",
+        capture=capture,
+        missing_tables=tuple(loaded.missing_shared),
+        fill_table=mtp.fill_shared,  # type: ignore[arg-type]
+        build_runner=build,
+    )
+
+
+DraftFormat = Callable[[DraftSettings, target_pb2.TargetInfo], PreparedDraft]
+# Architecture name -> how to prepare it. MTP layers live in target-format checkpoints, hence the target names.
+DRAFT_FORMATS: dict[str, DraftFormat] = {
+    **dict.fromkeys(EAGLE3_LAYER_KINDS, _prepare_eagle3),
+    **dict.fromkeys(MTP_FAMILIES, _prepare_mtp),
+}
