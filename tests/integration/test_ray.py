@@ -19,6 +19,7 @@ import pytest
 
 from tandem.launcher import ServeProcess
 from tests.integration.stack import Completion, generate, serve
+from tests.integration.test_greedy_equivalence import reference_greedy
 
 RAY = ("--launcher", "ray")
 PROMPTS = ["def fibonacci(n):", "The quick brown fox"]
@@ -27,6 +28,7 @@ GONE_TIMEOUT_S = 20.0
 
 # Not anchored at the line start: the launcher's line can land after half of a forwarded actor line.
 SERVING = re.compile(r"tandem serve: (\S+) serving on (\S+) \(Ray actor, pid (\d+) on node ")
+RANK1_LINE = re.compile(r"\(target-rank1 pid=(\d+)\)")
 ENDED = re.compile(r"tandem serve: (\S+) (stopped|died .*)$")
 LOG_TIMEOUT_S = 10.0
 
@@ -130,3 +132,20 @@ def test_killed_actors_are_reported_not_restarted(llama_target: Path, random_dra
     assert ended[1][1].startswith("died with its Ray actor") and ended[1][1].endswith("; not restarting it")
     assert ended[2][1] == "stopped"
     wait_until_gone([pid for _, pid in services.values()], [address for address, _ in services.values()])
+
+
+def test_tensor_parallel_target_ranks_are_actors_in_one_placement_group(llama_target: Path) -> None:
+    # Two ranks take both CPUs of the local cluster (one bundle each), so this stack runs target-only.
+    expected = [reference_greedy(llama_target, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
+    with serve(llama_target, None, *RAY, "--tp", "2") as stack:
+        completions = greedy(stack.address, disable_speculation=True)
+        services = serving(stack.log)
+        assert stack.stop() == 0
+    assert [c.token_ids for c in completions] == expected
+    assert any("(target-only, 3 Ray actors)" in line for line in stack.log)
+    assert list(services) == ["target", "orchestrator"]  # rank 1 serves nothing: rank 0 drives it
+    rank1_pids = {int(m.group(1)) for m in map(RANK1_LINE.search, stack.log) if m}
+    assert len(rank1_pids) == 1 and rank1_pids.isdisjoint(pid for _, pid in services.values())
+    assert any("rank 1/2 joined the group" in line for line in stack.log)
+    pids = [*rank1_pids, *(pid for _, pid in services.values())]
+    wait_until_gone(pids, [address for address, _ in services.values()])
