@@ -73,16 +73,7 @@ class MTPRunner:
         layout = model.config.cache_layout
         self.model = model
         self.chain = chain
-        self.cache = PagedKVCache(
-            1,
-            cache.num_blocks,
-            cache.block_size,
-            layout.num_kv_heads,
-            layout.key_dim,
-            parameter.dtype,
-            parameter.device,
-            value_dim=layout.value_dim,
-        )
+        self.cache = PagedKVCache.for_layout(1, layout, cache, parameter.dtype, parameter.device)
         self.requests: dict[str, MTPRequest] = {}
 
     @property

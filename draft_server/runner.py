@@ -76,16 +76,7 @@ class DraftRunner:
         parameter = next(model.parameters())
         layout = model.config.cache_layout
         self.model = model
-        self.cache = PagedKVCache(
-            1,
-            cache.num_blocks,
-            cache.block_size,
-            layout.num_kv_heads,
-            layout.key_dim,
-            parameter.dtype,
-            parameter.device,
-            value_dim=layout.value_dim,
-        )
+        self.cache = PagedKVCache.for_layout(1, layout, cache, parameter.dtype, parameter.device)
         self.requests: dict[str, DraftRequest] = {}
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ from tandem.errors import StartupError
 from tandem.launcher import ServeSettings, serve
 from tandem.models.aux_layers import CONVENTIONS
 from tandem.serving import ListenSettings, configure_logging
-from tandem.settings import DEMO_DRAFT, DEMO_TARGET, KVCacheSettings
+from tandem.settings import DEMO_DRAFT, DEMO_DRAFTS, DEMO_TARGET, KVCacheSettings
 from target_server.settings import TargetSettings
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -58,6 +58,16 @@ def _add_mtp_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _draft_dir(given: str) -> Path:
+    """A draft directory, or `demo:<name>` for one of the bundled demo heads (which fit the demo target only)."""
+    if not given.startswith("demo:"):
+        return Path(given)
+    name = given.removeprefix("demo:")
+    if name not in DEMO_DRAFTS:
+        raise argparse.ArgumentTypeError(f"{given!r}: the demo heads are {', '.join('demo:' + n for n in DEMO_DRAFTS)}")
+    return DEMO_DRAFTS[name]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -67,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--target", type=Path, help="target model directory (Hugging Face); default: the bundled demo pair"
     )
     serve_parser.add_argument(
-        "--draft", type=Path, help="draft head directory; default: the demo head with the demo target, else none"
+        "--draft",
+        type=_draft_dir,
+        help="draft directory, or demo:eagle3 | demo:eagle3-mla | demo:mtp; default: demo:eagle3 with the demo "
+        "target, else none",
     )
     serve_parser.add_argument("--host", default=ServeSettings.host)
     serve_parser.add_argument("--port", type=int, default=ServeSettings.port)
@@ -118,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_parser = commands.add_parser("bench", help="benchmark speculative vs target-only vs colocated")
     bench_parser.add_argument("--target", type=Path, help="target directory (default: the demo target)")
-    bench_parser.add_argument("--draft", type=Path, help="draft directory (default: the demo EAGLE3 head)")
+    bench_parser.add_argument("--draft", type=_draft_dir, help="draft directory or demo:<name> (default: demo:eagle3)")
     bench_parser.add_argument("--address", help="a running stack to measure (default: start one)")
     bench_parser.add_argument("--num-prompts", type=int, default=BenchSettings.num_prompts)
     bench_parser.add_argument("--max-new-tokens", type=int, default=BenchSettings.max_new_tokens)

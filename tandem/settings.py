@@ -9,6 +9,8 @@ from pathlib import Path
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_TARGET = DEMO_DIR / "target"
 DEMO_DRAFT = DEMO_DIR / "eagle3"
+# The demo heads for the demo target, selectable as `--draft demo:<name>`.
+DEMO_DRAFTS = {name: DEMO_DIR / name for name in ("eagle3", "eagle3-mla", "mtp")}
 
 
 @dataclass(frozen=True)

@@ -64,16 +64,7 @@ def build_cache(model: TargetModel, settings: KVCacheSettings) -> PagedKVCache:
     """This rank's KV cache: the same blocks on every rank, each holding the rank's share of the KV heads."""
     parameter = next(model.parameters())
     layout = model.cache_layout
-    return PagedKVCache(
-        model.config.num_layers,
-        settings.num_blocks,
-        settings.block_size,
-        layout.num_kv_heads,
-        layout.key_dim,
-        parameter.dtype,
-        parameter.device,
-        value_dim=layout.value_dim,
-    )
+    return PagedKVCache.for_layout(model.config.num_layers, layout, settings, parameter.dtype, parameter.device)
 
 
 def shared_table(model: TargetModel, name: str) -> nn.Module:

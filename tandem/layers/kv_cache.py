@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.settings import KVCacheSettings
+
 
 class OutOfKVBlocks(RuntimeError):
     """The pool has fewer free blocks than a request needs."""
@@ -61,6 +63,22 @@ class AttentionMetadata:
 
 
 class PagedKVCache:
+    @classmethod
+    def for_layout(
+        cls, num_layers: int, layout: CacheLayout, settings: KVCacheSettings, dtype: torch.dtype, device: torch.device
+    ) -> PagedKVCache:
+        """The pool `settings` asks for, shaped by what one token leaves in one layer (`layout`)."""
+        return cls(
+            num_layers,
+            settings.num_blocks,
+            settings.block_size,
+            layout.num_kv_heads,
+            layout.key_dim,
+            dtype,
+            device,
+            value_dim=layout.value_dim,
+        )
+
     def __init__(
         self,
         num_layers: int,

@@ -12,7 +12,7 @@ The global torch RNG is left untouched, so writing a checkpoint does not change 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -137,16 +137,9 @@ def write_tiny_target(directory: Path, spec: TinyTargetSpec = TinyTargetSpec()) 
     # The constructor's own init draws from the global RNG; fork it so the caller's random stream is unchanged.
     with torch.random.fork_rng(devices=[]):
         model = model_class(config)
-    generator = torch.Generator().manual_seed(spec.seed)
-    with torch.no_grad():
-        # named_parameters lists a tied lm_head once, under the embedding's name.
-        for name, parameter in model.named_parameters():
-            module_name = name.rsplit(".", 2)[-2]
-            if "norm" in module_name:
-                parameter.copy_(norm_weight(tuple(parameter.shape), generator))
-            else:
-                parameter.copy_(dense_weight(tuple(parameter.shape), generator))
-        if spec.zero_final_norm:
+    redraw_parameters(model, torch.Generator().manual_seed(spec.seed))
+    if spec.zero_final_norm:
+        with torch.no_grad():
             model.get_decoder().norm.weight.zero_()
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID
@@ -180,32 +173,22 @@ def write_tiny_eagle3(directory: Path, target_dir: Path, spec: TinyEagle3Spec = 
     validate_eagle3_spec(spec, num_aux, hidden, target_hidden)
     generator = torch.Generator().manual_seed(spec.seed)
 
-    offsets = list(spec.d2t) if spec.d2t is not None else default_d2t(spec, target_vocab, generator)
-    in_vocab_target_ids = [
-        draft_id + offset for draft_id, offset in enumerate(offsets) if 0 <= draft_id + offset < target_vocab
-    ]
-    draft_in_target_vocab = torch.zeros(target_vocab, dtype=torch.bool)
-    draft_in_target_vocab[in_vocab_target_ids] = True
+    if spec.d2t is not None:
+        offsets = list(spec.d2t)
+    else:
+        draft_vocab = spec.draft_vocab_size if spec.draft_vocab_size is not None else target_vocab
+        offsets = random_d2t(draft_vocab, target_vocab, generator)
 
     prefix = spec.weight_prefix
     attention_input = 2 * hidden  # embedding and hidden state, concatenated
-    tensors: dict[str, torch.Tensor] = {
+    attention = {
         f"{prefix}.self_attn.q_proj.weight": dense_weight((spec.num_heads * head_dim, attention_input), generator),
         f"{prefix}.self_attn.k_proj.weight": dense_weight((spec.num_kv_heads * head_dim, attention_input), generator),
         f"{prefix}.self_attn.v_proj.weight": dense_weight((spec.num_kv_heads * head_dim, attention_input), generator),
         f"{prefix}.self_attn.o_proj.weight": dense_weight((hidden, spec.num_heads * head_dim), generator),
-        f"{prefix}.mlp.gate_proj.weight": dense_weight((spec.intermediate_size, hidden), generator),
-        f"{prefix}.mlp.up_proj.weight": dense_weight((spec.intermediate_size, hidden), generator),
-        f"{prefix}.mlp.down_proj.weight": dense_weight((hidden, spec.intermediate_size), generator),
-        f"{prefix}.input_layernorm.weight": norm_weight((hidden,), generator),
-        f"{prefix}.hidden_norm.weight": norm_weight((hidden,), generator),
-        f"{prefix}.post_attention_layernorm.weight": norm_weight((hidden,), generator),
-        "fc.weight": dense_weight((hidden, num_aux * target_hidden), generator),
-        "norm.weight": norm_weight((hidden,), generator),
-        "lm_head.weight": dense_weight((len(offsets), hidden), generator),
-        "d2t": torch.tensor(offsets, dtype=torch.int64),
-        "t2d": draft_in_target_vocab,
     }
+    sizes = Eagle3HeadSizes(prefix, hidden, spec.intermediate_size, num_aux * target_hidden, target_vocab)
+    tensors = attention | eagle3_head_tensors(sizes, offsets, generator)
     if spec.fc_norm:
         for name in aux_norm_names(spec, num_aux):
             tensors[name] = norm_weight((target_hidden,), generator)
@@ -243,6 +226,27 @@ def norm_weight(shape: tuple[int, ...], generator: torch.Generator) -> torch.Ten
     return 1.0 + torch.randn(shape, generator=generator) * NORM_WEIGHT_NOISE_STD
 
 
+def redraw_parameters(
+    model: torch.nn.Module,
+    generator: torch.Generator,
+    norm_center: float = 1.0,
+    stds: Mapping[str, float] | None = None,
+) -> None:
+    """Re-draws every parameter of model from generator, in named_parameters order (which lists a tied lm_head once,
+    under the embedding's name): weights of a module whose name contains "norm" as norm_center plus noise of std
+    NORM_WEIGHT_NOISE_STD, a parameter whose name ends with a key of stds at that std, any other as dense_weight."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            shape = tuple(parameter.shape)
+            own_std = [std for suffix, std in (stds or {}).items() if name.endswith(suffix)]
+            if "norm" in name.rsplit(".", 2)[-2]:
+                parameter.copy_(norm_center + torch.randn(shape, generator=generator) * NORM_WEIGHT_NOISE_STD)
+            elif own_std:
+                parameter.copy_(torch.randn(shape, generator=generator) * own_std[0])
+            else:
+                parameter.copy_(dense_weight(shape, generator))
+
+
 def resolve_num_aux(spec: TinyEagle3Spec) -> int:
     if spec.num_aux is not None:
         return spec.num_aux
@@ -264,13 +268,48 @@ def validate_eagle3_spec(spec: TinyEagle3Spec, num_aux: int, hidden: int, target
         raise ValueError(f"draft_vocab_size={spec.draft_vocab_size} but d2t has {len(spec.d2t)} entries")
 
 
-def default_d2t(spec: TinyEagle3Spec, target_vocab: int, generator: torch.Generator) -> list[int]:
+def random_d2t(draft_vocab: int, target_vocab: int, generator: torch.Generator) -> list[int]:
     """Offsets for a seeded random, sorted subset of the target vocab that contains id 0 (so d2t[0] == 0)."""
-    draft_vocab = spec.draft_vocab_size if spec.draft_vocab_size is not None else target_vocab
     if not 1 <= draft_vocab <= target_vocab:
         raise ValueError(f"draft_vocab_size must be in [1, {target_vocab}], got {draft_vocab}")
     other_ids = torch.randperm(target_vocab - 1, generator=generator)[: draft_vocab - 1] + 1
     return d2t_offsets(sorted([0, *other_ids.tolist()]))
+
+
+@dataclass(frozen=True)
+class Eagle3HeadSizes:
+    prefix: str  # of the decoder layer's tensors: "midlayer" or "layers.0"
+    hidden: int
+    intermediate_size: int
+    fc_input: int  # num_aux * target hidden
+    target_vocab: int
+
+
+def eagle3_head_tensors(
+    sizes: Eagle3HeadSizes, offsets: Sequence[int], generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """An EAGLE3 head's tensors other than its attention (which differs by layer kind): the layer's dense gated MLP
+    and three norms, fc, the final norm, lm_head over the draft vocabulary of the d2t offsets, d2t and t2d. Offsets
+    that point outside the target vocabulary are written to d2t as given and left out of t2d."""
+    prefix, hidden, intermediate = sizes.prefix, sizes.hidden, sizes.intermediate_size
+    in_vocab_target_ids = [
+        draft_id + offset for draft_id, offset in enumerate(offsets) if 0 <= draft_id + offset < sizes.target_vocab
+    ]
+    draft_in_target_vocab = torch.zeros(sizes.target_vocab, dtype=torch.bool)
+    draft_in_target_vocab[in_vocab_target_ids] = True
+    return {
+        f"{prefix}.mlp.gate_proj.weight": dense_weight((intermediate, hidden), generator),
+        f"{prefix}.mlp.up_proj.weight": dense_weight((intermediate, hidden), generator),
+        f"{prefix}.mlp.down_proj.weight": dense_weight((hidden, intermediate), generator),
+        f"{prefix}.input_layernorm.weight": norm_weight((hidden,), generator),
+        f"{prefix}.hidden_norm.weight": norm_weight((hidden,), generator),
+        f"{prefix}.post_attention_layernorm.weight": norm_weight((hidden,), generator),
+        "fc.weight": dense_weight((hidden, sizes.fc_input), generator),
+        "norm.weight": norm_weight((hidden,), generator),
+        "lm_head.weight": dense_weight((len(offsets), hidden), generator),
+        "d2t": torch.tensor(list(offsets), dtype=torch.int64),
+        "t2d": draft_in_target_vocab,
+    }
 
 
 def aux_norm_names(spec: TinyEagle3Spec, num_aux: int) -> list[str]:

@@ -14,7 +14,7 @@ import torch
 from transformers import Gemma3ForCausalLM as ReferenceGemma3
 from transformers import Gemma3TextConfig
 
-from tests.helpers.checkpoints import NORM_WEIGHT_NOISE_STD, WEIGHT_STD
+from tests.helpers.checkpoints import redraw_parameters
 from tests.helpers.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, write_tokenizer
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
@@ -67,12 +67,8 @@ def write_tiny_gemma3(directory: Path, spec: TinyGemma3Spec) -> Path:
     )
     with torch.random.fork_rng(devices=[]):
         model = ReferenceGemma3(config)
-    generator = torch.Generator().manual_seed(spec.seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            # Gemma norms scale by (1 + weight): weights near 0 give scales near 1, but not exactly 1.
-            std = NORM_WEIGHT_NOISE_STD if "norm" in name.rsplit(".", 2)[-2] else WEIGHT_STD
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+    # Gemma norms scale by (1 + weight): weights near 0 give scales near 1, but not exactly 1.
+    redraw_parameters(model, torch.Generator().manual_seed(spec.seed), norm_center=0.0)
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer(directory, config.vocab_size)
     return directory

@@ -2,6 +2,9 @@
 output == target-only output, the draft really proposes, and it subscribes with the capture it needs.
 
 - Gemma3 target + EAGLE3 head (no layer ids: Gemma3's default set [2, L // 2, L - 2]);
+- DeepSeek-V3 target + EAGLE3 MLA head (Eagle3DeepseekV2ForCausalLM) of the target's width and no embedding of its
+  own, so it pulls the target's over GetWeights; its output-of-layer ids (1, 2, 3) resolve to capture indices (2, 3,
+  4), the last being the final pre-norm stream; its output also equals transformers' greedy generate;
 - DeepSeek-V3 target + its own NextN layer (the draft directory IS the target's), both feedback choices, fed the
   target's post-final-norm hidden (capture index L + 1);
 - Llama target + a 3-layer chained MTP head, chain and independent modes, fed the final pre-norm stream (index L);
@@ -18,15 +21,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
+from tests.helpers.deepseek_checkpoints import DEEPSEEK_NEXTN, TinyDeepseekSpec, write_tiny_deepseek
+from tests.helpers.eagle3_mla_checkpoints import TinyEagle3MLASpec, write_tiny_eagle3_mla
 from tests.helpers.gemma3_checkpoints import TinyGemma3Spec, write_tiny_gemma3
-from tests.helpers.mtp_checkpoints import (
-    DEEPSEEK_NUM_LAYERS,
-    TinyChainedMTPSpec,
-    write_tiny_chained_mtp,
-    write_tiny_deepseek_nextn,
-)
-from tests.helpers.tokenizer import write_tokenizer
+from tests.helpers.mtp_checkpoints import TinyChainedMTPSpec, write_tiny_chained_mtp
 from tests.integration.stack import draft_info, generate, serve, service_addresses
+from tests.integration.test_greedy_equivalence import reference_greedy
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os"]
 MAX_NEW_TOKENS = 16
@@ -49,10 +49,15 @@ def gemma3_eagle3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
 
 
 @pytest.fixture(scope="module")
+def deepseek_eagle3_mla(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    target = write_tiny_deepseek(tmp_path_factory.mktemp("deepseek"), TinyDeepseekSpec(num_layers=4))
+    spec = TinyEagle3MLASpec(hidden_size=64, include_embedding=False, layer_ids=(1, 2, 3), draft_vocab_size=200)
+    return target, write_tiny_eagle3_mla(tmp_path_factory.mktemp("deepseek-eagle3-mla"), target, spec)
+
+
+@pytest.fixture(scope="module")
 def deepseek_nextn(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = write_tiny_deepseek_nextn(tmp_path_factory.mktemp("deepseek-nextn"))
-    write_tokenizer(directory, 320)
-    return directory
+    return write_tiny_deepseek(tmp_path_factory.mktemp("deepseek-nextn"), DEEPSEEK_NEXTN)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +67,8 @@ def llama_chained_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, P
     return target, draft
 
 
-def check_case(case: Case) -> None:
+def check_case(case: Case) -> list[list[int]]:
+    """Serves the case and checks it; returns the target-only output of every prompt."""
     with serve(case.target, case.draft, *case.options) as stack:
         speculative = [
             generate(stack.address, prompt=prompt, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True) for prompt in PROMPTS
@@ -79,6 +85,7 @@ def check_case(case: Case) -> None:
     assert all(len(tokens) == MAX_NEW_TOKENS for tokens in target_only)
     for completion in speculative:
         assert completion.stats.draft_tokens >= completion.stats.rounds > 0
+    return target_only
 
 
 def test_gemma3_target_with_eagle3_head(gemma3_eagle3: tuple[Path, Path]) -> None:
@@ -86,10 +93,16 @@ def test_gemma3_target_with_eagle3_head(gemma3_eagle3: tuple[Path, Path]) -> Non
     check_case(Case(target, draft, ("--speculative-num-steps", "3"), "eagle3", [2, 2, 2]))
 
 
+def test_deepseek_v3_target_with_eagle3_mla_head(deepseek_eagle3_mla: tuple[Path, Path]) -> None:
+    target, draft = deepseek_eagle3_mla
+    target_only = check_case(Case(target, draft, ("--speculative-num-steps", "3"), "eagle3", [2, 3, 4]))
+    assert target_only == [reference_greedy(target, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
+
+
 @pytest.mark.parametrize("feedback", ["post_norm", "pre_norm"])
 def test_deepseek_v3_target_with_its_nextn_layer(deepseek_nextn: Path, feedback: str) -> None:
     options = ("--speculative-num-steps", "3", "--mtp-feedback", feedback)
-    check_case(Case(deepseek_nextn, deepseek_nextn, options, "nextn", [DEEPSEEK_NUM_LAYERS + 1]))
+    check_case(Case(deepseek_nextn, deepseek_nextn, options, "nextn", [DEEPSEEK_NEXTN.num_layers + 1]))
 
 
 @pytest.mark.parametrize(("mode", "tp"), [("chain", 1), ("independent", 1), ("chain", 2)])

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from tandem.layers.kv_cache import CacheLayout, SequenceKV
@@ -30,7 +30,13 @@ from tandem.layers.moe import GroupedTopKRouter, MixtureOfExperts
 from tandem.models import deepseek_v3
 from tandem.models.config import ConfigError
 from tandem.models.registry import load_target
-from tests.helpers.checkpoints import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, dense_weight, norm_weight
+from tests.helpers.deepseek_checkpoints import (
+    KV_LORA_RANK,
+    ROPE_DIM,
+    TinyDeepseekSpec,
+    tiny_deepseek_config,
+    write_tiny_deepseek,
+)
 from tests.helpers.parity import (
     BLOCK_SIZE,
     NUM_BLOCKS,
@@ -41,103 +47,22 @@ from tests.helpers.parity import (
     split,
     token_ids,
 )
-from tests.helpers.tokenizer import write_tokenizer
 
 NUM_LAYERS = 3
-KV_LORA_RANK = 32
-ROPE_DIM = 8
-# A router weight std of 0.2 with hidden 64 gives gate logits of std about 1.6: sigmoid scores spread over most of
-# (0, 1), so the experts' scores stand apart instead of crowding near 0.5. The bias is large enough to change some
-# choices (asserted below). Seeds are fixed; the routing test asserts that every decision of this data is won by a
-# margin far above float32 noise (see MIN_ROUTING_MARGIN).
-ROUTER_WEIGHT_STD = 0.2
-ROUTER_BIAS_STD = 0.1
 # Our router and transformers' see inputs that differ by about 1e-6 (float32 rounding in different operation
 # orders). A decision won by less than this could flip between the two without any bug, so the data must not have
-# one: the test fails, naming the margin, if a change of seeds or shapes produces such a near-tie.
+# one: the test fails, naming the margin, if a change of seeds or shapes produces such a near-tie. The router's
+# weights are drawn large enough for that (tests.helpers.deepseek_checkpoints); seeds are fixed.
 MIN_ROUTING_MARGIN = 1e-4
 
-
-@dataclass(frozen=True)
-class DeepseekSpec:
-    q_lora_rank: int | None
-    rope_interleave: bool
-    mscale_all_dim: float
-    seed: int = 0
-
-
 SPECS = {
-    "q-lora-interleaved-rope": DeepseekSpec(q_lora_rank=32, rope_interleave=True, mscale_all_dim=0.8),
-    "plain-q-rotate-half-rope": DeepseekSpec(q_lora_rank=None, rope_interleave=False, mscale_all_dim=1.0, seed=1),
+    "q-lora-interleaved-rope": TinyDeepseekSpec(
+        num_layers=NUM_LAYERS, q_lora_rank=32, rope_interleave=True, mscale_all_dim=0.8
+    ),
+    "plain-q-rotate-half-rope": TinyDeepseekSpec(
+        num_layers=NUM_LAYERS, q_lora_rank=None, rope_interleave=False, mscale_all_dim=1.0, seed=1
+    ),
 }
-
-
-def yarn_parameters(spec: DeepseekSpec) -> dict[str, Any]:
-    # DeepSeek-V3's values except mscale_all_dim. With rope dim 8 the YaRN bounds fall on pairs 1 and 3, so the
-    # four frequency pairs are kept, kept, blended and slowed down (tandem.layers.rotary).
-    return {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 40.0,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": spec.mscale_all_dim,
-    }
-
-
-def tiny_config(spec: DeepseekSpec) -> DeepseekV3Config:
-    return DeepseekV3Config(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_shared_experts=1,
-        n_routed_experts=8,
-        n_group=2,
-        topk_group=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        q_lora_rank=spec.q_lora_rank,
-        kv_lora_rank=KV_LORA_RANK,
-        qk_rope_head_dim=ROPE_DIM,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        rope_parameters=yarn_parameters(spec),
-        rope_interleave=spec.rope_interleave,
-        max_position_embeddings=40 * 4096,
-        pad_token_id=PAD_TOKEN_ID,
-        bos_token_id=BOS_TOKEN_ID,
-        eos_token_id=EOS_TOKEN_ID,
-        dtype="float32",
-    )
-
-
-def write_tiny_deepseek(directory: Path, spec: DeepseekSpec) -> Path:
-    config = tiny_config(spec)
-    # The constructor's own init draws from the global RNG; fork it so the caller's random stream is unchanged.
-    with torch.random.fork_rng(devices=[]):
-        model = DeepseekV3ForCausalLM(config)
-    generator = torch.Generator().manual_seed(spec.seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            module_name = name.rsplit(".", 2)[-2]
-            if "norm" in module_name:
-                parameter.copy_(norm_weight(tuple(parameter.shape), generator))
-            elif name.endswith("mlp.gate.weight"):
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * ROUTER_WEIGHT_STD)
-            else:
-                parameter.copy_(dense_weight(tuple(parameter.shape), generator))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * ROUTER_BIAS_STD)
-    model.save_pretrained(directory)
-    write_tokenizer(directory)
-    return directory
 
 
 @dataclass(frozen=True)
@@ -160,7 +85,7 @@ def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def hf_config(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """config.json of the first variant, as transformers writes it (no weights)."""
     directory = tmp_path_factory.mktemp("config-only")
-    tiny_config(SPECS["q-lora-interleaved-rope"]).save_pretrained(directory)
+    tiny_deepseek_config(SPECS["q-lora-interleaved-rope"]).save_pretrained(directory)
     config: dict[str, Any] = json.loads((directory / "config.json").read_text())
     return config
 

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3
 from tests.helpers.checkpoints import (
     TinyEagle3Spec,
@@ -26,9 +25,9 @@ from tests.helpers.checkpoints import (
     write_tiny_eagle3,
     write_tiny_target,
 )
+from tests.helpers.draft_reference import run_ours, run_reference
 
 TOLERANCE = 1e-4
-BLOCK_SIZE = 4
 NUM_INGESTED = 6  # rows of target features ingested at once; with 4 steps after it the draft spans 3 blocks
 NUM_STEPS = 4
 # A theta other than the usual 10000, so that a draft that ignored the config's theta would be caught.
@@ -131,47 +130,6 @@ class ReferenceDraft:
 
     def to_target_id(self, draft_id: int) -> int:
         return draft_id + int(self.tensors["d2t"][draft_id])
-
-
-@dataclass(frozen=True)
-class DraftRun:
-    hidden: torch.Tensor  # [rows, hidden] carried hidden of every row
-    logits: torch.Tensor  # [rows, draft_vocab]
-    proposed: list[int]  # target ids, one per step
-
-
-def run_reference(reference: ReferenceDraft, features: torch.Tensor, token_ids: list[int], num_steps: int) -> DraftRun:
-    """Ingests rows (features, token_ids), then takes num_steps - 1 single-token steps, recomputing from scratch."""
-    residuals = reference.project(features)
-    tokens = list(token_ids)
-    proposed: list[int] = []
-    for _ in range(num_steps):
-        hidden, logits = reference.rows(tokens, residuals)
-        proposed.append(reference.to_target_id(int(logits[-1].argmax())))
-        # The next row: position len(tokens), carried hidden of the last row, the token just proposed.
-        residuals = torch.cat([residuals, hidden[-1:]])
-        tokens.append(proposed[-1])
-    return DraftRun(hidden, logits, proposed)
-
-
-def run_ours(model: Eagle3Draft, features: torch.Tensor, token_ids: list[int], num_steps: int) -> DraftRun:
-    """The same with our model on the paged cache: one multi-token ingest, then single-token steps."""
-    layer = model.config.layer
-    cache = PagedKVCache(1, 16, BLOCK_SIZE, layer.num_kv_heads, layer.head_dim, torch.float32)
-    sequence = SequenceKV()
-    hidden_rows, logit_rows, proposed = [], [], []
-    with torch.no_grad():
-        step = model(
-            torch.tensor(token_ids), model.project_features(features), cache.plan([(sequence, len(token_ids))]), cache
-        )
-        for step_index in range(num_steps):
-            hidden_rows.append(step.hidden)
-            logit_rows.append(step.logits)
-            token = model.to_target_ids(step.logits[-1:].argmax(dim=-1))  # [1]
-            proposed.append(int(token))
-            if step_index + 1 < num_steps:
-                step = model(token, step.hidden[-1:], cache.plan([(sequence, 1)]), cache)
-    return DraftRun(torch.cat(hidden_rows), torch.cat(logit_rows), proposed)
 
 
 def load_pair(draft_dir: Path, target_dir: Path, spec: TinyEagle3Spec) -> tuple[Eagle3Draft, ReferenceDraft]:

@@ -25,7 +25,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from draft_server.compat import check_compatibility
 from draft_server.runner import DraftRunner, ProposeInput, TargetRows
-from tandem.layers.kv_cache import CacheLayout, PagedKVCache, SequenceKV
+from tandem.layers.kv_cache import CacheLayout
 from tandem.layers.mlp import GatedMLP
 from tandem.models.config import ConfigError
 from tandem.models.deepseek_v3 import DeepseekV3DecoderLayer
@@ -34,10 +34,10 @@ from tandem.settings import KVCacheSettings
 from tandem.weights.loader import CheckpointError
 from tandem.wire import target_pb2
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
+from tests.helpers.draft_reference import BLOCK_SIZE, run_ours, run_reference
 from tests.helpers.eagle3_mla_checkpoints import TinyEagle3MLASpec, write_tiny_eagle3_mla
 
 TOLERANCE = 1e-4
-BLOCK_SIZE = 4
 CACHE = KVCacheSettings(num_blocks=32, block_size=BLOCK_SIZE)
 NUM_INGESTED = 6  # with 4 chain steps after it the draft spans 3 blocks
 # Rope only sees position differences, and YaRN changes only the slow frequencies: over a few rows a draft that
@@ -189,49 +189,6 @@ class ReferenceMLADraft:
 
     def to_target_id(self, draft_id: int) -> int:
         return draft_id + int(self.tensors["d2t"][draft_id])
-
-
-@dataclass(frozen=True)
-class DraftRun:
-    hidden: torch.Tensor  # [rows, hidden] carried hidden of every row
-    logits: torch.Tensor  # [rows, draft_vocab]
-    proposed: list[int]  # target ids, one per step
-
-
-def run_reference(reference: ReferenceMLADraft, features: torch.Tensor, token_ids: list[int], steps: int) -> DraftRun:
-    """Ingests rows (features, token_ids), then takes steps - 1 single-token steps, recomputing from scratch."""
-    residuals = reference.project(features)
-    tokens = list(token_ids)
-    proposed: list[int] = []
-    for _ in range(steps):
-        hidden, logits = reference.rows(tokens, residuals)
-        proposed.append(reference.to_target_id(int(logits[-1].argmax())))
-        # The next row: position len(tokens), carried hidden of the last row, the token just proposed.
-        residuals = torch.cat([residuals, hidden[-1:]])
-        tokens.append(proposed[-1])
-    return DraftRun(hidden, logits, proposed)
-
-
-def run_ours(model: Eagle3Draft, features: torch.Tensor, token_ids: list[int], steps: int) -> DraftRun:
-    """Our model on the paged cache: one multi-token ingest, then single-token steps, every row's outputs kept."""
-    layout = model.config.cache_layout
-    num_blocks = -(-(len(token_ids) + steps) // BLOCK_SIZE)
-    cache = PagedKVCache(
-        1, num_blocks, BLOCK_SIZE, layout.num_kv_heads, layout.key_dim, torch.float32, value_dim=layout.value_dim
-    )
-    sequence = SequenceKV()
-    hidden_rows, logit_rows, proposed = [], [], []
-    with torch.no_grad():
-        metadata = cache.plan([(sequence, len(token_ids))])
-        step = model(torch.tensor(token_ids), model.project_features(features), metadata, cache)
-        for index in range(steps):
-            hidden_rows.append(step.hidden)
-            logit_rows.append(step.logits)
-            token = model.to_target_ids(step.logits[-1:].argmax(dim=-1))  # [1]
-            proposed.append(int(token))
-            if index + 1 < steps:
-                step = model(token, step.hidden[-1:], cache.plan([(sequence, 1)]), cache)
-    return DraftRun(torch.cat(hidden_rows), torch.cat(logit_rows), proposed)
 
 
 def load_pair(draft_dir: Path, spec: TinyEagle3MLASpec) -> tuple[Eagle3Draft, ReferenceMLADraft]:

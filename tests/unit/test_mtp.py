@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +34,8 @@ from tandem.models.registry import TargetModel, load_target
 from tandem.settings import KVCacheSettings
 from tandem.weights.loader import iter_tensors
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
-from tests.helpers.mtp_checkpoints import (
-    DEEPSEEK_NUM_LAYERS,
-    TinyChainedMTPSpec,
-    write_tiny_chained_mtp,
-    write_tiny_deepseek_nextn,
-)
+from tests.helpers.deepseek_checkpoints import DEEPSEEK_NEXTN, write_tiny_deepseek
+from tests.helpers.mtp_checkpoints import TinyChainedMTPSpec, write_tiny_chained_mtp
 
 CACHE = KVCacheSettings(num_blocks=96, block_size=4)
 LLAMA_NUM_LAYERS = 4
@@ -258,7 +254,7 @@ class MTPFixture:
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory: pytest.TempPathFactory) -> MTPFixture:
-    directory = write_tiny_deepseek_nextn(tmp_path_factory.mktemp("deepseek"), include_layer_copies=True)
+    directory = write_tiny_deepseek(tmp_path_factory.mktemp("deepseek"), DEEPSEEK_NEXTN)
     loaded = load_mtp(directory)
     assert loaded.missing_shared == ()  # the target-level tables are in the checkpoint; the layer copies are zeros
     dense = dense_layers(directory, directory, tmp_path_factory.mktemp("hf") / "deepseek")
@@ -268,7 +264,7 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> MTPFixture:
 @pytest.mark.parametrize(("feedback", "other"), [("post_norm", "pre_norm"), ("pre_norm", "post_norm")])
 def test_nextn_on_draft_runner_matches_dense_reference(deepseek: MTPFixture, feedback: str, other: str) -> None:
     config = deepseek.mtp.config
-    assert config.style == "nextn" and config.capture_index == DEEPSEEK_NUM_LAYERS + 1  # post-final-norm hidden
+    assert config.style == "nextn" and config.capture_index == DEEPSEEK_NEXTN.num_layers + 1  # post-final-norm hidden
     runner = DraftRunner(NextNDraft(deepseek.mtp, feedback), CACHE)
     references: dict[str, Reference] = {
         choice: lambda _, hidden, tokens, steps, choice=choice: nextn_reference(
@@ -285,14 +281,14 @@ def test_nextn_on_draft_runner_matches_dense_reference(deepseek: MTPFixture, fee
 def test_loader_reads_only_mtp_layers_and_shared_tables(deepseek: MTPFixture) -> None:
     config = deepseek.mtp.config
     names = [name for name, _ in iter_tensors(deepseek.mtp_dir) if not skips_tensor(config, name)]
-    prefix = f"model.layers.{DEEPSEEK_NUM_LAYERS}."
+    prefix = f"model.layers.{DEEPSEEK_NEXTN.num_layers}."
     assert {name for name in names if not name.startswith(prefix)} == {"model.embed_tokens.weight", "lm_head.weight"}
     assert f"{prefix}eh_proj.weight" in names and f"{prefix}mlp.gate.e_score_correction_bias" in names
     assert not any(name.startswith((f"{prefix}embed_tokens.", f"{prefix}shared_head.head.")) for name in names)
 
 
 def test_nextn_layer_copies_of_shared_tables_are_not_required(tmp_path: Path) -> None:
-    loaded = load_mtp(write_tiny_deepseek_nextn(tmp_path, include_layer_copies=False))
+    loaded = load_mtp(write_tiny_deepseek(tmp_path, replace(DEEPSEEK_NEXTN, nextn_layer_copies=False)))
     assert loaded.missing_shared == ()
 
 
