@@ -1,11 +1,13 @@
 """Writes trained modules as checkpoint tensors: the inverse of tandem.weights.loader's name mapping.
 
-Packed parameters (qkv_proj, gate_up_proj) are split back into their checkpoint parts (q_proj, k_proj, ...), and
+Packed parameters (qkv_proj, gate_up_proj, MLA's fused_qkv_a_proj_with_mqa) are split back into their checkpoint
+parts (q_proj, k_proj, ..., q_a_proj, kv_a_proj_with_mqa) by the packing of the loader's NameMap for the model, and
 parameter prefixes are renamed to checkpoint prefixes, so the loader that serves the files reads them back as is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -15,15 +17,15 @@ from torch import nn
 from tandem.layers.linear import PackedLinear
 from tandem.weights.loader import PACKED_PARTS
 
-# (packed module, part) -> checkpoint module name, e.g. ("qkv_proj", "q") -> "q_proj".
-UNPACKED_NAMES = {packed: checkpoint for checkpoint, packed in PACKED_PARTS.items()}
-
 
 def checkpoint_tensors(
     module: nn.Module,
     renames: tuple[tuple[str, str], ...] = (),  # (parameter prefix, checkpoint prefix), first match wins
     dtype: torch.dtype = torch.bfloat16,  # floating tensors are stored in this dtype; integer buffers keep theirs
+    packed: Mapping[str, tuple[str, str]] = PACKED_PARTS,  # the loader's NameMap.packed for this model
 ) -> dict[str, torch.Tensor]:
+    # (packed module, part) -> checkpoint module name, e.g. ("qkv_proj", "q") -> "q_proj".
+    unpacked_names = {packed_part: checkpoint for checkpoint, packed_part in packed.items()}
     modules = dict(module.named_modules())
     tensors: dict[str, torch.Tensor] = {}
     # remove_duplicate keeps a tied lm_head out: it is stored once, under the embedding's name.
@@ -34,7 +36,7 @@ def checkpoint_tensors(
         if isinstance(owner, PackedLinear):
             parent, _, packed_name = owner_name.rpartition(".")
             pieces = [
-                (f"{parent}.{UNPACKED_NAMES[(packed_name, part)]}.{leaf}", tensor.detach().narrow(0, start, size))
+                (f"{parent}.{unpacked_names[(packed_name, part)]}.{leaf}", tensor.detach().narrow(0, start, size))
                 for part, (start, size) in owner.part_rows.items()
             ]
         else:

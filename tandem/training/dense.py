@@ -3,27 +3,35 @@
 The served models run on the paged KV cache one packed sequence at a time. Training wants [batch, time] tensors and
 causal (or hand-built) masks instead, so this module drives the very same submodules (projections, norms, rotary,
 MLP) with dense scaled-dot-product attention: whatever is trained here is what the servers load.
+
+Attention kinds are looked up by module type in `DENSE_ATTENTION`: grouped-query attention (Llama family, EAGLE3
+Llama heads, chained MTP layers) and multi-head latent attention (EAGLE3 MLA heads).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from tandem.layers.attention import Attention
+from tandem.layers.mla import MultiHeadLatentAttention
+from tandem.layers.norm import RMSNorm
 from tandem.models.eagle3 import Eagle3Draft
-from tandem.models.llama import DecoderLayer, LlamaForCausalLM
+from tandem.models.llama import LlamaForCausalLM
+from tandem.models.mtp import MTPLayer, MTPLayerOutput, MTPModel
 
 
 @dataclass
 class DenseKV:
     """Keys and values of every layer for a batch of equally long sequences, grown token by token."""
 
-    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [batch, kv_heads, length, head_dim]
-    values: list[torch.Tensor] = field(default_factory=list)
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [batch, kv_heads, length, key_dim]
+    values: list[torch.Tensor] = field(default_factory=list)  # per layer [batch, kv_heads, length, value_dim]
 
     @property
     def length(self) -> int:
@@ -74,15 +82,98 @@ def attend(
     return attention.o_proj(attended.transpose(1, 2).reshape(batch, time, -1))
 
 
+def project_latent_qkv(
+    attention: MultiHeadLatentAttention,
+    hidden: torch.Tensor,  # [batch, time, input_size]
+    positions: torch.Tensor,  # [time], shared by every sequence of the batch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [batch, heads, time, qk_dim] twice, [batch, heads, time, v]
+    """MLA's query, key and value with the latent up-projected per head (kv_b_proj), the training form.
+
+    Serving attends over the latent with kv_b_proj absorbed into query and output (tandem.layers.mla); both give
+    the same scores and outputs, and for a full causal pass this form costs less. The projections, norms and rotary
+    are the serving module's own.
+    """
+    config = attention.config
+    batch, time = hidden.shape[:2]
+    heads, nope, rope = config.num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
+    query, kv = attention._project(hidden)  # the serving down/up projections, fused or not
+    query = query.reshape(batch * time, heads, nope + rope)
+    query_nope, query_rope = query.split([nope, rope], dim=-1)
+    latent, key_rope = kv.reshape(batch * time, -1).split([config.kv_lora_rank, rope], dim=-1)
+    # key_rope is one head shared by all query heads: [batch * time, 1, rope].
+    query_rope, key_rope = attention.rotary(positions.repeat(batch), query_rope, key_rope[:, None, :])
+    # kv_b_proj's rows are, head by head, qk_nope_head_dim key rows then v_head_dim value rows.
+    up = attention.kv_b_proj(attention.kv_a_layernorm(latent)).view(batch * time, heads, nope + config.v_head_dim)
+    key_nope, value = up.split([nope, config.v_head_dim], dim=-1)
+    query = torch.cat([query_nope, query_rope], dim=-1)
+    key = torch.cat([key_nope, key_rope.expand(-1, heads, -1)], dim=-1)
+    return (
+        query.view(batch, time, heads, -1).transpose(1, 2),
+        key.view(batch, time, heads, -1).transpose(1, 2),
+        value.reshape(batch, time, heads, -1).transpose(1, 2),
+    )
+
+
+def attend_latent(
+    attention: MultiHeadLatentAttention,
+    query: torch.Tensor,  # [batch, heads, time, qk_dim]
+    keys: torch.Tensor,  # [batch, heads, context, qk_dim]
+    values: torch.Tensor,  # [batch, heads, context, v_head_dim]
+    mask: torch.Tensor | None,  # [time, context] bool, True = visible; None: causal, or all for one row
+) -> torch.Tensor:  # -> [batch, time, hidden]
+    is_causal = mask is None and query.shape[2] > 1
+    attended = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, is_causal=is_causal, scale=attention.config.softmax_scale
+    )
+    batch, _, time, _ = attended.shape
+    return attention.o_proj(attended.transpose(1, 2).reshape(batch, time, -1))
+
+
+@dataclass(frozen=True)
+class DenseAttention:
+    """How one attention module type runs densely: rows -> (query, key, value), then attention -> output rows."""
+
+    project: Callable[[Any, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    attend: Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+DENSE_ATTENTION: dict[type[nn.Module], DenseAttention] = {
+    Attention: DenseAttention(project_qkv, attend),
+    MultiHeadLatentAttention: DenseAttention(project_latent_qkv, attend_latent),
+}
+
+
+class DenseLayer(Protocol):
+    """A pre-norm decoder layer as the dense paths drive it (Llama's DecoderLayer, DeepSeek-V3's MLA layer)."""
+
+    @property
+    def input_layernorm(self) -> RMSNorm: ...
+    @property
+    def self_attn(self) -> nn.Module: ...
+    @property
+    def post_attention_layernorm(self) -> RMSNorm: ...
+    @property
+    def mlp(self) -> nn.Module: ...
+
+
+def dense_attention(layer: DenseLayer) -> DenseAttention:
+    kind = DENSE_ATTENTION.get(type(layer.self_attn))
+    if kind is None:
+        known = ", ".join(t.__name__ for t in DENSE_ATTENTION)
+        raise ValueError(f"dense training: {type(layer.self_attn).__name__} layers are not supported ({known})")
+    return kind
+
+
 def decoder_layer(
-    layer: DecoderLayer,
+    layer: DenseLayer,
     hidden: torch.Tensor,  # [batch, time, hidden] residual stream entering the layer
     positions: torch.Tensor,  # [time]
     cache: DenseKV | None,
     layer_index: int,
 ) -> torch.Tensor:  # -> [batch, time, hidden] residual stream leaving the layer
-    """DecoderLayer.forward with dense attention; with a cache the rows continue the cached sequences."""
-    query, key, value = project_qkv(layer.self_attn, layer.input_layernorm(hidden), positions)
+    """The layer's forward with dense attention; with a cache the rows continue the cached sequences."""
+    kind = dense_attention(layer)
+    query, key, value = kind.project(layer.self_attn, layer.input_layernorm(hidden), positions)
     mask = None
     if cache is not None:
         if layer_index < len(cache.keys):
@@ -98,8 +189,9 @@ def decoder_layer(
             # needs no mask (it sees everything), and with context == time the plain causal mask applies.
             offset = context - time
             mask = torch.arange(context)[None, :] <= torch.arange(time)[:, None] + offset
-    hidden = hidden + attend(layer.self_attn, query, key, value, mask)
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    hidden = hidden + kind.attend(layer.self_attn, query, key, value, mask)
+    mlp_output: torch.Tensor = layer.mlp(layer.post_attention_layernorm(hidden))
+    return hidden + mlp_output
 
 
 def target_forward(
@@ -145,8 +237,10 @@ def unrolled_draft_logits(
     Step 0 is the ingest of committed rows: the row of anchor p takes (target feature of p, token x[p+1]).
     Step j >= 1 is the row at position p + j: it takes the hidden of the previous step of the same anchor and
     the token step_tokens[j][:, p], and attends as chain_mask describes, exactly as the inference chain does.
+    Any head whose layer kind has a dense attention (DENSE_ATTENTION) trains this way: Llama layers and MLA layers.
     """
-    layer = draft.layer
+    layer: DenseLayer = draft.layer  # type: ignore[assignment]  # both EAGLE3 layer kinds are DenseLayers
+    kind = dense_attention(layer)
     time = features.shape[1]
     hidden = draft.project_features(features)
     keys: list[torch.Tensor] = []
@@ -156,13 +250,35 @@ def unrolled_draft_logits(
         positions = torch.arange(step, step + time)
         embedded = layer.input_layernorm(draft.embed_tokens(tokens))
         attention_input = torch.cat([embedded, draft.hidden_norm(hidden)], dim=-1)  # [batch, time, 2 * hidden]
-        query, key, value = project_qkv(layer.self_attn, attention_input, positions)
+        query, key, value = kind.project(layer.self_attn, attention_input, positions)
         keys.append(key)
         values.append(value)
         mask = chain_mask(time, step).to(query.device)
-        stream = hidden + attend(layer.self_attn, query, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
+        stream = hidden + kind.attend(layer.self_attn, query, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
         stream = stream + layer.mlp(layer.post_attention_layernorm(stream))
         normed = draft.norm(stream)
         logits.append(draft.lm_head(normed).float())
         hidden = normed if draft.config.norm_output else stream
     return logits
+
+
+def unrolled_mtp_outputs(
+    model: MTPModel,
+    target_hidden: torch.Tensor,  # [batch, time, hidden] the target's pre-norm final stream h_T at positions 0..time-1
+    step_tokens: Sequence[torch.Tensor],  # per MTP layer k, [batch, time]: the token row p takes, x[p + k + 1]
+    chain: bool = True,
+) -> list[MTPLayerOutput]:  # per MTP layer, stream and normed [batch, time, hidden]
+    """Every chained MTP layer over every position at once, each layer one causal pass (tandem.training.mtp says why
+    that is the runner's chain): layer k's row p takes (h_{k-1}[p], step_tokens[k][:, p]), h_{-1} = target_hidden;
+    without `chain` every layer takes target_hidden, as the runner's non-chain mode does."""
+    positions = torch.arange(target_hidden.shape[1], device=target_hidden.device)
+    hidden = target_hidden
+    outputs = []
+    for index, tokens in enumerate(step_tokens):
+        layer = cast(MTPLayer, model.layers[index])
+        source = hidden if chain else target_hidden
+        fused = layer.eh_proj(torch.cat([layer.enorm(model.embed_tokens(tokens)), layer.hnorm(source)], dim=-1))
+        stream = decoder_layer(cast(DenseLayer, layer.decoder), fused, positions, None, 0)
+        outputs.append(MTPLayerOutput(stream=stream, normed=layer.shared_head.norm(stream)))
+        hidden = stream
+    return outputs

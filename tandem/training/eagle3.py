@@ -1,4 +1,4 @@
-"""Trains an EAGLE3 head for a target, on the target's own greedy continuations, and saves it in SpecForge format.
+"""Trains an EAGLE3 head for a target, on the target's own greedy continuations, and saves it in a checkpoint layout.
 
 Data: held-in prompts continued greedily by the target; for every position t of a sequence x we keep the target's
 aux features f[t] and its greedy prediction g[t] (the token the target would put at t + 1).
@@ -9,19 +9,21 @@ p at once (tandem.training.dense.unrolled_draft_logits):
     step j  row at position p + j: (draft hidden of step j - 1, g[p + j])            -> label g[p + j + 1]
 At inference the token of step j is the draft's own guess d_j; along the accepted path it equals g[p + j], so the
 labels are exactly what greedy verification accepts. Labels outside the draft vocabulary are ignored.
+
+Both EAGLE3 layer kinds train this way, through the same unrolled chain: Llama-layer heads (LlamaForCausalLMEagle3,
+SpecForge's `midlayer.*` layout) and MLA heads (Eagle3DeepseekV2ForCausalLM, Kimi-K2.5's `layers.0.*` layout with
+DeepSeek-V3 config keys), picked by `DraftShape.latent_attention`.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from tandem.models.aux_layers import resolve_capture
@@ -29,11 +31,27 @@ from tandem.models.eagle3 import Eagle3Config, Eagle3Draft
 from tandem.models.llama import LlamaForCausalLM
 from tandem.training.checkpoint import checkpoint_tensors, save_tensors
 from tandem.training.dense import unrolled_draft_logits
-from tandem.training.target import LossPoint, OptimiserSettings, greedy_generate, training_progress
+from tandem.training.heads import DraftRecord, DraftTraining, step_losses, train_head
+from tandem.training.target import LossPoint, greedy_generate
 
 IGNORED_LABEL = -100
-# Checkpoint prefixes of the SpecForge layout, the inverse of tandem.models.eagle3.EAGLE3_NAME_MAP.
-EAGLE3_EXPORT_RENAMES = (("hidden_norm.", "midlayer.hidden_norm."), ("layer.", "midlayer."))
+# Checkpoint prefixes per head architecture, the inverse of tandem.models.eagle3.EAGLE3_RENAMES: SpecForge's
+# `midlayer.*` for Llama-layer heads, `layers.0.*` for the MLA head as Kimi-K2.5 ships it.
+EAGLE3_EXPORT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "LlamaForCausalLMEagle3": (("hidden_norm.", "midlayer.hidden_norm."), ("layer.", "midlayer.")),
+    "Eagle3DeepseekV2ForCausalLM": (("hidden_norm.", "layers.0.hidden_norm."), ("layer.", "layers.0.")),
+}
+
+
+@dataclass(frozen=True)
+class LatentAttentionShape:
+    """MLA dimensions of an EAGLE3 MLA head (DeepSeek-V3 config keys); the heads are DraftShape.num_heads."""
+
+    q_lora_rank: int = 128
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 32
+    v_head_dim: int = 32
 
 
 @dataclass(frozen=True)
@@ -46,22 +64,12 @@ class DraftShape:
     # Output-of-layer convention (first id 1): capture indices are these + 1. For a 6-layer target, ids (1, 3, 5)
     # capture the streams entering layers 2 and 4 and the final pre-norm stream.
     aux_layer_ids: tuple[int, ...] = (1, 3, 5)
+    # None: a Llama-layer head (num_kv_heads KV heads); set: an MLA head with these dimensions.
+    latent_attention: LatentAttentionShape | None = None
 
     def hf_config(self, target_config: dict[str, Any]) -> dict[str, Any]:
-        config: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "model_type": "llama",
-            "num_hidden_layers": 1,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.hidden_size // self.num_heads,
-            "hidden_act": "silu",
-            "rms_norm_eps": target_config["rms_norm_eps"],
-            "rope_theta": _rope_theta(target_config),
-            "rope_scaling": None,
-            "max_position_embeddings": target_config["max_position_embeddings"],
+        config = self._llama_config(target_config) if self.latent_attention is None else self._mla_config(target_config)
+        config |= {
             "vocab_size": target_config["vocab_size"],
             "draft_vocab_size": self.draft_vocab_size,
             "tie_word_embeddings": False,
@@ -79,35 +87,55 @@ class DraftShape:
             config["target_hidden_size"] = target_config["hidden_size"]
         return config
 
+    def _llama_config(self, target_config: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.hidden_size // self.num_heads,
+            "hidden_act": "silu",
+            "rms_norm_eps": target_config["rms_norm_eps"],
+            "rope_theta": _rope_theta(target_config),
+            "rope_scaling": None,
+            "max_position_embeddings": target_config["max_position_embeddings"],
+        }
+
+    def _mla_config(self, target_config: dict[str, Any]) -> dict[str, Any]:
+        """DeepSeek-V3 keys as the Kimi-K2.5 head has them; plain rope (the demo's contexts are short)."""
+        latent = self.latent_attention
+        assert latent is not None
+        return {
+            "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+            "model_type": "kimi_k2",
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_heads,
+            "q_lora_rank": latent.q_lora_rank,
+            "kv_lora_rank": latent.kv_lora_rank,
+            "qk_nope_head_dim": latent.qk_nope_head_dim,
+            "qk_rope_head_dim": latent.qk_rope_head_dim,
+            "v_head_dim": latent.v_head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": target_config["rms_norm_eps"],
+            "rope_theta": _rope_theta(target_config),
+            "rope_scaling": None,
+            "rope_interleave": True,
+            "attention_bias": False,
+            "max_position_embeddings": target_config["max_position_embeddings"],
+        }
+
 
 @dataclass(frozen=True)
 class DraftData:
     tokens: torch.Tensor  # [num_sequences, length] x
     argmax: torch.Tensor  # [num_sequences, length] g: g[:, t] is the target's greedy token for position t + 1
     features: torch.Tensor  # [num_sequences, length, num_aux * target_hidden] bf16
-
-
-@dataclass(frozen=True)
-class DraftTraining:
-    epochs: int = 6
-    batch_size: int = 16
-    num_steps: int = 5  # chain steps unrolled, the k the head is meant for
-    step_decay: float = 0.8  # loss weight of step j is step_decay ** j (EAGLE-3)
-    optimiser: OptimiserSettings = field(
-        default_factory=lambda: OptimiserSettings(learning_rate=3e-3, warmup_steps=50, weight_decay=0.0)
-    )
-    budget_seconds: float = 15 * 60.0
-    bf16_autocast: bool = True
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class DraftRecord:
-    steps_done: int
-    seconds: float
-    curve: tuple[LossPoint, ...]
-    final_loss: float
-    step_accuracy: tuple[float, ...]  # per chain step: draft argmax == label, on the last batches
 
 
 def collect_draft_data(
@@ -134,6 +162,19 @@ def collect_draft_data(
 def capture_indices(shape: DraftShape, num_target_layers: int) -> tuple[int, ...]:
     """The target capture indices for the head's layer ids, resolved the way the draft server resolves them."""
     return resolve_capture(shape.aux_layer_ids, num_target_layers, len(shape.aux_layer_ids)).indices
+
+
+def captured_features(
+    features: torch.Tensor,  # [..., len(capture) * target_hidden] the collected features, in capture order
+    capture: Sequence[int],  # the indices the features were collected at
+    wanted: Sequence[int],  # the indices a head takes, in its order
+) -> torch.Tensor:  # -> [..., len(wanted) * target_hidden]; a view when wanted is a run of capture
+    """The columns of one head's features, from data collected once for several heads."""
+    width = features.shape[-1] // len(capture)
+    first = capture.index(wanted[0])
+    if tuple(capture[first : first + len(wanted)]) == tuple(wanted):
+        return features.narrow(-1, first * width, len(wanted) * width)
+    return torch.cat([features.narrow(-1, capture.index(index) * width, width) for index in wanted], dim=-1)
 
 
 def draft_vocabulary(token_counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:  # [vocab] -> [draft_vocab]
@@ -184,15 +225,15 @@ def chain_inputs(
     for step in range(num_steps):
         source = tokens if step == 0 else argmax
         shift = 1 if step == 0 else step  # step 0 takes x[p + 1], step j takes g[p + j]
-        step_tokens.append(_shifted(source, shift, pad_id))
-        labels = _shifted(argmax, step + 1, 0)
+        step_tokens.append(shifted(source, shift, pad_id))
+        labels = shifted(argmax, step + 1, 0)
         labels = target_to_draft[labels]
         labels[:, max(length - step - 1, 0) :] = IGNORED_LABEL
         step_labels.append(labels)
     return step_tokens, step_labels
 
 
-def _shifted(values: torch.Tensor, shift: int, fill: int) -> torch.Tensor:  # [batch, length] -> values[:, p + shift]
+def shifted(values: torch.Tensor, shift: int, fill: int) -> torch.Tensor:  # [batch, length] -> values[:, p + shift]
     result = torch.full_like(values, fill)
     if shift < values.shape[1]:
         result[:, : values.shape[1] - shift] = values[:, shift:]
@@ -207,16 +248,7 @@ def chain_loss(
     step_decay: float,
 ) -> tuple[torch.Tensor, list[float]]:  # weighted loss, per-step accuracy over the labelled rows
     logits = unrolled_draft_logits(draft, features, step_tokens)
-    total = torch.zeros(())
-    accuracies = []
-    for step, (step_logits, labels) in enumerate(zip(logits, step_labels, strict=True)):
-        total = total + step_decay**step * F.cross_entropy(
-            step_logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORED_LABEL
-        )
-        labelled = labels != IGNORED_LABEL
-        correct = (step_logits.argmax(dim=-1) == labels) & labelled
-        accuracies.append(float(correct.sum()) / max(int(labelled.sum()), 1))
-    return total, accuracies
+    return step_losses(logits, step_labels, step_decay, IGNORED_LABEL)
 
 
 def train_draft(
@@ -226,58 +258,18 @@ def train_draft(
     pad_id: int,
     settings: DraftTraining,
     on_point: Callable[[LossPoint], None] = lambda point: None,
+    features: torch.Tensor | None = None,  # [num_sequences, length, num_aux * target_hidden]; None: data.features
+    label: str = "eagle3",  # the progress bar's name
 ) -> DraftRecord:
-    generator = torch.Generator().manual_seed(settings.seed)
-    optimiser = torch.optim.AdamW(
-        draft.parameters(),
-        lr=settings.optimiser.learning_rate,
-        betas=(0.9, 0.95),
-        weight_decay=settings.optimiser.weight_decay,
-    )
-    num_sequences = data.tokens.shape[0]
-    batches_per_epoch = num_sequences // settings.batch_size
-    total_steps = settings.epochs * batches_per_epoch
-    draft.train()
-    curve: list[LossPoint] = []
-    recent_accuracy: list[list[float]] = []
-    start = time.monotonic()
-    progress_bar = tqdm(total=total_steps, desc="eagle3", unit="step")
-    step = 0
-    while training_progress(step, total_steps, time.monotonic() - start, settings.budget_seconds) < 1.0:
-        if step % batches_per_epoch == 0:
-            order = torch.randperm(num_sequences, generator=generator)
-        rows = order[(step % batches_per_epoch) * settings.batch_size :][: settings.batch_size]
-        progress = training_progress(step, total_steps, time.monotonic() - start, settings.budget_seconds)
-        for group in optimiser.param_groups:
-            group["lr"] = settings.optimiser.rate(step, progress)
+    head_features = data.features if features is None else features
+
+    def batch_loss(rows: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
         step_tokens, step_labels = chain_inputs(
             data.tokens[rows], data.argmax[rows], settings.num_steps, target_to_draft, pad_id
         )
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16_autocast):
-            loss, accuracies = chain_loss(
-                draft, data.features[rows].float(), step_tokens, step_labels, settings.step_decay
-            )
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), settings.optimiser.gradient_clip)
-        optimiser.step()
-        optimiser.zero_grad(set_to_none=True)
-        point = LossPoint(step, time.monotonic() - start, loss.item())
-        curve.append(point)
-        on_point(point)
-        recent_accuracy = [*recent_accuracy[-19:], accuracies]
-        step += 1
-        progress_bar.update(1)
-        progress_bar.set_postfix(loss=f"{point.loss:.3f}", first=f"{accuracies[0]:.2f}", last=f"{accuracies[-1]:.2f}")
-    progress_bar.close()
-    draft.eval()
-    tail = curve[-20:]
-    return DraftRecord(
-        steps_done=step,
-        seconds=time.monotonic() - start,
-        curve=tuple(curve),
-        final_loss=sum(p.loss for p in tail) / max(len(tail), 1),
-        step_accuracy=tuple(sum(column) / len(column) for column in zip(*recent_accuracy, strict=True)),
-    )
+        return chain_loss(draft, head_features[rows].float(), step_tokens, step_labels, settings.step_decay)
+
+    return train_head(draft, draft.parameters(), data.tokens.shape[0], batch_loss, settings, label, on_point)
 
 
 def save_draft(draft: Eagle3Draft, hf_config: dict[str, Any], directory: Path) -> None:
@@ -288,7 +280,8 @@ def save_draft(draft: Eagle3Draft, hf_config: dict[str, Any], directory: Path) -
     """
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    tensors = checkpoint_tensors(draft, EAGLE3_EXPORT_RENAMES)
+    renames = EAGLE3_EXPORT_RENAMES[draft.config.architecture]
+    tensors = checkpoint_tensors(draft, renames, packed=draft.config.layer_kind.name_map.packed)
     in_draft = torch.zeros(draft.config.layer.vocab_size, dtype=torch.bool)
     in_draft[draft.to_target_ids(torch.arange(draft.config.draft_vocab_size))] = True
     tensors["t2d"] = in_draft

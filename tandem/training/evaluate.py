@@ -1,8 +1,9 @@
 """Greedy speculative decoding of the trained pair in one process, with the serving runners and no gRPC.
 
-TargetRunner and DraftRunner are the classes the two servers run; here they are called directly, round by round:
-draft (propose k tokens from the rows the target committed), verify (one target pass over k + 1 tokens), commit.
-The result measures what the pair is made of: acceptance length and the cost of a draft step and a verify pass.
+TargetRunner and the draft runners are the classes the servers run (DraftRunner for EAGLE3 heads of either layer
+kind, MTPRunner for chained MTP layers); here they are called directly, round by round: draft (propose k tokens from
+the rows the target committed), verify (one target pass over k + 1 tokens), commit. The result measures what the
+pair is made of: acceptance length and the cost of a draft step and a verify pass.
 """
 
 from __future__ import annotations
@@ -12,13 +13,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tqdm import tqdm
 
+from draft_server.mtp_runner import MTPRunner
 from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from tandem.models.aux_layers import resolve_capture
+from tandem.models.config import read_hf_config
 from tandem.models.eagle3 import load_eagle3
+from tandem.models.llama import LlamaForCausalLM
+from tandem.models.mtp import load_mtp
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from tandem.training.target import load_llama_target
@@ -40,6 +46,34 @@ class AcceptanceReport:
     projected_speedup: float  # acceptance length * target_token_ms / (draft_round_ms + verify_ms)
 
 
+class Proposer(Protocol):
+    """What the evaluation drives of a draft runner (DraftRunner and MTPRunner have it)."""
+
+    def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]: ...
+    def release(self, request_ids: Sequence[str]) -> None: ...
+
+
+def load_proposer(
+    draft_dir: Path, target: LlamaForCausalLM, cache: KVCacheSettings
+) -> tuple[Proposer, tuple[int, ...]]:
+    """The serving runner for the draft directory and the target capture indices it consumes, filling from the target
+    what the checkpoint shares with it (as the draft server does over GetWeights). An MTP checkpoint is told apart
+    by its format key, num_nextn_predict_layers (tandem.models.mtp); anything else is an EAGLE3 head."""
+    if read_hf_config(draft_dir).get("num_nextn_predict_layers"):
+        loaded = load_mtp(draft_dir)
+        if loaded.model.config.style != "chained":
+            raise ValueError(f"{draft_dir}: evaluation runs chained MTP heads, got {loaded.model.config.style!r}")
+        tables = {"embed_tokens": target.model.embed_tokens.weight, "lm_head": target.lm_head.weight}
+        for name in loaded.missing_shared:
+            loaded.model.fill_shared(name, tables[name].detach())
+        return MTPRunner(loaded.model, cache, chain=True), (loaded.model.config.capture_index,)
+    draft, has_embedding = load_eagle3(draft_dir)
+    if not has_embedding:
+        draft.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
+    capture = resolve_capture(draft.config.aux_layer_ids, target.config.num_layers, draft.config.num_aux).indices
+    return DraftRunner(draft, cache), capture
+
+
 def measure_acceptance(
     target_dir: Path,
     draft_dir: Path,
@@ -48,13 +82,9 @@ def measure_acceptance(
     max_new_tokens: int = 128,
 ) -> AcceptanceReport:
     target = load_llama_target(target_dir)
-    draft, has_embedding = load_eagle3(draft_dir)
-    if not has_embedding:
-        draft.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
-    capture = resolve_capture(draft.config.aux_layer_ids, target.config.num_layers, draft.config.num_aux).indices
     cache = KVCacheSettings(num_blocks=256, block_size=16)
     target_runner = TargetRunner(target, cache, max_context=target.config.max_position_embeddings)
-    draft_runner = DraftRunner(draft, cache)
+    draft_runner, capture = load_proposer(draft_dir, target, cache)
     draft_times: list[float] = []
     verify_times: list[float] = []
     plain_times: list[float] = []

@@ -1,23 +1,29 @@
 """The demo training pipeline (tandem.training) on tiny shapes.
 
 What is trained must be what is served: the dense training forwards are compared with the paged serving forwards
-and with transformers, the saved files are read back by the serving loaders, and the unrolled draft chain of the
-training-time test is compared, step by step, with the chain DraftRunner runs.
+and with transformers, the saved files are read back by the serving loaders, and the unrolled draft chains of the
+training-time test are compared, step by step, with the chains the runners run: DraftRunner for EAGLE3 heads of
+both layer kinds (Llama, MLA), MTPRunner for chained MTP layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from draft_server.mtp_runner import MTPRunner
 from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.models.aux_layers import resolve_capture
 from tandem.models.eagle3 import load_eagle3
+from tandem.models.mtp import MTPLayerOutput, load_mtp
 from tandem.settings import KVCacheSettings
 from tandem.training.data import (
     END_OF_TEXT,
@@ -31,12 +37,14 @@ from tandem.training.data import (
     token_id,
     train_tokenizer,
 )
-from tandem.training.dense import chain_mask, target_forward, unrolled_draft_logits
+from tandem.training.dense import chain_mask, target_forward, unrolled_draft_logits, unrolled_mtp_outputs
 from tandem.training.eagle3 import (
     IGNORED_LABEL,
     DraftShape,
     DraftTraining,
+    LatentAttentionShape,
     build_draft,
+    captured_features,
     chain_inputs,
     collect_draft_data,
     draft_vocabulary,
@@ -44,6 +52,7 @@ from tandem.training.eagle3 import (
     target_to_draft_map,
     train_draft,
 )
+from tandem.training.mtp import MTPShape, build_mtp, mtp_inputs, save_mtp, train_mtp
 from tandem.training.target import (
     OptimiserSettings,
     TargetShape,
@@ -55,6 +64,8 @@ from tandem.training.target import (
     train_target,
 )
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
+from tests.helpers.eagle3_mla_checkpoints import TinyEagle3MLASpec, write_tiny_eagle3_mla
+from tests.helpers.mtp_checkpoints import TinyChainedMTPSpec, write_tiny_chained_mtp
 
 TOLERANCE = 1e-4
 TINY_TARGET = TargetShape(
@@ -63,6 +74,8 @@ TINY_TARGET = TargetShape(
 TINY_DRAFT = DraftShape(
     hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1, draft_vocab_size=64, aux_layer_ids=(1, 2)
 )
+TINY_MLA = LatentAttentionShape(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
+TINY_MLA_DRAFT = replace(TINY_DRAFT, latent_attention=TINY_MLA)
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
@@ -216,19 +229,43 @@ def test_chain_inputs_follow_the_worked_example() -> None:
     assert chain_mask(3, 1).int().tolist() == [[1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1]]
 
 
-def test_saved_head_loads_with_load_eagle3(saved_target: Path, target_config: dict[str, Any], tmp_path: Path) -> None:
-    draft_to_target = torch.arange(0, 2 * TINY_DRAFT.draft_vocab_size, 2)  # every other target id
-    config = TINY_DRAFT.hf_config(target_config)
+@pytest.mark.parametrize(
+    ("shape", "architecture", "layer_prefix"),
+    [
+        (TINY_DRAFT, "LlamaForCausalLMEagle3", "midlayer."),
+        (TINY_MLA_DRAFT, "Eagle3DeepseekV2ForCausalLM", "layers.0."),
+    ],
+    ids=["llama", "mla"],
+)
+def test_saved_head_loads_with_load_eagle3(
+    saved_target: Path,
+    target_config: dict[str, Any],
+    tmp_path: Path,
+    shape: DraftShape,
+    architecture: str,
+    layer_prefix: str,
+) -> None:
+    draft_to_target = torch.arange(0, 2 * shape.draft_vocab_size, 2)  # every other target id
+    config = shape.hf_config(target_config)
     draft = build_draft(config, draft_to_target, seed=0)
     save_draft(draft, config, tmp_path)
+    names = set(safe_open(str(tmp_path / "model.safetensors"), "pt").keys())
+    if shape.latent_attention is not None:  # the Kimi-K2.5 layout: separate down projections, kv_b_proj
+        assert {
+            f"{layer_prefix}self_attn.q_a_proj.weight",
+            f"{layer_prefix}self_attn.kv_a_proj_with_mqa.weight",
+        } < names
+        assert f"{layer_prefix}self_attn.kv_b_proj.weight" in names
+    assert f"{layer_prefix}hidden_norm.weight" in names
 
     loaded, has_embedding = load_eagle3(tmp_path)
+    assert loaded.config.architecture == architecture
     assert has_embedding  # the draft's hidden (16) differs from the target's (32): it needs its own table
     assert loaded.config.target_hidden_size == TINY_TARGET.hidden_size
-    assert loaded.config.aux_layer_ids == TINY_DRAFT.aux_layer_ids
+    assert loaded.config.aux_layer_ids == shape.aux_layer_ids
     capture = resolve_capture(loaded.config.aux_layer_ids, TINY_TARGET.num_layers, loaded.config.num_aux)
     assert (capture.convention, capture.indices) == ("output", (2, 3))
-    target_ids = loaded.to_target_ids(torch.arange(TINY_DRAFT.draft_vocab_size))
+    target_ids = loaded.to_target_ids(torch.arange(shape.draft_vocab_size))
     assert torch.equal(target_ids, draft_to_target)
     assert int(target_ids.min()) >= 0 and int(target_ids.max()) < TINY_TARGET.vocab_size
     saved = dict(draft.named_parameters())
@@ -236,14 +273,25 @@ def test_saved_head_loads_with_load_eagle3(saved_target: Path, target_config: di
         assert torch.equal(parameter, saved[name].detach().to(torch.bfloat16).float()), name
 
 
-def test_unrolled_chain_matches_the_draft_runner_step_by_step(tmp_path: Path) -> None:
+HeadWriter = Callable[[Path, Path], Path]  # (head directory, target directory) -> head directory
+HEAD_WRITERS: dict[str, HeadWriter] = {
+    "llama": lambda directory, target_dir: write_tiny_eagle3(
+        directory, target_dir, TinyEagle3Spec(hidden_size=32, draft_vocab_size=100, layer_ids=(1, 2, 3))
+    ),
+    # YaRN rope, interleaved: the dense path must rotate exactly as the serving layer does.
+    "mla": lambda directory, target_dir: write_tiny_eagle3_mla(
+        directory, target_dir, TinyEagle3MLASpec(hidden_size=32, draft_vocab_size=100, layer_ids=(1, 2, 3))
+    ),
+}
+
+
+@pytest.mark.parametrize("head", list(HEAD_WRITERS))
+def test_unrolled_chain_matches_the_draft_runner_step_by_step(tmp_path: Path, head: str) -> None:
     """Two rounds as the servers run them: ingest rows 0..5 and draft 4 steps, then ingest rows 6..9 and draft
     4 steps. The unrolled training forward over all 10 positions must give, at the anchor of each round, the logits
     the runner computed at every step, when it is fed the tokens the runner drafted."""
     target_dir = write_tiny_target(tmp_path / "target", TinyTargetSpec())
-    draft_dir = write_tiny_eagle3(
-        tmp_path / "draft", target_dir, TinyEagle3Spec(hidden_size=32, draft_vocab_size=100, layer_ids=(1, 2, 3))
-    )
+    draft_dir = HEAD_WRITERS[head](tmp_path / "draft", target_dir)
     target = load_llama_target(target_dir)
     draft, _ = load_eagle3(draft_dir)
     capture = resolve_capture(draft.config.aux_layer_ids, target.config.num_layers, draft.config.num_aux).indices
@@ -295,3 +343,110 @@ def test_draft_training_reduces_the_chain_loss(saved_target: Path, target_config
     assert record.steps_done == 30
     assert record.curve[-1].loss < 0.75 * record.curve[0].loss
     assert len(record.step_accuracy) == 3
+
+
+def test_captured_features_pick_one_heads_columns() -> None:
+    features = torch.arange(3.0).repeat_interleave(2)[None, :]  # capture (2, 4, 6), width 2: [0 0 1 1 2 2]
+    assert captured_features(features, (2, 4, 6), (4, 6)).tolist() == [[1, 1, 2, 2]]
+    assert captured_features(features, (2, 4, 6), (6, 2)).tolist() == [[2, 2, 0, 0]]
+
+
+# Chained MTP head.
+
+
+def test_mtp_inputs_follow_the_worked_example() -> None:
+    tokens = torch.tensor([[10, 11, 12, 13]])  # x
+    argmax = torch.tensor([[20, 21, 22, 23]])  # g
+    step_tokens, step_labels = mtp_inputs(tokens, argmax, num_layers=2, pad_id=0)
+    assert step_tokens[0].tolist() == [[11, 12, 13, 0]]  # x[p + 1]
+    assert step_labels[0].tolist() == [[21, 22, 23, IGNORED_LABEL]]  # g[p + 1]
+    assert step_tokens[1].tolist() == [[12, 13, 0, 0]]  # x[p + 2]
+    assert step_labels[1].tolist() == [[22, 23, IGNORED_LABEL, IGNORED_LABEL]]  # g[p + 2]
+
+
+def test_unrolled_mtp_matches_the_mtp_runner_step_by_step(tmp_path: Path) -> None:
+    """Two rounds of a 3-layer chain as the server runs them: ingest rows 0..5 and draft 3 steps, then ingest rows
+    6..9 and draft 3 steps. Every row every layer computed (ingest and draft passes) must equal the row of the causal
+    training forward over the round's tokens: the committed ones, then the runner's own drafts."""
+    num_layers = 3
+    target_dir = write_tiny_target(tmp_path / "target", TinyTargetSpec())
+    mtp_dir = write_tiny_chained_mtp(tmp_path / "mtp", target_dir, TinyChainedMTPSpec(num_layers, seed=3))
+    target = load_llama_target(target_dir)
+    model = load_mtp(mtp_dir).model
+    model.fill_shared("embed_tokens", target.model.embed_tokens.weight.detach())
+    model.fill_shared("lm_head", target.lm_head.weight.detach())
+    capture = model.config.capture_index
+    tokens = torch.randint(3, 320, (11,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        target_hidden = target_forward(target, tokens[None, :10], (capture,)).captured[capture]  # [1, 10, 64]
+
+    recorded: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]  # per layer, each call's stream rows
+    hooks = [
+        layer.register_forward_hook(lambda module, args, output, index=index: recorded[index].append(output.stream))
+        for index, layer in enumerate(model.layers)
+    ]
+    runner = MTPRunner(model, KVCacheSettings(num_blocks=32, block_size=4), chain=True)
+    rounds = [(0, 6), (6, 10)]
+    proposals = []
+    for start, end in rounds:
+        rows = TargetRows(start, tokens[start + 1 : end + 1].tolist(), target_hidden[0, start:end])
+        proposals.append(runner.propose([ProposeInput("a", rows, num_steps=num_layers)])[0])
+    for hook in hooks:
+        hook.remove()
+
+    calls = [iter(layer_calls) for layer_calls in recorded]
+    for (start, end), proposal in zip(rounds, proposals, strict=True):
+        # The round's token sequence: committed x[0..end], then the drafts the later layers consumed.
+        sequence = torch.cat([tokens[: end + 1], torch.tensor(proposal[:-1])])
+        step_tokens = [sequence[None, layer + 1 : layer + 1 + end] for layer in range(num_layers)]
+        with torch.no_grad():
+            outputs: list[MTPLayerOutput] = unrolled_mtp_outputs(model, target_hidden[:, :end], step_tokens)
+        for layer, output in enumerate(outputs):
+            ingested = next(calls[layer])  # positions [old extent, new extent): max(0, n - layer) for n = start, end
+            expected = output.stream[0, max(0, start - layer) : end - layer]
+            assert (ingested - expected).abs().max().item() <= TOLERANCE
+            if layer > 0:  # draft step layer + 1: positions [end - layer, end - 1], on this round's guesses
+                drafted = next(calls[layer])
+                assert (drafted - output.stream[0, end - layer : end]).abs().max().item() <= TOLERANCE
+        drafted_again = [int(model.compute_logits(output.normed[0, end - 1]).argmax()) for output in outputs]
+        assert drafted_again == proposal
+    assert all(next(layer_calls, None) is None for layer_calls in calls)
+
+
+def test_saved_mtp_loads_with_load_mtp(saved_target: Path, target_config: dict[str, Any], tmp_path: Path) -> None:
+    target = load_llama_target(saved_target)
+    config = MTPShape(num_layers=2).hf_config(target_config)
+    model = build_mtp(config, target, seed=0)
+    save_mtp(model, config, tmp_path)
+    names = set(safe_open(str(tmp_path / "model.safetensors"), "pt").keys())
+    first = TINY_TARGET.num_layers
+    assert {f"model.layers.{first}.eh_proj.weight", f"model.layers.{first + 1}.self_attn.q_proj.weight"} < names
+    assert not any(name.startswith(("model.embed_tokens.", "lm_head.")) for name in names)  # shared, not stored
+
+    loaded = load_mtp(tmp_path)
+    assert loaded.missing_shared == ("embed_tokens", "lm_head")
+    assert loaded.model.config.capture_index == TINY_TARGET.num_layers
+    saved = dict(model.layers.named_parameters())
+    for name, parameter in loaded.model.layers.named_parameters():
+        assert torch.equal(parameter, saved[name].detach().to(torch.bfloat16).float()), name
+
+
+def test_mtp_training_reduces_the_loss_and_keeps_the_shared_tables(
+    saved_target: Path, target_config: dict[str, Any]
+) -> None:
+    target = load_llama_target(saved_target)
+    capture = (1, TINY_TARGET.num_layers)  # collected for several heads; the MTP head takes the last column
+    prompts = torch.randint(3, TINY_TARGET.vocab_size, (16, 4), generator=torch.Generator().manual_seed(3))
+    data = collect_draft_data(target, prompts, num_new=12, capture=capture, batch_size=8, bf16_autocast=False)
+    model = build_mtp(MTPShape(num_layers=2).hf_config(target_config), target, seed=0)
+    settings = DraftTraining(
+        epochs=15, batch_size=8, num_steps=2, optimiser=OptimiserSettings(1e-2, warmup_steps=2), bf16_autocast=False
+    )
+    hidden = captured_features(data.features, capture, (TINY_TARGET.num_layers,))
+    record = train_mtp(model, data, hidden, 1, settings)
+    assert record.steps_done == 30
+    # The frozen LM head of a random target keeps the logits small, so the loss falls little; the argmax learns.
+    assert record.curve[-1].loss < record.curve[0].loss - 0.5
+    assert len(record.step_accuracy) == 2 and min(record.step_accuracy) > 0.6
+    assert torch.equal(model.lm_head.weight, target.lm_head.weight)
+    assert torch.equal(model.embed_tokens.weight, target.model.embed_tokens.weight)
