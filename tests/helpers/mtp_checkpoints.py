@@ -51,33 +51,32 @@ def layer_copies(prefix: str, vocab: int, hidden: int) -> dict[str, torch.Tensor
 
 
 def write_tiny_chained_mtp(directory: Path, target_dir: Path, spec: TinyChainedMTPSpec = TinyChainedMTPSpec()) -> Path:
-    """MTP layers for the Llama target in target_dir (Llama decoder layers: q/k/v/o, gate/up/down, two norms)."""
+    """MTP layers for the Llama-family target in target_dir: each decoder layer has the tensors of the target's layer
+    0 (so Qwen2 biases and Qwen3 q/k norms come along), freshly drawn, plus the MTP layer's own tensors."""
     target_config: dict[str, Any] = json.loads((target_dir / "config.json").read_text())
-    num_layers, hidden = target_config["num_hidden_layers"], target_config["hidden_size"]
-    num_heads, num_kv_heads = target_config["num_attention_heads"], target_config["num_key_value_heads"]
-    head_dim = target_config.get("head_dim") or hidden // num_heads
-    intermediate, vocab = target_config["intermediate_size"], target_config["vocab_size"]
+    num_layers, hidden, vocab = (
+        target_config["num_hidden_layers"],
+        target_config["hidden_size"],
+        target_config["vocab_size"],
+    )
+    first_layer = {
+        name.removeprefix("model.layers.0."): tensor.shape
+        for name, tensor in load_file(str(target_dir / "model.safetensors")).items()
+        if name.startswith("model.layers.0.")
+    }
     generator = torch.Generator().manual_seed(spec.seed)
     tensors: dict[str, torch.Tensor] = {}
     for index in range(spec.num_mtp_layers):
         prefix = f"model.layers.{num_layers + index}."
-        tensors |= {
-            prefix + "self_attn.q_proj.weight": dense_weight((num_heads * head_dim, hidden), generator),
-            prefix + "self_attn.k_proj.weight": dense_weight((num_kv_heads * head_dim, hidden), generator),
-            prefix + "self_attn.v_proj.weight": dense_weight((num_kv_heads * head_dim, hidden), generator),
-            prefix + "self_attn.o_proj.weight": dense_weight((hidden, num_heads * head_dim), generator),
-            prefix + "mlp.gate_proj.weight": dense_weight((intermediate, hidden), generator),
-            prefix + "mlp.up_proj.weight": dense_weight((intermediate, hidden), generator),
-            prefix + "mlp.down_proj.weight": dense_weight((hidden, intermediate), generator),
-            prefix + "input_layernorm.weight": norm_weight((hidden,), generator),
-            prefix + "post_attention_layernorm.weight": norm_weight((hidden,), generator),
-            **mtp_own_tensors(prefix, hidden, generator),
-        }
-        if spec.include_layer_copies:
-            tensors |= layer_copies(prefix, vocab, hidden)
+        for name, shape in sorted(first_layer.items()):
+            draw = norm_weight if "norm" in name.rsplit(".", 2)[-2] else dense_weight
+            tensors[prefix + name] = draw(tuple(shape), generator)
+        tensors |= mtp_own_tensors(prefix, hidden, generator)
+    if spec.include_layer_copies:
+        tensors |= layer_copies(prefix, vocab, hidden)
     if spec.include_shared_tables:
         target = load_file(str(target_dir / "model.safetensors"))
-        tensors |= {name: target[name] for name in ("model.embed_tokens.weight", "lm_head.weight")}
+        tensors |= {name: target[name] for name in ("model.embed_tokens.weight", "lm_head.weight") if name in target}
     directory.mkdir(parents=True, exist_ok=True)
     config = target_config | {"num_nextn_predict_layers": spec.num_mtp_layers}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

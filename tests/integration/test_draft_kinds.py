@@ -5,6 +5,8 @@ output == target-only output, the draft really proposes, and it subscribes with 
 - DeepSeek-V3 target + EAGLE3 MLA head (Eagle3DeepseekV2ForCausalLM) of the target's width and no embedding of its
   own, so it pulls the target's over GetWeights; its output-of-layer ids (1, 2, 3) resolve to capture indices (2, 3,
   4), the last being the final pre-norm stream; its output also equals transformers' greedy generate;
+- DeepSeek-V3 target + a Llama-layer EAGLE3 head (ids (1, 2, 3) -> (2, 3, 4)), and Qwen3 target + chained MTP: the
+  same kinds on another family;
 - DeepSeek-V3 target + its own NextN layer (the draft directory IS the target's), both feedback choices, fed the
   target's post-final-norm hidden (capture index L + 1);
 - Llama target + a 3-layer chained MTP head, chain and independent modes, fed the final pre-norm stream (index L);
@@ -111,3 +113,18 @@ def test_llama_target_with_chained_mtp(llama_chained_mtp: tuple[Path, Path], mod
     target, draft = llama_chained_mtp
     options = ("--speculative-num-steps", "3", "--mtp-mode", mode, "--tp", str(tp))
     check_case(Case(target, draft, options, "chained-mtp", [4]))
+
+
+def test_deepseek_v3_target_with_llama_layer_eagle3_head(
+    deepseek_eagle3_mla: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, _ = deepseek_eagle3_mla
+    spec = TinyEagle3Spec(layer_ids=(1, 2, 3), draft_vocab_size=200, seed=2)
+    draft = write_tiny_eagle3(tmp_path / "eagle3", target, spec)
+    check_case(Case(target, draft, ("--speculative-num-steps", "3"), "eagle3", [2, 3, 4]))
+
+
+def test_qwen3_target_with_chained_mtp(tmp_path: Path) -> None:
+    target = write_tiny_target(tmp_path / "qwen3", TinyTargetSpec(family="qwen3", num_layers=3))
+    draft = write_tiny_chained_mtp(tmp_path / "mtp", target, TinyChainedMTPSpec(num_mtp_layers=2))
+    check_case(Case(target, draft, ("--speculative-num-steps", "2"), "chained-mtp", [3]))
