@@ -38,6 +38,7 @@ from orchestrator.settings import SchedulerSettings
 from orchestrator.validation import Limits, validate_request
 from tandem.layers.kv_cache import OutOfKVBlocks
 from tandem.models.registry import load_target
+from tandem.parallel.vocab import assemble_shards
 from tandem.settings import KVCacheSettings
 from tandem.wire import orchestrator_pb2
 from target_server.main import target_info
@@ -154,10 +155,10 @@ class ColocatedEngine:
                 dtype=settings.dtype,
             )
             prepared = prepare_draft(draft_settings, target_info(target_runner, settings.dtype))
-            # The same tables the target would stream, handed over in memory.
-            tables = {"embed_tokens": model.model.embed_tokens.weight.data, "lm_head": model.lm_head.weight.data}
+            # The same shards the target would stream, handed over in memory.
             for name in prepared.missing_tables:
-                prepared.fill_table(name, tables[name])
+                table = assemble_shards(target_runner.weight_shards(name), model.config.vocab_size)
+                prepared.fill_table(name, table)
             draft = LocalDraft(prepared.build_runner(settings.cache), prepared.capture.indices)
             replicas.add(REPLICA_ID, "in-process", draft)
         self.tokenizer = AutoTokenizer.from_pretrained(str(settings.target_dir))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.parallel.vocab import assemble_shards, shard_rows, shard_table
+from tandem.parallel.vocab import assemble_shards, reshard, shard_rows
 from tandem.wire import target_pb2, target_pb2_grpc
 from tandem.wire.codec import AssembledTensor, WeightAssembler
 
@@ -38,8 +38,7 @@ class SharedTable:
         """The table cut by the vocab-parallel rule for a consumer running with another tp."""
         if tp == len(self.shards):
             return list(self.shards)
-        table = self.full()
-        return [shard_table(table, tp, rank) for rank in range(tp)]
+        return reshard(self.shards, self.vocab_size, tp)
 
 
 def collect_table(name: str, pieces: Sequence[AssembledTensor]) -> SharedTable:

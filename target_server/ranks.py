@@ -91,7 +91,8 @@ class RankDriver:
         self, model: TargetModel, cache: PagedKVCache, step: ForwardStep
     ) -> tuple[TargetOutput, torch.Tensor]:  # -> output, logits [num_rows, vocab] float32
         with self._lock:
-            self._send(Command.FORWARD, encode_step(step))
+            if self.group.world_size > 1:  # encoding the step is per-forward work a single rank does not need
+                self._send(Command.FORWARD, encode_step(step))
             return run_step(model, cache, step)
 
     def weight_shards(self, model: TargetModel, name: str) -> list[torch.Tensor]:  # -> tp tensors [s, hidden]
