@@ -253,6 +253,9 @@ def load_eagle3(model_dir: Path, dtype: torch.dtype = torch.float32, device: str
     full_vocabulary = config.draft_vocab_size == config.vocab_size
     optional = frozenset({"embed_tokens.weight", "d2t"} if full_vocabulary else {"embed_tokens.weight"})
     model.d2t.zero_()  # type: ignore[operator]
+    # Poisoned until loaded or filled from the target: a caller that forgets the fill gets NaN logits every time,
+    # not whatever the allocator left there.
+    model.embed_tokens.weight.data.fill_(float("nan"))
     name_map = config.layer_kind.name_map
     load_weights(model, iter_tensors(model_dir), name_map, source=str(model_dir), optional=optional)
     d2t: torch.Tensor = model.d2t  # type: ignore[assignment]

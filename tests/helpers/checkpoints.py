@@ -105,7 +105,8 @@ class TinyEagle3Spec:
     # One RMSNorm over the whole aux concatenation, before fc.
     norm_before_fc: bool = False
     norm_output: bool = False
-    # Write embed_tokens.weight, copied from the target (needs draft hidden == target hidden).
+    # Write embed_tokens.weight: the target's table when the draft is as wide as the target, else a seeded random
+    # table of the draft's width (a head narrower than its target always ships its own).
     include_embedding: bool = False
     # norm.weight = 0 makes every draft logit 0, so the draft argmax is draft id 0, i.e. target id 0 + d2t[0].
     zero_final_norm: bool = False
@@ -170,7 +171,7 @@ def write_tiny_eagle3(directory: Path, target_dir: Path, spec: TinyEagle3Spec = 
     hidden = spec.hidden_size if spec.hidden_size is not None else target_hidden
     head_dim = spec.head_dim if spec.head_dim is not None else hidden // spec.num_heads
     num_aux = resolve_num_aux(spec)
-    validate_eagle3_spec(spec, num_aux, hidden, target_hidden)
+    validate_eagle3_spec(spec, num_aux)
     generator = torch.Generator().manual_seed(spec.seed)
 
     if spec.d2t is not None:
@@ -195,8 +196,11 @@ def write_tiny_eagle3(directory: Path, target_dir: Path, spec: TinyEagle3Spec = 
     if spec.norm_before_fc:
         # REFERENCE.md does not name this weight; "norm_before_fc" is this project's choice.
         tensors["norm_before_fc.weight"] = norm_weight((num_aux * target_hidden,), generator)
-    if spec.include_embedding:
+    if spec.include_embedding and hidden == target_hidden:
         tensors["embed_tokens.weight"] = read_target_tensor(target_dir, "model.embed_tokens.weight")
+    elif spec.include_embedding:
+        # Unit scale, like a trained embedding's rows after input_layernorm.
+        tensors["embed_tokens.weight"] = torch.randn((target_vocab, hidden), generator=generator)
     if spec.zero_final_norm:
         tensors["norm.weight"].zero_()
 
@@ -255,15 +259,13 @@ def resolve_num_aux(spec: TinyEagle3Spec) -> int:
     return 3
 
 
-def validate_eagle3_spec(spec: TinyEagle3Spec, num_aux: int, hidden: int, target_hidden: int) -> None:
+def validate_eagle3_spec(spec: TinyEagle3Spec, num_aux: int) -> None:
     if spec.layer_ids is not None and len(spec.layer_ids) != num_aux:
         raise ValueError(f"num_aux={num_aux} but {len(spec.layer_ids)} layer ids: {list(spec.layer_ids)}")
     if spec.legacy_aux_norm_names and not spec.fc_norm:
         raise ValueError("legacy_aux_norm_names renames the fc_norm weights; it needs fc_norm=True")
     if spec.legacy_aux_norm_names and num_aux != 3:
         raise ValueError(f"the legacy names aux_norm_low/mid/high need exactly 3 aux states, got {num_aux}")
-    if spec.include_embedding and hidden != target_hidden:
-        raise ValueError(f"the target's embedding has width {target_hidden}, the draft's hidden is {hidden}")
     if spec.d2t is not None and spec.draft_vocab_size is not None and len(spec.d2t) != spec.draft_vocab_size:
         raise ValueError(f"draft_vocab_size={spec.draft_vocab_size} but d2t has {len(spec.d2t)} entries")
 

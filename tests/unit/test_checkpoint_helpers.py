@@ -271,7 +271,6 @@ def test_eagle3_weights_are_seeded(tmp_path: Path, target_dir: Path) -> None:
         TinyEagle3Spec(legacy_aux_norm_names=True),
         TinyEagle3Spec(fc_norm=True, legacy_aux_norm_names=True, num_aux=2),
         TinyEagle3Spec(layer_ids=(1, 2, 3), num_aux=4),
-        TinyEagle3Spec(hidden_size=96, include_embedding=True),
         TinyEagle3Spec(d2t=[0, 0], draft_vocab_size=3),
         TinyEagle3Spec(draft_vocab_size=321),
     ],

@@ -276,7 +276,9 @@ def test_saved_head_loads_with_load_eagle3(
 HeadWriter = Callable[[Path, Path], Path]  # (head directory, target directory) -> head directory
 HEAD_WRITERS: dict[str, HeadWriter] = {
     "llama": lambda directory, target_dir: write_tiny_eagle3(
-        directory, target_dir, TinyEagle3Spec(hidden_size=32, draft_vocab_size=100, layer_ids=(1, 2, 3))
+        directory,
+        target_dir,
+        TinyEagle3Spec(hidden_size=32, draft_vocab_size=100, layer_ids=(1, 2, 3), include_embedding=True),
     ),
     # YaRN rope, interleaved: the dense path must rotate exactly as the serving layer does.
     "mla": lambda directory, target_dir: write_tiny_eagle3_mla(
