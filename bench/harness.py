@@ -16,6 +16,8 @@ from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 
 @dataclass(frozen=True)
 class RequestResult:
+    prompt_index: int  # into the run's prompt list
+    token_ids: tuple[int, ...]  # the completion
     completion_tokens: int
     rounds: int
     draft_tokens: int
@@ -54,6 +56,10 @@ class RunResult:
         """1 + accepted / rounds: tokens committed per target verification (bonus included)."""
         return 1 + sum(r.accepted_tokens for r in self.requests) / max(1, self.rounds)
 
+    def outputs(self) -> dict[int, tuple[int, ...]]:
+        """Each prompt's completion, by prompt index."""
+        return {request.prompt_index: request.token_ids for request in self.requests}
+
     def acceptance_per_position(self) -> list[float]:
         """Fraction of rounds in which draft position i was accepted."""
         width = max((len(r.accepted_per_position) for r in self.requests), default=0)
@@ -86,19 +92,19 @@ async def run_prompts(
     label: str,
 ) -> RunResult:
     """Greedy completions of every prompt, `concurrency` at a time; wall time covers the whole set."""
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for prompt in prompts:
-        queue.put_nowait(prompt)
+    queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+    for item in enumerate(prompts):
+        queue.put_nowait(item)
     results: list[RequestResult] = []
     progress = tqdm(total=len(prompts), desc=f"{label} {'spec' if speculative else 'target-only'} c={concurrency}")
 
     async def worker() -> None:
         while not queue.empty():
-            prompt = queue.get_nowait()
+            index, prompt = queue.get_nowait()
             request = orchestrator_pb2.GenerateRequest(
                 prompt=prompt, max_new_tokens=max_new_tokens, ignore_eos=True, disable_speculation=not speculative
             )
-            results.append(await _one(generate, request))
+            results.append(await _one(generate, request, index))
             progress.update()
 
     started = time.perf_counter()
@@ -108,15 +114,19 @@ async def run_prompts(
     return RunResult(label, speculative, concurrency, wall, tuple(results))
 
 
-async def _one(generate: Generate, request: orchestrator_pb2.GenerateRequest) -> RequestResult:
+async def _one(generate: Generate, request: orchestrator_pb2.GenerateRequest, prompt_index: int) -> RequestResult:
     started = time.perf_counter()
     first_token = None
+    token_ids: list[int] = []
     async for message in generate(request):
         if first_token is None:
             first_token = time.perf_counter() - started
+        token_ids.extend(message.token_ids)
         if message.finish_reason:
             stats = message.stats
             return RequestResult(
+                prompt_index=prompt_index,
+                token_ids=tuple(token_ids),
                 completion_tokens=stats.completion_tokens,
                 rounds=stats.rounds,
                 draft_tokens=stats.draft_tokens,

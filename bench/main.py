@@ -39,6 +39,7 @@ async def _split(settings: BenchSettings, prompts: list[str]) -> list[RunResult]
                 "--port", "0",
                 "--speculative-num-steps", str(settings.num_steps),
                 "--draft-replicas", str(settings.draft_replicas),
+                "--dtype", settings.dtype,
             ]
         )  # fmt: skip
         address = stack.address
@@ -52,7 +53,10 @@ async def _split(settings: BenchSettings, prompts: list[str]) -> list[RunResult]
 
 
 async def _colocated(settings: BenchSettings, prompts: list[str]) -> list[RunResult]:
-    engine = ColocatedEngine(ColocatedSettings(settings.target_dir, settings.draft_dir, num_steps=settings.num_steps))
+    colocated = ColocatedSettings(
+        settings.target_dir, settings.draft_dir, dtype=settings.dtype, num_steps=settings.num_steps
+    )
+    engine = ColocatedEngine(colocated)
     try:
         return await _measure(engine.generate, "colocated", settings, prompts)
     finally:

@@ -43,6 +43,8 @@ def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
                     "split_over_colocated": round(speculative.tokens_per_second / colocated.tokens_per_second, 3)
                     if label == "split" and colocated
                     else None,
+                    # Greedy speculative output must be the target's own: prompts whose completions are identical.
+                    "identical_outputs": _identical(speculative, target_only) if target_only else None,
                     "mean_acceptance_length": round(speculative.mean_acceptance_length, 3),
                     "acceptance_per_position": [round(a, 3) for a in speculative.acceptance_per_position()],
                     "per_round_ms": {k: round(v, 3) for k, v in speculative.per_round_milliseconds().items()},
@@ -51,22 +53,30 @@ def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
     return rows
 
 
+def _identical(speculative: RunResult, target_only: RunResult) -> str:
+    mine, theirs = speculative.outputs(), target_only.outputs()
+    same = sum(1 for index, tokens in mine.items() if theirs.get(index) == tokens)
+    return f"{same}/{len(mine)}"
+
+
 def markdown(rows: Sequence[dict[str, Any]], settings: dict[str, Any]) -> str:
     lines = [
         f"Greedy, {settings['num_prompts']} held-out prompts, {settings['max_new_tokens']} new tokens each, "
-        f"k = {settings['num_steps']} draft steps, {settings['draft_replicas']} draft replica(s); "
-        f"{settings['machine']}.",
+        f"k = {settings['num_steps']} draft steps, {settings['draft_replicas']} draft replica(s), "
+        f"{settings.get('dtype', 'float32')}; {settings['machine']}.",
         "",
         "| setup | concurrency | tok/s (speculative) | tok/s (target-only) | speedup | split / colocated "
-        "| mean acceptance length | acceptance per position | per round ms: draft / verify / wire / scheduling |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| identical to target-only | mean acceptance length | acceptance per position "
+        "| per round ms: draft / verify / wire / scheduling |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         timing = row["per_round_ms"]
+        acceptance = " ".join(f"{a:.2f}" for a in row["acceptance_per_position"])
         lines.append(
             f"| {row['setup']} | {row['concurrency']} | {row['tokens_per_second']} | "
             f"{row['target_only_tokens_per_second']} | {_x(row['speedup'])} | {_x(row['split_over_colocated'])} | "
-            f"{row['mean_acceptance_length']} | {' '.join(f'{a:.2f}' for a in row['acceptance_per_position'])} | "
+            f"{row['identical_outputs'] or '–'} | {row['mean_acceptance_length']} | {acceptance} | "
             f"{timing['draft']:.2f} / {timing['verify']:.2f} / {timing['wire']:.2f} / {timing['scheduling']:.2f} |"
         )
     return "\n".join(lines) + "\n"

@@ -15,6 +15,7 @@ class BenchSettings:
     max_new_tokens: int = 64
     concurrency: tuple[int, ...] = (1, 8)
     num_steps: int = 5
+    dtype: str = "float32"  # of target and draft, in both setups
     draft_replicas: int = 1  # of the split stack started by the benchmark
     colocated: bool = True
     out_dir: Path = Path("bench/results")

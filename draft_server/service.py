@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -22,6 +21,7 @@ from draft_server.runner import DraftRequestError, ProposeInput, TargetRows
 from draft_server.settings import DraftSettings
 from draft_server.shared_tables import pull_tables
 from tandem.grpc_util import channel_options, wait_for_ready
+from tandem.model_thread import ModelThread
 from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire.codec import tensor_from_proto
 
@@ -30,13 +30,15 @@ T = TypeVar("T")
 
 
 class DraftService(draft_pb2_grpc.DraftServicer):
-    def __init__(self, runner: ProposalRunner, settings: DraftSettings, prepared: PreparedDraft) -> None:
+    def __init__(
+        self, runner: ProposalRunner, settings: DraftSettings, prepared: PreparedDraft, model_thread: ModelThread
+    ) -> None:
         self.runner = runner
         self.prepared = prepared
         self.settings = settings
         self._rows: dict[tuple[str, int], tuple[TargetRows, float]] = {}
         self._arrived = asyncio.Condition()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
+        self.model_thread = model_thread  # every runner call goes through it, one at a time
 
     async def consume(self, stream: AsyncIterator[target_pb2.HiddenStates]) -> None:
         """Stores the target's rows as they arrive, keyed by (request id, round)."""
@@ -98,7 +100,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         return draft_pb2.DraftReleaseResponse()
 
     async def stop(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.model_thread.shutdown()
 
     async def _take_rows(self, request_id: str, round_number: int) -> TargetRows | None:
         key = (request_id, round_number)
@@ -117,11 +119,12 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             del self._rows[key]
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+        return await self.model_thread.run(function, *args)
 
 
 async def start_draft(settings: DraftSettings) -> tuple[DraftService, asyncio.Task[None], grpc.aio.Channel]:
     """Builds the replica against its target; raises IncompatibleDraft / AuxLayerError on a mismatch."""
+    model_thread = ModelThread("draft-model")  # before any torch work on this thread (tandem.model_thread)
     await wait_for_ready(settings.target_address, timeout_s=300.0)
     channel = grpc.aio.insecure_channel(settings.target_address, options=channel_options())
     target = target_pb2_grpc.TargetStub(channel)
@@ -133,14 +136,14 @@ async def start_draft(settings: DraftSettings) -> tuple[DraftService, asyncio.Ta
         info.vocab_size,
         info.num_layers,
     )
-    prepared = prepare_draft(settings, info)
+    prepared = await model_thread.run(prepare_draft, settings, info)
     if prepared.missing_tables:
         tables = await pull_tables(target, prepared.missing_tables)
         for name, table in tables.items():
-            prepared.fill_table(name, table.full())
-    runner = prepared.build_runner(settings.cache)
+            await model_thread.run(prepared.fill_table, name, table.full())
+    runner = await model_thread.run(prepared.build_runner, settings.cache)
     LOG.info("%s draft ready, %d KV blocks", prepared.kind, runner.cache.num_blocks)
-    service = DraftService(runner, settings, prepared)
+    service = DraftService(runner, settings, prepared, model_thread)
     stream = target.SubscribeHidden(
         target_pb2.SubscribeRequest(replica_id=settings.replica_id, capture_indices=list(prepared.capture.indices))
     )

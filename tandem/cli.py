@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--concurrency", type=int, nargs="+", default=list(BenchSettings.concurrency))
     bench_parser.add_argument("--speculative-num-steps", type=int, default=BenchSettings.num_steps)
     bench_parser.add_argument("--draft-replicas", type=int, default=BenchSettings.draft_replicas)
+    bench_parser.add_argument("--dtype", choices=DTYPES, default=BenchSettings.dtype, help="of target and draft")
     bench_parser.add_argument("--no-colocated", action="store_true", help="skip the one-process baseline")
     bench_parser.add_argument("--out", type=Path, default=BenchSettings.out_dir)
 
@@ -201,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             concurrency=tuple(args.concurrency),
             num_steps=args.speculative_num_steps,
             draft_replicas=args.draft_replicas,
+            dtype=args.dtype,
             colocated=not args.no_colocated,
             out_dir=args.out,
         )

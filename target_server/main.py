@@ -13,6 +13,7 @@ import time
 import torch
 
 from tandem.errors import StartupError
+from tandem.model_thread import ModelThread
 from tandem.models.registry import check_tensor_parallel, load_target
 from tandem.serving import ListenSettings, run_server
 from tandem.wire import target_pb2, target_pb2_grpc
@@ -70,9 +71,10 @@ def start_target(settings: TargetSettings) -> TargetRunner:
 
 
 async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None:
-    runner = start_target(settings)
+    model_thread = ModelThread("target-model")  # before any torch work on this thread (tandem.model_thread)
+    runner = await model_thread.run(start_target, settings)
     ranks = runner.ranks
-    service = TargetService(runner, target_info(runner, settings.dtype))
+    service = TargetService(runner, target_info(runner, settings.dtype), model_thread)
 
     async def stop() -> None:
         await service.stop()

@@ -10,13 +10,13 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 
 from tandem.layers.kv_cache import OutOfKVBlocks
+from tandem.model_thread import ModelThread
 from tandem.sampling.params import SamplingParams
 from tandem.wire import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire.codec import DEFAULT_CHUNK_BYTES, ShardOf, iter_weight_chunks, tensor_to_proto
@@ -45,15 +45,15 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
 
 
 class TargetService(target_pb2_grpc.TargetServicer):
-    def __init__(self, runner: TargetRunner, info: target_pb2.TargetInfo) -> None:
+    def __init__(self, runner: TargetRunner, info: target_pb2.TargetInfo, model_thread: ModelThread) -> None:
         self.runner = runner
         self.info = info
         self.subscribers: dict[str, Subscriber] = {}
         self.replica_of: dict[str, str] = {}  # request id -> replica id, for requests that stream hidden states
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
+        self.model_thread = model_thread  # every runner call goes through it, one at a time
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+        return await self.model_thread.run(function, *args)
 
     async def GetInfo(
         self, request: target_pb2.TargetInfoRequest, context: grpc.aio.ServicerContext
@@ -185,7 +185,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
     async def stop(self) -> None:
         for subscriber in self.subscribers.values():
             subscriber.queue.put_nowait(None)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.model_thread.shutdown()
 
     def _publish(self, results: Sequence[StepResult], round_number: int) -> None:
         for result in results:
