@@ -18,11 +18,12 @@ from tandem.errors import StartupError
 from tandem.launcher import ServeSettings, serve
 from tandem.models.aux_layers import CONVENTIONS
 from tandem.serving import ListenSettings, configure_logging
-from tandem.settings import DEMO_DRAFT, DEMO_DRAFTS, DEMO_TARGET, KVCacheSettings
+from tandem.settings import DEMO_DRAFT, DEMO_DRAFTS, DEMO_TARGET, KVCacheSettings, apply_service_environment
 from target_server.settings import TargetSettings
 
 DTYPES = ("float32", "bfloat16", "float16")
 LAUNCHERS = ("process", "ray")
+SERVICE_COMMANDS = ("serve", "target", "draft", "orchestrator")
 
 
 def _add_listen(parser: argparse.ArgumentParser, default_port: int = ListenSettings.port) -> None:
@@ -162,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in SERVICE_COMMANDS:
+        apply_service_environment()
     if args.command == "serve":
         # No --target: the demo pair (with the demo head unless --draft names another). A --target of
         # your own gets no draft unless --draft is given: the demo head only fits the demo target.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tandem.grpc_util import channel_options
+from tandem.settings import SERVICE_ENVIRONMENT
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 from tests.integration.stack import Stack, draft_info, generate, serve, service_addresses, target_info
 
@@ -140,3 +142,24 @@ def test_seeded_sampling_is_reproducible(stack: Stack, disable_speculation: bool
 
     assert sample(11) == sample(11)
     assert sample(11) != sample(12)
+
+
+def test_every_service_process_starts_with_the_service_environment(stack: Stack) -> None:
+    """GOMP_SPINCOUNT must be in a service's environment before torch loads (tandem.settings.SERVICE_ENVIRONMENT):
+    the launcher's children inherit it from `tandem serve`."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            environment = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # the process ended meanwhile
+            continue
+        if parent == stack.process.pid and b"tandem.cli" in command:
+            children[command[command.index(b"tandem.cli") + 1].decode()] = environment
+    assert set(children) == {"target", "draft", "orchestrator"}
+    expected = os.environ.get("GOMP_SPINCOUNT", SERVICE_ENVIRONMENT["GOMP_SPINCOUNT"]).encode()
+    for environment in children.values():
+        assert b"GOMP_SPINCOUNT=" + expected in environment
