@@ -23,8 +23,10 @@ async def _measure(generate: Generate, label: str, settings: BenchSettings, prom
         pass
     runs = []
     for concurrency in settings.concurrency:
-        for speculative in (True, False):
-            runs.append(await run_prompts(generate, prompts, concurrency, settings.max_new_tokens, speculative, label))
+        for _ in range(settings.repeats):
+            for speculative in (True, False):
+                run = await run_prompts(generate, prompts, concurrency, settings.max_new_tokens, speculative, label)
+                runs.append(run)
     return runs
 
 

@@ -15,10 +15,21 @@ from bench.png import bar_chart
 
 
 def find(runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int) -> RunResult | None:
-    for run in runs:
-        if (run.label, run.speculative, run.concurrency) == (label, speculative, concurrency):
-            return run
-    return None
+    """The median run of a configuration by tokens/s (the lower median of an even count: always a real run)."""
+    matching = sorted(
+        (run for run in runs if (run.label, run.speculative, run.concurrency) == (label, speculative, concurrency)),
+        key=lambda run: run.tokens_per_second,
+    )
+    return matching[(len(matching) - 1) // 2] if matching else None
+
+
+def rates(runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int) -> list[float]:
+    """Tokens/s of every run of a configuration, in the order they ran."""
+    return [
+        round(run.tokens_per_second, 2)
+        for run in runs
+        if (run.label, run.speculative, run.concurrency) == (label, speculative, concurrency)
+    ]
 
 
 def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
@@ -36,6 +47,8 @@ def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
                     "setup": label,
                     "concurrency": concurrency,
                     "tokens_per_second": round(speculative.tokens_per_second, 2),
+                    "tokens_per_second_runs": rates(runs, label, True, concurrency),
+                    "target_only_tokens_per_second_runs": rates(runs, label, False, concurrency),
                     "target_only_tokens_per_second": round(target_only.tokens_per_second, 2) if target_only else None,
                     "speedup": round(speculative.tokens_per_second / target_only.tokens_per_second, 3)
                     if target_only
@@ -63,7 +76,7 @@ def markdown(rows: Sequence[dict[str, Any]], settings: dict[str, Any]) -> str:
     lines = [
         f"Greedy, {settings['num_prompts']} held-out prompts, {settings['max_new_tokens']} new tokens each, "
         f"k = {settings['num_steps']} draft steps, {settings['draft_replicas']} draft replica(s), "
-        f"{settings.get('dtype', 'float32')}; {settings['machine']}.",
+        f"{settings.get('dtype', 'float32')}, {_repeats(settings.get('repeats', 1))}; {settings['machine']}.",
         "",
         "| setup | concurrency | tok/s (speculative) | tok/s (target-only) | speedup | split / colocated "
         "| identical to target-only | mean acceptance length | acceptance per position "
@@ -80,6 +93,10 @@ def markdown(rows: Sequence[dict[str, Any]], settings: dict[str, Any]) -> str:
             f"{timing['draft']:.2f} / {timing['verify']:.2f} / {timing['wire']:.2f} / {timing['scheduling']:.2f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _repeats(count: int) -> str:
+    return "one run each" if count == 1 else f"median of {count} runs each"
 
 
 def _x(value: float | None) -> str:

@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--speculative-num-steps", type=int, default=BenchSettings.num_steps)
     bench_parser.add_argument("--draft-replicas", type=int, default=BenchSettings.draft_replicas)
     bench_parser.add_argument("--dtype", choices=DTYPES, default=BenchSettings.dtype, help="of target and draft")
+    bench_parser.add_argument(
+        "--repeats", type=int, default=BenchSettings.repeats, help="runs of each configuration; medians are reported"
+    )
     bench_parser.add_argument("--no-colocated", action="store_true", help="skip the one-process baseline")
     bench_parser.add_argument("--out", type=Path, default=BenchSettings.out_dir)
 
@@ -196,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         from bench.main import run_benchmark
 
+        if args.repeats < 1:
+            raise SystemExit(f"tandem: --repeats must be at least 1, got {args.repeats}")
         bench = BenchSettings(
             target_dir=_model_dir(args.target, DEMO_TARGET, "--target"),
             draft_dir=_model_dir(args.draft, DEMO_DRAFT, "--draft"),
@@ -206,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_steps=args.speculative_num_steps,
             draft_replicas=args.draft_replicas,
             dtype=args.dtype,
+            repeats=args.repeats,
             colocated=not args.no_colocated,
             out_dir=args.out,
         )
