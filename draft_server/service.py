@@ -20,7 +20,7 @@ from draft_server.formats import PreparedDraft, ProposalRunner, prepare_draft
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows
 from draft_server.settings import DraftSettings
 from draft_server.shared_tables import pull_tables
-from tandem.grpc_util import channel_options, wait_for_ready
+from tandem.grpc_util import CallFailed, channel_options, stream_calls, unary_call, wait_for_ready
 from tandem.model_thread import ModelThread
 from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire.codec import tensor_from_proto
@@ -65,22 +65,30 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeResponse:
+        return await unary_call(context, self._propose(request))
+
+    async def ProposeStream(
+        self, requests: AsyncIterator[draft_pb2.ProposeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[draft_pb2.ProposeResponse]:
+        async for response in stream_calls(requests, self._propose, lambda e: draft_pb2.ProposeResponse(error=e)):
+            yield response
+
+    async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         inputs = []
         for item in request.items:
             rows = await self._take_rows(item.request_id, item.round)
             if rows is None:
-                await context.abort(
+                raise CallFailed(
                     grpc.StatusCode.UNAVAILABLE,
                     f"no hidden states from the target for request {item.request_id!r} round {item.round} "
                     f"within {self.settings.rows_timeout_s} s",
                 )
-                raise AssertionError("unreachable")
             inputs.append(ProposeInput(item.request_id, rows, item.num_steps or self.settings.num_steps))
         started = time.perf_counter()
         try:
             proposals = await self._run(self.runner.propose, inputs)
         except DraftRequestError as error:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+            raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
         return draft_pb2.ProposeResponse(
             results=[
                 draft_pb2.ProposeResult(request_id=item.request_id, draft_tokens=tokens)

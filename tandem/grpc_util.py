@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from tandem.wire import common_pb2
+
+T = TypeVar("T")
+Request = TypeVar("Request")
 
 # Hidden-state batches and verify responses of large batches exceed gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -97,3 +103,43 @@ async def wait_for_ready(address: str, timeout_s: float, service: str = "") -> N
         f"gRPC server at {address} did not report {service or 'the whole server'} SERVING "
         f"within {timeout_s} s; last answer: {last_answer}"
     )
+
+
+class CallFailed(Exception):
+    """The failure of one call: the gRPC status it ends with and a message saying what is wrong.
+
+    A unary handler aborts with it; a handler of calls on a long-lived stream answers with `as_proto()` in the
+    response's `error` field instead, so that the stream serves the next call.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def as_proto(self) -> common_pb2.CallError:
+        return common_pb2.CallError(code=self.code.value[0], message=str(self))
+
+
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}  # a CallError's number -> grpc.StatusCode
+
+
+async def unary_call(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
+    """A unary handler's work: a CallFailed ends the call with its status and message."""
+    try:
+        return await work
+    except CallFailed as failure:
+        await context.abort(failure.code, str(failure))
+        raise AssertionError("unreachable") from None
+
+
+async def stream_calls(
+    requests: AsyncIterator[Request],
+    handle: Callable[[Request], Awaitable[T]],
+    failed: Callable[[common_pb2.CallError], T],
+) -> AsyncIterator[T]:
+    """Answers a stream's requests one by one, in order; a CallFailed becomes a response with `error` set."""
+    async for request in requests:
+        try:
+            yield await handle(request)
+        except CallFailed as failure:
+            yield failed(failure.as_proto())

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from tandem.grpc_util import CallFailed, stream_calls, unary_call
 from tandem.layers.kv_cache import OutOfKVBlocks
 from tandem.model_thread import ModelThread
 from tandem.sampling.params import SamplingParams
@@ -101,9 +102,18 @@ class TargetService(target_pb2_grpc.TargetServicer):
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
+        return await unary_call(context, self._verify(request))
+
+    async def VerifyStream(
+        self, requests: AsyncIterator[target_pb2.VerifyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.VerifyResponse]:
+        async for response in stream_calls(requests, self._verify, lambda e: target_pb2.VerifyResponse(error=e)):
+            yield response
+
+    async def _verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         drafts = [(item.request_id, list(item.draft_tokens)) for item in request.items]
         started = time.perf_counter()
-        results: list[StepResult] = await self._guarded(context, self._run(self.runner.verify, drafts))
+        results: list[StepResult] = await self._checked(self._run(self.runner.verify, drafts))
         compute_seconds = time.perf_counter() - started
         rounds = {item.request_id: item.round for item in request.items}
         for result in results:
@@ -195,13 +205,16 @@ class TargetService(target_pb2_grpc.TargetServicer):
                 subscriber.queue.put_nowait(hidden_message(result.captured, round_number))
 
     async def _guarded(self, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
+        return await unary_call(context, self._checked(work))
+
+    @staticmethod
+    async def _checked(work: Awaitable[T]) -> T:
         try:
             return await work
         except RequestError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         except OutOfKVBlocks as error:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        raise AssertionError("unreachable")
+            raise CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
 
 
 def hidden_message(rows: CapturedRows, round_number: int) -> target_pb2.HiddenStates:

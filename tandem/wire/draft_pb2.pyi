@@ -1,3 +1,4 @@
+from tandem.wire import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -55,12 +56,14 @@ class ProposeResult(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("results", "compute_seconds")
+    __slots__ = ("results", "compute_seconds", "error")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ProposeResult]
     compute_seconds: float
-    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    error: _common_pb2.CallError
+    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...
 
 class DraftReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)

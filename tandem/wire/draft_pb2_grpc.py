@@ -45,6 +45,11 @@ class DraftStub:
                 request_serializer=tandem_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/tandem.v1.Draft/ProposeStream',
+                request_serializer=tandem_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/tandem.v1.Draft/Release',
                 request_serializer=tandem_dot_v1_dot_draft__pb2.DraftReleaseRequest.SerializeToString,
@@ -70,6 +75,14 @@ class DraftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeStream(self, request_iterator, context):
+        """The same calls on one long-lived stream (what the orchestrator uses): one response per request, in
+        order; a call that fails answers with `error` set and the stream goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -86,6 +99,11 @@ def add_DraftServicer_to_server(servicer, server):
             ),
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
+                    request_deserializer=tandem_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
                     request_deserializer=tandem_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
             ),
@@ -148,6 +166,33 @@ class Draft:
             request,
             target,
             '/tandem.v1.Draft/Propose',
+            tandem_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
+            tandem_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Draft/ProposeStream',
             tandem_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             tandem_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
             options,

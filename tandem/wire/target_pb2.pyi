@@ -98,12 +98,14 @@ class VerifyResult(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("results", "compute_seconds")
+    __slots__ = ("results", "compute_seconds", "error")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
     compute_seconds: float
-    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    error: _common_pb2.CallError
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)

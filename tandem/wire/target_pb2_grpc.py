@@ -50,6 +50,11 @@ class TargetStub:
                 request_serializer=tandem_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/tandem.v1.Target/VerifyStream',
+                request_serializer=tandem_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/tandem.v1.Target/Release',
                 request_serializer=tandem_dot_v1_dot_target__pb2.ReleaseRequest.SerializeToString,
@@ -91,6 +96,14 @@ class TargetServicer:
 
     def Verify(self, request, context):
         """Verifies the draft tokens of a batch of requests in one forward pass and commits the accepted ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyStream(self, request_iterator, context):
+        """The same calls on one long-lived stream (what the orchestrator uses): one response per request, in
+        order; a call that fails answers with `error` set and the stream goes on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -141,6 +154,11 @@ def add_TargetServicer_to_server(servicer, server):
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=tandem_dot_v1_dot_target__pb2.VerifyRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=tandem_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
             ),
@@ -245,6 +263,33 @@ class Target:
             request,
             target,
             '/tandem.v1.Target/Verify',
+            tandem_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
+            tandem_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Target/VerifyStream',
             tandem_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             tandem_dot_v1_dot_target__pb2.VerifyResponse.FromString,
             options,

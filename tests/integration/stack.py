@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -89,3 +90,29 @@ def service_addresses(log: Sequence[str]) -> dict[str, str]:
         if match := re.search(r" (target|draft|orchestrator)\S* INFO tandem\.serving: .* serving on (\S+)", line):
             found[match.group(1)] = match.group(2)
     return found
+
+
+@dataclass
+class TargetProcess:
+    address: str
+    process: subprocess.Popen[str]
+
+
+@contextmanager
+def target_process(model: Path, tp: int, ready_file: Path) -> Iterator[TargetProcess]:
+    """`tandem target` alone, on a free port; yields its address and process once it serves."""
+    command = tandem_command("target", "--model", str(model), "--tp", str(tp), "--port", "0")
+    process = subprocess.Popen(
+        [*command, "--ready-file", str(ready_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready_file.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"tandem target did not start:\n{process.communicate()[0]}")
+            time.sleep(0.1)
+        yield TargetProcess(ready_file.read_text().strip(), process)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

@@ -4,10 +4,6 @@ draft-side client reassembles them exactly (draft_server.shared_tables)."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -21,29 +17,9 @@ from tandem.parallel.vocab import shard_table
 from tandem.wire import target_pb2_grpc
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.helpers.gemma3_checkpoints import TinyGemma3Spec, write_tiny_gemma3
-from tests.integration.stack import READY_TIMEOUT_S, tandem_command
+from tests.integration.stack import target_process
 
 VOCAB = 333  # not a multiple of 64
-
-
-@contextmanager
-def target_process(model: Path, tp: int, ready_file: Path) -> Iterator[str]:
-    """`tandem target` on a free port; yields its address."""
-    command = tandem_command("target", "--model", str(model), "--tp", str(tp), "--port", "0")
-    process = subprocess.Popen(
-        [*command, "--ready-file", str(ready_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready_file.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError(f"tandem target did not start:\n{process.communicate()[0]}")
-            time.sleep(0.1)
-        yield ready_file.read_text().strip()
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
 
 
 async def pull(address: str) -> dict[str, SharedTable]:
@@ -71,8 +47,8 @@ def test_shards_round_trip(family: str, tp: int, llama_odd_vocab: Path, gemma_ti
     embedding = tensors["model.embed_tokens.weight"]
     # Gemma3's LM head is its (raw, unscaled) embedding; the target slices it by the same vocab-parallel rule.
     head = tensors.get("lm_head.weight", embedding)
-    with target_process(model, tp, tmp_path / "ready") as address:
-        tables = asyncio.run(pull(address))
+    with target_process(model, tp, tmp_path / "ready") as target:
+        tables = asyncio.run(pull(target.address))
     for name, expected in (("embed_tokens", embedding), ("lm_head", head)):
         table = tables[name]
         assert table.vocab_size == expected.shape[0]
