@@ -35,6 +35,7 @@ from tandem.errors import StartupError
 from tandem.launcher import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, ServeSettings, ready_line
 from tandem.models.aux_layers import Convention
 from tandem.serving import ListenSettings, configure_logging
+from tandem.settings import SERVICE_ENVIRONMENT
 from target_server.settings import TargetSettings
 
 LOG = logging.getLogger(__name__)
@@ -224,11 +225,20 @@ class RayLauncher:
 
     def connect(self) -> None:
         address = self.settings.ray_address
+        # The service environment (tandem.settings) reaches every worker of this job, on a joined cluster's other
+        # nodes too; `tandem serve` has set it in its own environment (unless the user had set it).
+        runtime_env = {"env_vars": {name: os.environ.get(name, value) for name, value in SERVICE_ENVIRONMENT.items()}}
         # "local" always starts a new cluster, even when one started with `ray start` runs on this machine.
         if address is None:
-            ray.init(address="local", num_cpus=available_cpus(), include_dashboard=False, log_to_driver=True)
+            ray.init(
+                address="local",
+                num_cpus=available_cpus(),
+                include_dashboard=False,
+                log_to_driver=True,
+                runtime_env=runtime_env,
+            )
         else:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
 
     def start(self) -> str:
         """Places and starts target, drafts and orchestrator in order; returns the public address."""

@@ -99,6 +99,9 @@ def test_speculative_equals_target_only_and_sigterm_stops_every_actor(llama_targ
     with serve(llama_target, random_draft, *arguments) as stack:
         speculative = greedy(stack.address, disable_speculation=False)
         target_only = greedy(stack.address, disable_speculation=True)
+        for _, pid in serving(stack.log).values():  # the job's runtime_env: tandem.settings.SERVICE_ENVIRONMENT
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert b"GOMP_SPINCOUNT=" + os.environ.get("GOMP_SPINCOUNT", "10000").encode() in environment
         assert stack.stop() == 0
     assert [c.token_ids for c in speculative] == [c.token_ids for c in target_only]
     assert all(len(c.token_ids) == MAX_NEW_TOKENS for c in speculative)
