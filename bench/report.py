@@ -14,22 +14,20 @@ from bench.harness import RunResult
 from bench.png import bar_chart
 
 
+def runs_of(runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int) -> list[RunResult]:
+    """Every run of one configuration, in the order they ran."""
+    return [run for run in runs if (run.label, run.speculative, run.concurrency) == (label, speculative, concurrency)]
+
+
 def find(runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int) -> RunResult | None:
     """The median run of a configuration by tokens/s (the lower median of an even count: always a real run)."""
-    matching = sorted(
-        (run for run in runs if (run.label, run.speculative, run.concurrency) == (label, speculative, concurrency)),
-        key=lambda run: run.tokens_per_second,
-    )
+    matching = sorted(runs_of(runs, label, speculative, concurrency), key=lambda run: run.tokens_per_second)
     return matching[(len(matching) - 1) // 2] if matching else None
 
 
 def rates(runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int) -> list[float]:
     """Tokens/s of every run of a configuration, in the order they ran."""
-    return [
-        round(run.tokens_per_second, 2)
-        for run in runs
-        if (run.label, run.speculative, run.concurrency) == (label, speculative, concurrency)
-    ]
+    return [round(run.tokens_per_second, 2) for run in runs_of(runs, label, speculative, concurrency)]
 
 
 def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:

@@ -30,9 +30,13 @@ _KINDS = {
 }
 
 
+def _failure(what: str, code: grpc.StatusCode, message: str) -> BackendError:
+    """A failed call as the scheduler sees it: "<what>: <STATUS>: <message>", of the kind its status means."""
+    return BackendError(_KINDS.get(code, FailureKind.UNAVAILABLE), f"{what}: {code.name}: {message}")
+
+
 def _backend_error(error: grpc.aio.AioRpcError, what: str) -> BackendError:
-    kind = _KINDS.get(error.code(), FailureKind.UNAVAILABLE)
-    return BackendError(kind, f"{what}: {error.code().name}: {error.details()}")
+    return _failure(what, error.code(), str(error.details()))
 
 
 class StreamedResponse(Protocol):
@@ -82,8 +86,7 @@ class CallStream(Generic[Response]):
             raise BackendError(FailureKind.UNAVAILABLE, f"{self.what}: the stream ended")
         if response.HasField("error"):
             code = STATUS_CODES.get(response.error.code, grpc.StatusCode.UNKNOWN)
-            kind = _KINDS.get(code, FailureKind.UNAVAILABLE)
-            raise BackendError(kind, f"{self.what}: {code.name}: {response.error.message}")
+            raise _failure(self.what, code, response.error.message)
         return response
 
     def _drop(self, stream: Any) -> None:

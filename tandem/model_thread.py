@@ -41,10 +41,12 @@ class ModelThread:
     Create it on the event loop's thread before any torch work there: that thread is confined to one intra-op thread.
     """
 
-    def __init__(self, name: str, threads: int | None = None) -> None:
-        self.threads = threads if threads is not None else torch.get_num_threads()
+    def __init__(self, name: str) -> None:
         self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=name, initializer=use_intra_op_threads, initargs=(self.threads,)
+            max_workers=1,
+            thread_name_prefix=name,
+            initializer=use_intra_op_threads,
+            initargs=(torch.get_num_threads(),),
         )
         self._executor.submit(lambda: None).result()  # the initializer has run before the creator is confined
         use_intra_op_threads(1)
@@ -55,10 +57,6 @@ class ModelThread:
 
     async def run(self, function: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
-
-    def intra_op_threads(self) -> int:
-        """The model thread's intra-op thread count as PyTorch sees it there."""
-        return self.call(torch.get_num_threads)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

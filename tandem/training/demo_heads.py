@@ -128,23 +128,21 @@ def chain_note(training: DraftTraining, steps: str) -> str:
     )
 
 
+def eagle3_demo_head(name: str, shape: Callable[[HeadSettings], DraftShape]) -> DemoHead:
+    """An EAGLE3 demo head of the layer kind `shape` picks; both kinds share draft_training and the k measured."""
+    return DemoHead(
+        capture=lambda settings, layers: capture_indices(shape(settings), layers),
+        train=lambda context, directory, on_point: train_eagle3_head(
+            shape(context.settings), name, context, directory, on_point
+        ),
+        num_steps=lambda settings: settings.eval_num_steps,
+        note=lambda settings: chain_note(settings.draft_training, "unrolled steps"),
+    )
+
+
 DEMO_HEADS: dict[str, DemoHead] = {
-    "eagle3": DemoHead(
-        capture=lambda settings, layers: capture_indices(settings.draft_shape, layers),
-        train=lambda context, directory, on_point: train_eagle3_head(
-            context.settings.draft_shape, "eagle3", context, directory, on_point
-        ),
-        num_steps=lambda settings: settings.eval_num_steps,
-        note=lambda settings: chain_note(settings.draft_training, "unrolled steps"),
-    ),
-    "eagle3-mla": DemoHead(
-        capture=lambda settings, layers: capture_indices(settings.mla_draft_shape, layers),
-        train=lambda context, directory, on_point: train_eagle3_head(
-            context.settings.mla_draft_shape, "eagle3-mla", context, directory, on_point
-        ),
-        num_steps=lambda settings: settings.eval_num_steps,
-        note=lambda settings: chain_note(settings.draft_training, "unrolled steps"),
-    ),
+    "eagle3": eagle3_demo_head("eagle3", lambda settings: settings.draft_shape),
+    "eagle3-mla": eagle3_demo_head("eagle3-mla", lambda settings: settings.mla_draft_shape),
     "mtp": DemoHead(
         capture=lambda settings, layers: (layers,),
         train=train_mtp_head,

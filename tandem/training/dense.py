@@ -74,12 +74,7 @@ def attend(
 ) -> torch.Tensor:  # -> [batch, time, output_size]
     if attention.sliding_window is not None:
         raise ValueError("dense attention: sliding-window layers are not supported for training")
-    is_causal = mask is None and query.shape[2] > 1
-    attended = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, is_causal=is_causal, scale=attention.scaling, enable_gqa=True
-    )
-    batch, _, time, _ = attended.shape
-    return attention.o_proj(attended.transpose(1, 2).reshape(batch, time, -1))
+    return _attend_rows(attention.o_proj, query, keys, values, mask, attention.scaling)
 
 
 def project_latent_qkv(
@@ -121,12 +116,23 @@ def attend_latent(
     values: torch.Tensor,  # [batch, heads, context, v_head_dim]
     mask: torch.Tensor | None,  # [time, context] bool, True = visible; None: causal, or all for one row
 ) -> torch.Tensor:  # -> [batch, time, hidden]
+    return _attend_rows(attention.o_proj, query, keys, values, mask, attention.config.softmax_scale)
+
+
+def _attend_rows(
+    o_proj: nn.Module,
+    query: torch.Tensor,  # [batch, heads, time, qk_dim]
+    keys: torch.Tensor,  # [batch, kv_heads, context, qk_dim]; kv_heads divides heads
+    values: torch.Tensor,  # [batch, kv_heads, context, v_dim]
+    mask: torch.Tensor | None,  # [time, context] bool, True = visible; None: causal, or all for one row
+    scale: float | None,
+) -> torch.Tensor:  # -> [batch, time, output_size]
     is_causal = mask is None and query.shape[2] > 1
     attended = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, is_causal=is_causal, scale=attention.config.softmax_scale
+        query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
     )
     batch, _, time, _ = attended.shape
-    return attention.o_proj(attended.transpose(1, 2).reshape(batch, time, -1))
+    return o_proj(attended.transpose(1, 2).reshape(batch, time, -1))
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)  # the creator asks again: the model thread keeps its own
     product = model.call(lambda: (torch.ones(4, 4) @ torch.ones(4, 4)).sum().item())
     print(json.dumps({
-        "model": model.intra_op_threads(),
+        "model": model.call(torch.get_num_threads),
         "creator": creator,
         "later": later[0],
         "product": product,
