@@ -35,7 +35,7 @@ from tandem.errors import StartupError
 from tandem.launcher import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, ServeSettings, ready_line
 from tandem.models.aux_layers import Convention
 from tandem.serving import ListenSettings, configure_logging
-from tandem.settings import SERVICE_ENVIRONMENT
+from tandem.settings import service_environment
 from target_server.settings import TargetSettings
 
 LOG = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ class RayLauncher:
         address = self.settings.ray_address
         # The service environment (tandem.settings) reaches every worker of this job, on a joined cluster's other
         # nodes too; `tandem serve` has set it in its own environment (unless the user had set it).
-        runtime_env = {"env_vars": {name: os.environ.get(name, value) for name, value in SERVICE_ENVIRONMENT.items()}}
+        runtime_env = {"env_vars": service_environment()}
         # "local" always starts a new cluster, even when one started with `ray start` runs on this machine.
         if address is None:
             ray.init(

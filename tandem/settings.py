@@ -14,11 +14,15 @@ from pathlib import Path
 SERVICE_ENVIRONMENT = {"GOMP_SPINCOUNT": "10000"}
 
 
+def service_environment() -> dict[str, str]:
+    """SERVICE_ENVIRONMENT, with the user's own value wherever the environment already sets a variable."""
+    return {name: os.environ.get(name, value) for name, value in SERVICE_ENVIRONMENT.items()}
+
+
 def apply_service_environment() -> None:
     """Sets each SERVICE_ENVIRONMENT variable the user has not set. It acts only before torch is imported, and is
     inherited by the processes this one starts (services, tensor-parallel ranks, a local Ray cluster)."""
-    for name, value in SERVICE_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
+    os.environ.update(service_environment())
 
 
 # The bundled demo pair (issue 5), installed with the package.
