@@ -18,5 +18,7 @@ class BenchSettings:
     dtype: str = "float32"  # of target and draft, in both setups
     repeats: int = 1  # runs of each configuration, alternating speculative and target-only; the report takes medians
     draft_replicas: int = 1  # of the split stack started by the benchmark
+    target_threads: int = 0  # `tandem serve --target-threads` of that stack (0: its default)
+    draft_threads: int = 0  # `tandem serve --draft-threads` of that stack (0: its default)
     colocated: bool = True
     out_dir: Path = Path("bench/results")

@@ -132,7 +132,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
 
 async def start_draft(settings: DraftSettings) -> tuple[DraftService, asyncio.Task[None], grpc.aio.Channel]:
     """Builds the replica against its target; raises IncompatibleDraft / AuxLayerError on a mismatch."""
-    model_thread = ModelThread("draft-model")  # before any torch work on this thread (tandem.model_thread)
+    # Before any torch work on this thread (tandem.model_thread).
+    model_thread = ModelThread("draft-model", settings.threads)
     await wait_for_ready(settings.target_address, timeout_s=300.0)
     channel = grpc.aio.insecure_channel(settings.target_address, options=channel_options())
     target = target_pb2_grpc.TargetStub(channel)

@@ -27,6 +27,7 @@ class DraftSettings:
     aux_layer_convention: Convention = "auto"
     cache: KVCacheSettings = field(default_factory=KVCacheSettings)
     dtype: str = "float32"
+    threads: int = 0  # intra-op (OpenMP) threads of the model; 0: PyTorch's default (one per core it may use)
     rows_timeout_s: float = 60.0  # how long Propose waits for the target's rows of a round
     rows_ttl_s: float = 120.0  # rows nobody asked for (finished requests) are dropped after this
     mtp_feedback: MTPFeedback = "post_norm"

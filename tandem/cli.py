@@ -59,6 +59,17 @@ def _add_mtp_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _threads(text: str) -> int:
+    count = int(text)
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{count}: a thread count is 0 (the default) or more")
+    return count
+
+
+def _add_threads(parser: argparse.ArgumentParser, whose: str, default: str, flag: str = "--threads") -> None:
+    parser.add_argument(flag, type=_threads, default=0, help=f"intra-op (OpenMP) threads of {whose} model; {default}")
+
+
 def _draft_dir(given: str) -> Path:
     """A draft directory, or `demo:<name>` for one of the bundled demo heads (which fit the demo target only)."""
     if not given.startswith("demo:"):
@@ -95,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_parser.add_argument("--ray-address", help="Ray cluster to join (with --launcher ray); default: a local one")
     serve_parser.add_argument("--tp", type=int, default=ServeSettings.tp, help="the target's tensor-parallel ranks")
+    _add_threads(serve_parser, "each target rank's", "0: the cores, over --tp", "--target-threads")
+    _add_threads(serve_parser, "each draft replica's", "0: the cores", "--draft-threads")
     _add_mtp_options(serve_parser)
 
     target_parser = commands.add_parser("target", help="run the target service")
@@ -104,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     target_parser.add_argument("--kv-blocks", type=int, default=KVCacheSettings.num_blocks)
     target_parser.add_argument("--block-size", type=int, default=KVCacheSettings.block_size)
     target_parser.add_argument("--tp", type=int, default=TargetSettings.tp, help="tensor-parallel ranks")
+    _add_threads(target_parser, "each rank's", "0: the cores this process may use, over --tp")
     _add_listen(target_parser)
 
     draft_parser = commands.add_parser("draft", help="run one draft replica")
@@ -115,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     draft_parser.add_argument("--dtype", choices=DTYPES, default=DraftSettings.dtype)
     draft_parser.add_argument("--kv-blocks", type=int, default=KVCacheSettings.num_blocks)
     draft_parser.add_argument("--block-size", type=int, default=KVCacheSettings.block_size)
+    _add_threads(draft_parser, "the draft model's", "0: the cores this process may use")
     _add_mtp_options(draft_parser)
     _add_listen(draft_parser)
 
@@ -140,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--speculative-num-steps", type=int, default=BenchSettings.num_steps)
     bench_parser.add_argument("--draft-replicas", type=int, default=BenchSettings.draft_replicas)
     bench_parser.add_argument("--dtype", choices=DTYPES, default=BenchSettings.dtype, help="of target and draft")
+    _add_threads(bench_parser, "the started stack's target", "0: tandem serve's default", "--target-threads")
+    _add_threads(bench_parser, "the started stack's draft", "0: tandem serve's default", "--draft-threads")
     bench_parser.add_argument(
         "--repeats", type=int, default=BenchSettings.repeats, help="runs of each configuration; medians are reported"
     )
@@ -188,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             launcher=args.launcher,
             ray_address=args.ray_address,
             tp=args.tp,
+            target_threads=args.target_threads,
+            draft_threads=args.draft_threads,
             mtp_feedback=args.mtp_feedback,
             mtp_mode=args.mtp_mode,
         )
@@ -211,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_steps=args.speculative_num_steps,
             draft_replicas=args.draft_replicas,
             dtype=args.dtype,
+            target_threads=args.target_threads,
+            draft_threads=args.draft_threads,
             repeats=args.repeats,
             colocated=not args.no_colocated,
             out_dir=args.out,
@@ -245,6 +266,7 @@ def run_service(args: argparse.Namespace) -> None:
             max_context=args.max_context,
             cache=KVCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
             tp=args.tp,
+            threads=args.threads,
         )
         asyncio.run(serve_target(target, _listen(args)))
     elif args.command == "draft":
@@ -258,6 +280,7 @@ def run_service(args: argparse.Namespace) -> None:
             aux_layer_convention=args.aux_layer_convention,
             cache=KVCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
             dtype=args.dtype,
+            threads=args.threads,
             mtp_feedback=args.mtp_feedback,
             mtp_mode=args.mtp_mode,
         )

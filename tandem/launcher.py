@@ -46,6 +46,8 @@ class ServeSettings:
     launcher: str = "process"  # "ray": tandem.ray_launcher
     ray_address: str | None = None  # the Ray cluster to join; None: start a local one
     tp: int = TargetSettings.tp  # the target's tensor-parallel ranks
+    target_threads: int = TargetSettings.threads  # intra-op threads of each target rank (0: its share of the cores)
+    draft_threads: int = DraftSettings.threads  # intra-op threads of each draft replica (0: the cores)
     mtp_feedback: MTPFeedback = DraftSettings.mtp_feedback  # see draft_server.settings
     mtp_mode: MTPMode = DraftSettings.mtp_mode
 
@@ -76,6 +78,7 @@ class Launcher:
         """Starts target, draft and orchestrator in order; returns the public address."""
         s = self.settings
         target_arguments = ["target", "--model", str(s.target_dir), "--dtype", s.dtype, "--tp", str(s.tp)]
+        target_arguments += ["--threads", str(s.target_threads)]
         target = self._spawn("target", target_arguments)
         target_address = self._wait_ready("target", target)
         self._target_address = target_address
@@ -134,6 +137,7 @@ class Launcher:
             "--speculative-num-steps", str(s.num_steps),
             "--aux-layer-convention", s.aux_layer_convention,
             "--dtype", s.dtype,
+            "--threads", str(s.draft_threads),
             "--mtp-feedback", s.mtp_feedback,
             "--mtp-mode", s.mtp_mode,
         ]  # fmt: skip

@@ -39,14 +39,18 @@ class ModelThread:
     """One worker thread for a service's model, holding the process's intra-op threads (see the module docstring).
 
     Create it on the event loop's thread before any torch work there: that thread is confined to one intra-op thread.
+    `threads` is the model thread's intra-op thread count; 0 keeps PyTorch's default (one per core this process may
+    use, or OMP_NUM_THREADS).
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, threads: int = 0) -> None:
+        if threads < 0:
+            raise ValueError(f"threads: {threads} (0 for the default, else at least 1)")
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix=name,
             initializer=use_intra_op_threads,
-            initargs=(torch.get_num_threads(),),
+            initargs=(threads or torch.get_num_threads(),),
         )
         self._executor.submit(lambda: None).result()  # the initializer has run before the creator is confined
         use_intra_op_threads(1)

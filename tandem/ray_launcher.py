@@ -253,7 +253,9 @@ class RayLauncher:
             probe = ray.remote(rendezvous_on_this_node).options(**rank_options[0]).remote(internal_host)
             self._wait_for(probe, "a free port on the target's node")
             rendezvous = ray.get(probe)
-        target_settings = TargetSettings(model_dir=s.target_dir, dtype=s.dtype, tp=s.tp, rendezvous=rendezvous)
+        target_settings = TargetSettings(
+            model_dir=s.target_dir, dtype=s.dtype, tp=s.tp, threads=s.target_threads, rendezvous=rendezvous
+        )
         for rank in range(1, s.tp):
             self._start_rank(rank, target_settings, rank_options[rank])
         target = self._start("target", target_settings, internal_host, 0, rank_options[0])
@@ -287,6 +289,7 @@ class RayLauncher:
             num_steps=s.num_steps,
             aux_layer_convention=cast(Convention, s.aux_layer_convention),  # the CLI offers only CONVENTIONS
             dtype=s.dtype,
+            threads=s.draft_threads,
             mtp_feedback=s.mtp_feedback,
             mtp_mode=s.mtp_mode,
         )

@@ -71,7 +71,8 @@ def start_target(settings: TargetSettings) -> TargetRunner:
 
 
 async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None:
-    model_thread = ModelThread("target-model")  # before any torch work on this thread (tandem.model_thread)
+    # Before any torch work on this thread (tandem.model_thread).
+    model_thread = ModelThread("target-model", settings.threads)
     runner = await model_thread.run(start_target, settings)
     ranks = runner.ranks
     service = TargetService(runner, target_info(runner, settings.dtype), model_thread)

@@ -34,7 +34,7 @@ def run_rank(settings: TargetSettings, rank: int) -> None:
     assert settings.rendezvous is not None, "ranks other than 0 join rank 0's rendezvous"
     started = time.perf_counter()
     group = join_group(rank, settings.tp, settings.rendezvous, torch.device("cpu"))
-    share_cpu_threads(group)
+    share_cpu_threads(group, settings.threads)
     try:
         LOG.info("rank %d/%d: loading its shard of %s (%s)", rank, settings.tp, settings.model_dir, settings.dtype)
         model = load_target(settings.model_dir, dtype=getattr(torch, settings.dtype), group=group)
@@ -68,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, required=True)
     parser.add_argument("--block-size", type=int, required=True)
     parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--rendezvous", required=True, help="host:port where rank 0 serves the group's store")
     args = parser.parse_args(argv)
@@ -78,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
         cache=KVCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
         tp=args.tp,
+        threads=args.threads,
         rendezvous=args.rendezvous,
     )
     try:

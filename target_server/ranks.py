@@ -201,7 +201,7 @@ def start_ranks(settings: TargetSettings, device: torch.device) -> RankDriver:
             process.kill()
         raise
     if device.type == "cpu":
-        share_cpu_threads(group)
+        share_cpu_threads(group, settings.threads)
     return RankDriver(group, processes)
 
 
@@ -220,6 +220,7 @@ def spawn_rank(settings: TargetSettings, rank: int, rendezvous: str) -> subproce
         "--kv-blocks", str(cache.num_blocks),
         "--block-size", str(cache.block_size),
         "--tp", str(settings.tp),
+        "--threads", str(settings.threads),
         "--rank", str(rank),
         "--rendezvous", rendezvous,
     ]  # fmt: skip

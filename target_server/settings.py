@@ -15,6 +15,7 @@ class TargetSettings:
     max_context: int = 0  # 0: the model's max_position_embeddings
     cache: KVCacheSettings = field(default_factory=KVCacheSettings)
     tp: int = 1  # tensor-parallel ranks (target_server.ranks)
+    threads: int = 0  # intra-op (OpenMP) threads of each rank's model; 0: the cores this process may use, over tp
     # Where the ranks meet ("host:port", rank 0 serves it). None: rank 0 picks a free loopback port and starts
     # ranks 1..tp-1 itself as child processes; given: someone else (the Ray launcher) starts them.
     rendezvous: str | None = None

@@ -47,3 +47,30 @@ def test_the_model_thread_keeps_the_intra_op_threads_and_its_creator_gets_one() 
     assert seen["later"] == 1
     assert seen["product"] == 64.0
     assert seen["name"].startswith("model")
+
+
+THREADS_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import torch
+    from tandem.model_thread import ModelThread
+
+    torch.set_num_threads(2)
+    model = ModelThread("model", threads=3)
+    print(json.dumps({"model": model.call(torch.get_num_threads), "creator": torch.get_num_threads()}))
+    model.shutdown()
+    try:
+        ModelThread("bad", threads=-1)
+    except ValueError as error:
+        print(json.dumps({"refused": str(error)}))
+    """
+)
+
+
+def test_a_thread_count_given_to_the_model_thread_is_what_its_forwards_use() -> None:
+    finished = subprocess.run(
+        [sys.executable, "-c", THREADS_SCRIPT], capture_output=True, text=True, timeout=120, check=True
+    )
+    lines = [json.loads(line) for line in finished.stdout.strip().splitlines()[-2:]]
+    assert lines[0] == {"model": 3, "creator": 1}
+    assert "threads: -1" in lines[1]["refused"]
