@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,20 +18,29 @@ from tandem.wire import orchestrator_pb2
 WARMUP_PROMPT = "def main():\n"
 
 
-async def _measure(generate: Generate, label: str, settings: BenchSettings, prompts: list[str]) -> list[RunResult]:
+async def _measure(
+    setups: Sequence[tuple[str, Generate]], settings: BenchSettings, prompts: list[str]
+) -> list[RunResult]:
+    """Every configuration `repeats` times, interleaved run by run: setup after setup, speculative then target-only.
+
+    Runs never overlap, so each has the whole machine; interleaving makes the slow spells of a shared machine fall
+    on both setups alike instead of on whichever ran during them.
+    """
     warmup = orchestrator_pb2.GenerateRequest(prompt=WARMUP_PROMPT, max_new_tokens=8, ignore_eos=True)
-    async for _ in generate(warmup):
-        pass
+    for _, generate in setups:
+        async for _ in generate(warmup):
+            pass
     runs = []
     for concurrency in settings.concurrency:
         for _ in range(settings.repeats):
-            for speculative in (True, False):
-                run = await run_prompts(generate, prompts, concurrency, settings.max_new_tokens, speculative, label)
-                runs.append(run)
+            for label, generate in setups:
+                for speculative in (True, False):
+                    run = await run_prompts(generate, prompts, concurrency, settings.max_new_tokens, speculative, label)
+                    runs.append(run)
     return runs
 
 
-async def _split(settings: BenchSettings, prompts: list[str]) -> list[RunResult]:
+async def _benchmark(settings: BenchSettings, prompts: list[str]) -> list[RunResult]:
     stack = None
     address = settings.address
     if address is None:
@@ -42,34 +52,32 @@ async def _split(settings: BenchSettings, prompts: list[str]) -> list[RunResult]
                 "--speculative-num-steps", str(settings.num_steps),
                 "--draft-replicas", str(settings.draft_replicas),
                 "--dtype", settings.dtype,
+                "--target-threads", str(settings.target_threads),
+                "--draft-threads", str(settings.draft_threads),
             ]
         )  # fmt: skip
         address = stack.address
     client = GrpcGenerate(address)
+    engine = None
     try:
-        return await _measure(client, "split", settings, prompts)
+        setups: list[tuple[str, Generate]] = [("split", client)]
+        if settings.colocated:
+            colocated = ColocatedSettings(
+                settings.target_dir, settings.draft_dir, dtype=settings.dtype, num_steps=settings.num_steps
+            )
+            engine = ColocatedEngine(colocated)
+            setups.append(("colocated", engine.generate))
+        return await _measure(setups, settings, prompts)
     finally:
         await client.close()
+        if engine is not None:
+            await engine.close()
         if stack is not None:
             stack.stop()
 
 
-async def _colocated(settings: BenchSettings, prompts: list[str]) -> list[RunResult]:
-    colocated = ColocatedSettings(
-        settings.target_dir, settings.draft_dir, dtype=settings.dtype, num_steps=settings.num_steps
-    )
-    engine = ColocatedEngine(colocated)
-    try:
-        return await _measure(engine.generate, "colocated", settings, prompts)
-    finally:
-        await engine.close()
-
-
 def run_benchmark(settings: BenchSettings) -> Path:
     prompts = held_out_prompts(settings.num_prompts)
-    # One after the other, never overlapping: both setups get the whole machine.
-    runs = asyncio.run(_split(settings, prompts))
-    if settings.colocated:
-        runs += asyncio.run(_colocated(settings, prompts))
+    runs = asyncio.run(_benchmark(settings, prompts))
     recorded = {key: str(value) if isinstance(value, Path) else value for key, value in asdict(settings).items()}
     return write(settings.out_dir, runs, recorded)
