@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tandem.grpc_util import channel_options
 from tandem.settings import SERVICE_ENVIRONMENT
-from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
+from tandem.wire import draft_pb2, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2
 from tests.integration.stack import Stack, draft_info, generate, serve, service_addresses, target_info
 
 MAX_CONTEXT = 512  # TinyTargetSpec.max_position_embeddings
@@ -77,9 +77,21 @@ def test_stop_string_and_eos(stack: Stack) -> None:
     assert stopped.text == full.text[: full.text.index(stop)]
 
 
+def wait_until_idle(addresses: dict[str, str]) -> tuple[target_pb2.TargetInfo, draft_pb2.DraftInfo]:
+    """Target and draft info once neither holds a request. A finished request is released after its last message
+    reaches the client, so an earlier test's request may still be held for a moment."""
+    deadline = time.monotonic() + 30
+    while True:
+        target, draft = target_info(addresses["target"]), draft_info(addresses["draft"])
+        if (target.running_requests, draft.running_requests) == (0, 0) or time.monotonic() > deadline:
+            return target, draft
+        time.sleep(0.1)
+
+
 def test_cancel_frees_kv_on_target_and_draft(stack: Stack) -> None:
     addresses = service_addresses(stack.log)
-    before = target_info(addresses["target"])
+    before, _ = wait_until_idle(addresses)
+    assert before.running_requests == 0
     with grpc.insecure_channel(stack.address, options=channel_options()) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         request = orchestrator_pb2.GenerateRequest(prompt="def main():", max_new_tokens=400, ignore_eos=True)
@@ -90,12 +102,7 @@ def test_cancel_frees_kv_on_target_and_draft(stack: Stack) -> None:
         assert running.running_requests == 1
         assert running.kv_blocks_free < before.kv_blocks_free
         call.cancel()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        target, draft = target_info(addresses["target"]), draft_info(addresses["draft"])
-        if target.running_requests == 0 and draft.running_requests == 0:
-            break
-        time.sleep(0.1)
+    target, draft = wait_until_idle(addresses)
     assert (target.running_requests, target.kv_blocks_free) == (0, target.kv_blocks_total)
     assert (draft.running_requests, draft.kv_blocks_free) == (0, draft.kv_blocks_total)
 
