@@ -16,7 +16,7 @@ class BenchSettings:
     concurrency: tuple[int, ...] = (1, 8)
     num_steps: int = 5
     dtype: str = "float32"  # of target and draft, in both setups
-    repeats: int = 1  # runs of each configuration, alternating speculative and target-only; the report takes medians
+    repeats: int = 1  # runs of each configuration, interleaved across setups and modes; the report takes medians
     draft_replicas: int = 1  # of the split stack started by the benchmark
     target_threads: int = 0  # `tandem serve --target-threads` of that stack (0: its default)
     draft_threads: int = 0  # `tandem serve --draft-threads` of that stack (0: its default)

@@ -77,9 +77,7 @@ class Launcher:
     def start(self) -> str:
         """Starts target, draft and orchestrator in order; returns the public address."""
         s = self.settings
-        target_arguments = ["target", "--model", str(s.target_dir), "--dtype", s.dtype, "--tp", str(s.tp)]
-        target_arguments += ["--threads", str(s.target_threads)]
-        target = self._spawn("target", target_arguments)
+        target = self._spawn("target", self.target_arguments())
         target_address = self._wait_ready("target", target)
         self._target_address = target_address
         draft_addresses = []
@@ -125,6 +123,16 @@ class Launcher:
                     self.children.remove((name, process))  # a planned stop, not a death to report
                     process.send_signal(signal.SIGTERM)
                     process.wait(timeout=STOP_TIMEOUT_S)
+
+    def target_arguments(self) -> list[str]:
+        s = self.settings
+        return [
+            "target",
+            "--model", str(s.target_dir),
+            "--dtype", s.dtype,
+            "--tp", str(s.tp),
+            "--threads", str(s.target_threads),
+        ]  # fmt: skip
 
     def draft_arguments(self, replica_id: str, target_address: str) -> list[str]:
         s = self.settings

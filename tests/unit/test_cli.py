@@ -13,11 +13,16 @@ from tandem.launcher import Launcher, ServeSettings
 def test_serve_thread_options_reach_the_draft_and_target_command_lines() -> None:
     args = build_parser().parse_args(["serve", "--target-threads", "2", "--draft-threads", "1"])
     assert (args.target_threads, args.draft_threads) == (2, 1)
-    settings = ServeSettings(target_dir=Path("t"), draft_dir=Path("d"), draft_threads=args.draft_threads)
-    draft = Launcher(settings).draft_arguments("draft-0", "127.0.0.1:1")
+    settings = ServeSettings(
+        target_dir=Path("t"), draft_dir=Path("d"), target_threads=args.target_threads, draft_threads=args.draft_threads
+    )
+    launcher = Launcher(settings)
+    target = launcher.target_arguments()
+    draft = launcher.draft_arguments("draft-0", "127.0.0.1:1")
+    assert target[target.index("--threads") + 1] == "2"
     assert draft[draft.index("--threads") + 1] == "1"
-    parsed = build_parser().parse_args([*draft, "--port", "0"])
-    assert parsed.threads == 1
+    assert build_parser().parse_args([*target, "--port", "0"]).threads == 2
+    assert build_parser().parse_args([*draft, "--port", "0"]).threads == 1
 
 
 @pytest.mark.parametrize("command", [["target", "--model", "m"], ["draft", "--model", "m", "--target-address", "a"]])
