@@ -9,71 +9,70 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
-from draft_server.formats import ProposalRunner, prepare_draft
+from draft_server.formats import ProposalRunner, prepare_draft, propose_what_fits
 from draft_server.runner import ProposeInput, TargetRows
 from draft_server.settings import DraftSettings
 from orchestrator.backends import (
     BackendError,
     FailureKind,
-    Prefilled,
-    PrefillTask,
     ProposedBatch,
     ProposeTask,
-    ReassignTask,
-    Verified,
-    VerifiedBatch,
-    VerifyTask,
+    StepDone,
+    StepOutcome,
+    StepTask,
 )
+from orchestrator.batching import KVPool
+from orchestrator.output import RequestFailed
 from orchestrator.replicas import ReplicaPool
-from orchestrator.scheduler import RequestFailed, Scheduler
+from orchestrator.scheduler import Scheduler, TargetFacts
 from orchestrator.service import response_message
 from orchestrator.settings import SchedulerSettings
 from orchestrator.validation import Limits, validate_request
-from tandem.layers.kv_cache import OutOfKVBlocks
 from tandem.models.registry import load_target
 from tandem.parallel.vocab import assemble_shards
 from tandem.settings import KVCacheSettings
 from tandem.wire import orchestrator_pb2
 from target_server.main import target_info
-from target_server.runner import PrefillInput, RequestError, StepResult, TargetRunner
+from target_server.runner import MAX_DRAFT_TOKENS, CapturedRows, ItemStatus, OpenRequest, StepItem, TargetRunner
 
 REPLICA_ID = "colocated"
 
 
 class LocalDraft:
-    """A DraftBackend over an in-process DraftRunner; the target hands it rows directly."""
+    """A DraftBackend over an in-process draft runner; the target hands it rows directly."""
 
     def __init__(self, runner: ProposalRunner, capture: tuple[int, ...]) -> None:
         self.runner = runner
         self.capture = capture
         self.rows: dict[tuple[str, int], TargetRows] = {}
 
-    def deliver(self, result: StepResult, round_number: int) -> None:
-        if result.captured is not None:
-            rows = result.captured
-            self.rows[(result.request_id, round_number)] = TargetRows(
-                rows.start_position, rows.next_tokens, rows.features
-            )
+    def deliver(self, rows: CapturedRows, round_number: int) -> None:
+        key = (rows.request_id, round_number)
+        arrived = TargetRows(rows.start_position, rows.next_tokens, rows.features)
+        earlier = self.rows.get(key)
+        self.rows[key] = earlier.followed_by(arrived) if earlier is not None else arrived
 
     async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch:
         inputs = [ProposeInput(t.request_id, self.rows.pop((t.request_id, t.round)), t.num_steps) for t in tasks]
         started = time.perf_counter()
-        proposals = self.runner.propose(inputs)
-        compute = time.perf_counter() - started
-        return ProposedBatch({t.request_id: p for t, p in zip(tasks, proposals, strict=True)}, compute)
+        drafts, exhausted = propose_what_fits(self.runner, inputs)
+        return ProposedBatch(drafts, exhausted, time.perf_counter() - started)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         released = set(request_ids)
         for key in [key for key in self.rows if key[0] in released]:
             del self.rows[key]
         self.runner.release(request_ids)
+
+    async def probe(self) -> None:
+        return None
 
 
 class LocalTarget:
@@ -83,47 +82,36 @@ class LocalTarget:
         self.runner = runner
         self.draft = draft
 
-    async def prefill(self, tasks: Sequence[PrefillTask]) -> list[Prefilled]:
+    async def step(self, tasks: Sequence[StepTask], preempt: Sequence[str]) -> StepOutcome:
         capture = self.draft.capture if self.draft is not None else ()
-        inputs = [
-            PrefillInput(t.request_id, t.input_ids, t.sampling, capture if t.replica is not None else ()) for t in tasks
+        items = [
+            StepItem(
+                task.request_id,
+                task.num_tokens,
+                task.draft_tokens,
+                None if task.open is None else OpenRequest(task.open.prompt, task.open.sampling),
+                (capture if task.replica is not None else ()) if task.open is not None or task.move else None,
+                replay=task.replay,
+            )
+            for task in tasks
         ]
-        results = self._guarded(lambda: self.runner.prefill(inputs))
-        if self.draft is not None:
-            for result in results:
-                self.draft.deliver(result, 0)
-        return [Prefilled(result.new_tokens[0], result.captured is not None) for result in results]
-
-    async def verify(self, tasks: Sequence[VerifyTask]) -> VerifiedBatch:
         started = time.perf_counter()
-        results = self._guarded(lambda: self.runner.verify([(t.request_id, t.draft_tokens) for t in tasks]))
+        results = self.runner.step(items, preempt)
         compute = time.perf_counter() - started
-        if self.draft is not None:
-            for task, result in zip(tasks, results, strict=True):
-                self.draft.deliver(result, task.round)
-        return VerifiedBatch([Verified(r.request_id, r.accepted, r.new_tokens) for r in results], compute)
-
-    async def reassign(self, tasks: Sequence[ReassignTask]) -> list[bool]:
-        streaming = []
-        for task in tasks:
-            capture = self.draft.capture if self.draft is not None and task.replica is not None else ()
-            rows = self.runner.reassign(task.request_id, capture)
-            if self.draft is not None and rows is not None:
-                self.draft.deliver(StepResult(task.request_id, 0, [], rows), task.round)
-            streaming.append(rows is not None)
-        return streaming
+        done = []
+        for task, result in zip(tasks, results, strict=True):
+            if result.status is not ItemStatus.OK:
+                kind = FailureKind.INVALID if result.status is ItemStatus.INVALID else FailureKind.EXHAUSTED
+                done.append(StepDone(task.request_id, BackendError(kind, result.message)))
+                continue
+            if self.draft is not None and result.captured is not None:
+                self.draft.deliver(result.captured, task.round)
+            streaming = self.draft is not None and bool(self.runner.requests[task.request_id].capture)
+            done.append(StepDone(task.request_id, None, result.accepted, result.new_tokens, streaming))
+        return StepOutcome(done, compute)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         self.runner.release(request_ids)
-
-    @staticmethod
-    def _guarded(work: Callable[[], list[StepResult]]) -> list[StepResult]:
-        try:
-            return work()
-        except RequestError as error:
-            raise BackendError(FailureKind.INVALID, str(error)) from None
-        except OutOfKVBlocks as error:
-            raise BackendError(FailureKind.EXHAUSTED, str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -167,7 +155,9 @@ class ColocatedEngine:
             eos_ids.add(int(self.tokenizer.eos_token_id))
         scheduler_settings = SchedulerSettings(num_steps=settings.num_steps)
         target = LocalTarget(target_runner, draft)
-        self.scheduler = Scheduler(target, replicas, self.tokenizer, eos_ids, scheduler_settings)
+        pool = KVPool(target_runner.cache.num_blocks, target_runner.cache.block_size)
+        facts = TargetFacts(model.config.vocab_size, pool, MAX_DRAFT_TOKENS)
+        self.scheduler = Scheduler(target, replicas, self.tokenizer, eos_ids, scheduler_settings, facts)
         self.limits = Limits(model.config.vocab_size, max_context, settings.default_max_new_tokens)
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -179,7 +169,7 @@ class ColocatedEngine:
             self._loop_task = asyncio.create_task(self.scheduler.run())
         active = self.scheduler.submit(validate_request(request, self.tokenizer, self.limits))
         while True:
-            output = await active.outputs.get()
+            output = await active.output.messages.get()
             if isinstance(output, RequestFailed):
                 raise output
             yield response_message(output)

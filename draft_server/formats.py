@@ -25,7 +25,7 @@ from draft_server.compat import IncompatibleDraft, check_compatibility
 from draft_server.mtp_runner import MTPRunner
 from draft_server.runner import DraftModel, DraftRunner, ProposeInput
 from draft_server.settings import DraftSettings
-from tandem.layers.kv_cache import PagedKVCache
+from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache
 from tandem.models.aux_layers import CaptureSpec, resolve_capture
 from tandem.models.config import ConfigError, read_hf_config
 from tandem.models.eagle3 import EAGLE3_LAYER_KINDS, load_eagle3
@@ -46,6 +46,29 @@ class ProposalRunner(Protocol):
     def requests(self) -> Mapping[str, object]: ...
     def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]: ...
     def release(self, request_ids: Sequence[str]) -> None: ...
+
+
+def propose_what_fits(
+    runner: ProposalRunner, inputs: Sequence[ProposeInput]
+) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Proposes for as many requests as the KV pool holds: returns (drafts, exhausted), by request id.
+
+    The runners refuse a batch before changing anything when it does not fit, so the newest request (the scheduler
+    sends them oldest first) is dropped with its state, and the rest is tried again. A dropped request must be
+    replayed from scratch before this replica proposes for it again.
+    """
+    remaining = list(inputs)
+    exhausted: dict[str, str] = {}
+    while remaining:
+        try:
+            proposals = runner.propose(remaining)
+        except OutOfKVBlocks as error:
+            dropped = remaining.pop()
+            exhausted[dropped.request_id] = str(error)
+            runner.release([dropped.request_id])
+            continue
+        return {item.request_id: tokens for item, tokens in zip(remaining, proposals, strict=True)}, exhausted
+    return {}, exhausted
 
 
 @dataclass(frozen=True)

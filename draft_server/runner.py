@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache, SequenceKV
+from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, OutOfKVBlocks, PagedKVCache, SequenceKV
 from tandem.models.eagle3 import DraftStep
 from tandem.settings import KVCacheSettings
 
@@ -58,6 +58,14 @@ class TargetRows:
     next_tokens: Sequence[int]  # [n]
     features: torch.Tensor  # [n, num_aux * target_hidden]
 
+    def followed_by(self, later: TargetRows) -> TargetRows:
+        """These rows and the ones the target sent next for the same round (a long prompt comes in chunks)."""
+        end = self.start_position + len(self.next_tokens)
+        if later.start_position != end:
+            raise DraftRequestError(f"rows at position {later.start_position} do not continue rows ending at {end}")
+        features = torch.cat([self.features, later.features])
+        return TargetRows(self.start_position, [*self.next_tokens, *later.next_tokens], features)
+
 
 @dataclass(frozen=True)
 class ProposeInput:
@@ -90,6 +98,7 @@ class DraftRunner:
                     f"request {item.request_id!r}: rows start at position {item.rows.start_position} "
                     f"but the draft holds positions up to {held}"
                 )
+        self._check_blocks(inputs)
         requests = []
         for item in inputs:
             request = self.requests.setdefault(item.request_id, DraftRequest())
@@ -123,6 +132,21 @@ class DraftRunner:
             for i, token in zip(active, tokens.tolist(), strict=True):
                 proposals[i].append(int(token))
         return proposals
+
+    def _check_blocks(self, inputs: Sequence[ProposeInput]) -> None:
+        """Raises OutOfKVBlocks before any change if the batch, its ingest and every draft step, does not fit."""
+        block_size = self.cache.block_size
+        available, needed = self.cache.num_free_blocks, 0
+        for item in inputs:
+            request = self.requests.get(item.request_id)
+            held = len(request.kv.block_ids) if request is not None else 0
+            kept = -(-item.rows.start_position // block_size)  # blocks left after truncating to the rows' start
+            available += held - min(kept, held)
+            # Ingest writes the rows; every draft step after the first writes one more position.
+            end = item.rows.start_position + len(item.rows.next_tokens) + max(0, item.num_steps - 1)
+            needed += -(-end // block_size) - min(kept, held)
+        if needed > available:
+            raise OutOfKVBlocks(f"KV cache: this batch needs {needed} more blocks, {available} free")
 
     def release(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from draft_server.formats import PreparedDraft, ProposalRunner, prepare_draft
+from draft_server.formats import PreparedDraft, ProposalRunner, prepare_draft, propose_what_fits
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows
 from draft_server.settings import DraftSettings
 from draft_server.shared_tables import pull_tables
@@ -44,8 +44,16 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         """Stores the target's rows as they arrive, keyed by (request id, round)."""
         async for message in stream:
             rows = TargetRows(message.start_position, list(message.next_tokens), tensor_from_proto(message.features))
+            key = (message.request_id, message.round)
             async with self._arrived:
-                self._rows[(message.request_id, message.round)] = (rows, time.monotonic())
+                earlier = self._rows.get(key)
+                if earlier is not None:
+                    # A later chunk of the same round (chunked prefill, or a replay followed by new rows).
+                    try:
+                        rows = earlier[0].followed_by(rows)
+                    except DraftRequestError as error:
+                        LOG.warning("request %s round %d: %s; keeping the later rows", *key, error)
+                self._rows[key] = (rows, time.monotonic())
                 self._arrived.notify_all()
 
     async def GetInfo(
@@ -86,16 +94,20 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             inputs.append(ProposeInput(item.request_id, rows, item.num_steps or self.settings.num_steps))
         started = time.perf_counter()
         try:
-            proposals = await self._run(self.runner.propose, inputs)
+            drafts, exhausted = await self._run(propose_what_fits, self.runner, inputs)
         except DraftRequestError as error:
             raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
-        return draft_pb2.ProposeResponse(
-            results=[
-                draft_pb2.ProposeResult(request_id=item.request_id, draft_tokens=tokens)
-                for item, tokens in zip(request.items, proposals, strict=True)
-            ],
-            compute_seconds=time.perf_counter() - started,
-        )
+        response = draft_pb2.ProposeResponse(compute_seconds=time.perf_counter() - started)
+        for item in request.items:
+            if item.request_id in exhausted:
+                reason = f"draft {self.settings.replica_id}: {exhausted[item.request_id]}"
+                failure = CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, reason).as_proto()
+                response.results.append(draft_pb2.ProposeResult(request_id=item.request_id, error=failure))
+            else:
+                response.results.append(
+                    draft_pb2.ProposeResult(request_id=item.request_id, draft_tokens=drafts[item.request_id])
+                )
+        return response
 
     async def Release(
         self, request: draft_pb2.DraftReleaseRequest, context: grpc.aio.ServicerContext

@@ -8,7 +8,7 @@ that the benchmark compares the split against). The scheduler is the same code f
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
@@ -17,7 +17,7 @@ from tandem.sampling.params import SamplingParams
 
 class FailureKind(Enum):
     INVALID = "invalid"  # the request itself is wrong
-    EXHAUSTED = "exhausted"  # no KV space now; retry when running requests finish
+    EXHAUSTED = "exhausted"  # no KV space, or no queue room, now
     UNAVAILABLE = "unavailable"  # the service is unreachable or broken
 
 
@@ -28,44 +28,46 @@ class BackendError(Exception):
 
 
 @dataclass(frozen=True)
-class PrefillTask:
-    request_id: str
-    input_ids: Sequence[int]
+class OpenTask:
+    """What a request's first step item carries to the target."""
+
+    prompt: Sequence[int]
     sampling: SamplingParams
-    replica: str | None  # the draft replica that receives the target's hidden states; None: target-only
 
 
 @dataclass(frozen=True)
-class Prefilled:
-    first_token: int
-    streaming: bool  # hidden states go to the requested replica (False: it is gone; target-only for now)
+class StepTask:
+    """One request's item of a target step (target_server.runner.StepItem on the other side).
 
+    It computes the next num_tokens committed tokens from where the request's KV ends; one that reaches the last
+    committed token also verifies draft_tokens and commits new tokens.
+    """
 
-@dataclass(frozen=True)
-class VerifyTask:
     request_id: str
-    draft_tokens: Sequence[int]
-    round: int  # the hidden states of this verification are published under this round
+    round: int  # the hidden rows this item commits are published under this round
+    num_tokens: int
+    draft_tokens: Sequence[int] = ()
+    open: OpenTask | None = None  # on the request's first item
+    # With open, or with move: where the target's hidden rows go (None: nowhere, target-only). With move and
+    # replay the target also resends every committed row, for a replica that starts the request from scratch.
+    replica: str | None = None
+    move: bool = False
+    replay: bool = False
 
 
 @dataclass(frozen=True)
-class Verified:
+class StepDone:
     request_id: str
-    accepted: int
-    new_tokens: list[int]  # accepted drafts + correction or bonus token
+    failure: BackendError | None  # INVALID: the item is wrong; EXHAUSTED: no KV room now (nothing changed)
+    accepted: int = 0
+    new_tokens: list[int] = field(default_factory=list)  # empty for a prompt chunk
+    streaming: bool = False  # hidden rows go to the request's replica
 
 
 @dataclass(frozen=True)
-class VerifiedBatch:
-    results: list[Verified]
+class StepOutcome:
+    results: list[StepDone]  # one per task, in order
     compute_seconds: float
-
-
-@dataclass(frozen=True)
-class ReassignTask:
-    request_id: str
-    replica: str | None  # None: target-only from now on
-    round: int  # the replayed hidden states are published under this round
 
 
 @dataclass(frozen=True)
@@ -78,16 +80,14 @@ class ProposeTask:
 @dataclass(frozen=True)
 class ProposedBatch:
     drafts: dict[str, list[int]]  # request id -> draft tokens (target vocabulary)
+    # Requests the replica had no KV room for: it dropped their state, so the target must replay their rows.
+    exhausted: dict[str, str]  # request id -> why
     compute_seconds: float
 
 
 class TargetBackend(Protocol):
-    async def prefill(self, tasks: Sequence[PrefillTask]) -> list[Prefilled]: ...
-
-    async def verify(self, tasks: Sequence[VerifyTask]) -> VerifiedBatch: ...
-
-    async def reassign(self, tasks: Sequence[ReassignTask]) -> list[bool]:
-        """Moves requests to another replica, replaying their hidden states to it; returns `streaming` per task."""
+    async def step(self, tasks: Sequence[StepTask], preempt: Sequence[str]) -> StepOutcome:
+        """Frees the KV of `preempt` (the target keeps their tokens), then runs the tasks in one forward pass."""
         ...
 
     async def release(self, request_ids: Sequence[str]) -> None: ...
@@ -97,3 +97,7 @@ class DraftBackend(Protocol):
     async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch: ...
 
     async def release(self, request_ids: Sequence[str]) -> None: ...
+
+    async def probe(self) -> None:
+        """Returns when the replica answers (a demoted replica rejoins then); raises BackendError otherwise."""
+        ...

@@ -11,14 +11,11 @@ import grpc
 from orchestrator.backends import (
     BackendError,
     FailureKind,
-    Prefilled,
-    PrefillTask,
     ProposedBatch,
     ProposeTask,
-    ReassignTask,
-    Verified,
-    VerifiedBatch,
-    VerifyTask,
+    StepDone,
+    StepOutcome,
+    StepTask,
 )
 from tandem.grpc_util import STATUS_CODES
 from tandem.wire import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -57,9 +54,10 @@ class CallStream(Generic[Response]):
     calls' are: "<what>: <STATUS>: <message>".
     """
 
-    def __init__(self, open_stream: Callable[[], Any], what: str) -> None:
+    def __init__(self, open_stream: Callable[[], Any], what: str, timeout_s: float) -> None:
         self._open_stream = open_stream
         self.what = what
+        self.timeout_s = timeout_s  # a call that takes longer fails (DEADLINE_EXCEEDED) and its stream is dropped
         self._stream: Any = None  # a grpc.aio.StreamStreamCall, opened at the first call
         self._lock = asyncio.Lock()
 
@@ -69,8 +67,13 @@ class CallStream(Generic[Response]):
                 self._stream = self._open_stream()
             stream = self._stream
             try:
-                await stream.write(request)
-                response = await stream.read()
+                response = await asyncio.wait_for(self._round_trip(stream, request), self.timeout_s)
+            except TimeoutError:
+                # The late response would answer the next call: this stream is done.
+                self._drop(stream)
+                raise _failure(
+                    self.what, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout_s} s"
+                ) from None
             except grpc.aio.AioRpcError as error:
                 self._stream = None
                 raise _backend_error(error, self.what) from None
@@ -89,78 +92,98 @@ class CallStream(Generic[Response]):
             raise _failure(self.what, code, response.error.message)
         return response
 
+    @staticmethod
+    async def _round_trip(stream: Any, request: object) -> Any:
+        await stream.write(request)
+        return await stream.read()
+
     def _drop(self, stream: Any) -> None:
         stream.cancel()
         if self._stream is stream:
             self._stream = None
 
 
+def _item_failure(what: str, error: common_pb2.CallError) -> BackendError:
+    return _failure(what, STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN), error.message)
+
+
 class GrpcTarget:
-    def __init__(self, stub: target_pb2_grpc.TargetStub) -> None:
+    def __init__(self, stub: target_pb2_grpc.TargetStub, timeout_s: float) -> None:
         self.stub = stub
-        self._verify: CallStream[target_pb2.VerifyResponse] = CallStream(stub.VerifyStream, "target verify")
+        self.timeout_s = timeout_s
+        self._step: CallStream[target_pb2.StepResponse] = CallStream(stub.StepStream, "target step", timeout_s)
 
-    async def prefill(self, tasks: Sequence[PrefillTask]) -> list[Prefilled]:
-        items = [
-            target_pb2.PrefillItem(
-                request_id=task.request_id,
-                input_ids=task.input_ids,
-                draft_replica=task.replica or "",
-                sampling=common_pb2.SamplingParams(
-                    temperature=task.sampling.temperature,
-                    top_p=task.sampling.top_p,
-                    top_k=task.sampling.top_k,
-                    seed=task.sampling.seed or 0,
-                ),
+    async def step(self, tasks: Sequence[StepTask], preempt: Sequence[str]) -> StepOutcome:
+        request = target_pb2.StepRequest(items=[_step_item(task) for task in tasks], preempt=preempt)
+        response = await self._step.call(request)
+        results = [
+            StepDone(
+                result.request_id,
+                _item_failure("target", result.error) if result.HasField("error") else None,
+                result.accepted,
+                list(result.new_tokens),
+                result.streaming,
             )
-            for task in tasks
+            for result in response.results
         ]
-        try:
-            response = await self.stub.Prefill(target_pb2.PrefillRequest(items=items))
-        except grpc.aio.AioRpcError as error:
-            raise _backend_error(error, "target prefill") from None
-        return [Prefilled(result.next_token, result.streaming) for result in response.results]
-
-    async def verify(self, tasks: Sequence[VerifyTask]) -> VerifiedBatch:
-        items = [
-            target_pb2.VerifyItem(request_id=task.request_id, draft_tokens=task.draft_tokens, round=task.round)
-            for task in tasks
-        ]
-        response = await self._verify.call(target_pb2.VerifyRequest(items=items))
-        results = [Verified(r.request_id, r.accepted, list(r.new_tokens)) for r in response.results]
-        return VerifiedBatch(results, response.compute_seconds)
-
-    async def reassign(self, tasks: Sequence[ReassignTask]) -> list[bool]:
-        items = [
-            target_pb2.ReassignItem(request_id=task.request_id, draft_replica=task.replica or "", round=task.round)
-            for task in tasks
-        ]
-        try:
-            response = await self.stub.Reassign(target_pb2.ReassignRequest(items=items))
-        except grpc.aio.AioRpcError as error:
-            raise _backend_error(error, "target reassign") from None
-        return [result.streaming for result in response.results]
+        return StepOutcome(results, response.compute_seconds)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         try:
-            await self.stub.Release(target_pb2.ReleaseRequest(request_ids=request_ids))
+            await self.stub.Release(target_pb2.ReleaseRequest(request_ids=request_ids), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as error:
             raise _backend_error(error, "target release") from None
 
 
+def _step_item(task: StepTask) -> target_pb2.StepItem:
+    item = target_pb2.StepItem(
+        request_id=task.request_id,
+        round=task.round,
+        num_tokens=task.num_tokens,
+        draft_tokens=task.draft_tokens,
+        draft_replica=task.replica or "",
+        set_replica=task.move,
+        replay=task.replay,
+    )
+    if task.open is not None:
+        sampling = task.open.sampling
+        item.open.CopyFrom(
+            target_pb2.OpenRequest(
+                prompt=task.open.prompt,
+                sampling=common_pb2.SamplingParams(
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                    seed=sampling.seed or 0,
+                ),
+            )
+        )
+    return item
+
+
 class GrpcDraft:
-    def __init__(self, stub: draft_pb2_grpc.DraftStub) -> None:
+    def __init__(self, stub: draft_pb2_grpc.DraftStub, timeout_s: float) -> None:
         self.stub = stub
-        self._propose: CallStream[draft_pb2.ProposeResponse] = CallStream(stub.ProposeStream, "draft propose")
+        self.timeout_s = timeout_s
+        self._propose: CallStream[draft_pb2.ProposeResponse] = CallStream(
+            stub.ProposeStream, "draft propose", timeout_s
+        )
 
     async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch:
         items = [draft_pb2.ProposeItem(request_id=t.request_id, round=t.round, num_steps=t.num_steps) for t in tasks]
         response = await self._propose.call(draft_pb2.ProposeRequest(items=items))
-        drafts = {result.request_id: list(result.draft_tokens) for result in response.results}
-        return ProposedBatch(drafts, response.compute_seconds)
+        drafts = {r.request_id: list(r.draft_tokens) for r in response.results if not r.HasField("error")}
+        exhausted = {r.request_id: r.error.message for r in response.results if r.HasField("error")}
+        return ProposedBatch(drafts, exhausted, response.compute_seconds)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         try:
-            await self.stub.Release(draft_pb2.DraftReleaseRequest(request_ids=request_ids))
+            await self.stub.Release(draft_pb2.DraftReleaseRequest(request_ids=request_ids), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as error:
             raise _backend_error(error, "draft release") from None
+
+    async def probe(self) -> None:
+        try:
+            await self.stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise _backend_error(error, "draft probe") from None

@@ -1,7 +1,7 @@
 """The draft replicas an orchestrator can use, balanced by least outstanding requests.
 
-A replica is "serving" (gets new requests) or "draining" (keeps its requests, gets no new ones).
-A replica that fails is removed at once; the scheduler moves its requests elsewhere.
+A replica is "serving" (gets new requests), "draining" (keeps its requests, gets no new ones, then is removed) or
+"demoted" (it failed: the scheduler moved its requests elsewhere and probes it until it answers again).
 """
 
 from __future__ import annotations
@@ -18,10 +18,15 @@ class Replica:
     backend: DraftBackend
     outstanding: int = 0
     draining: bool = False
+    demoted: bool = False
 
     @property
     def state(self) -> str:
-        return "draining" if self.draining else "serving"
+        return "demoted" if self.demoted else "draining" if self.draining else "serving"
+
+    @property
+    def serving(self) -> bool:
+        return not self.draining and not self.demoted
 
 
 class ReplicaPool:
@@ -43,11 +48,19 @@ class ReplicaPool:
         return list(self._replicas.values())
 
     def has_serving(self) -> bool:
-        return any(not replica.draining for replica in self._replicas.values())
+        return any(replica.serving for replica in self._replicas.values())
+
+    def demote(self, replica_id: str) -> None:
+        self._replicas[replica_id].demoted = True
+
+    def restore(self, replica_id: str) -> None:
+        replica = self._replicas.get(replica_id)
+        if replica is not None:
+            replica.demoted = False
 
     def pick(self) -> str | None:
         """The serving replica with the fewest outstanding requests, or None when there is none."""
-        serving = [replica for replica in self._replicas.values() if not replica.draining]
+        serving = [replica for replica in self._replicas.values() if replica.serving]
         if not serving:
             return None
         return min(serving, key=lambda replica: replica.outstanding).replica_id

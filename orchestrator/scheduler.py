@@ -1,106 +1,63 @@
-"""Rounds over the running batch: admit (prefill), then draft, verify, emit, release.
+"""The scheduler loop: one target step after another, each chosen by orchestrator.batching.
 
-Round numbers join the draft's two inputs: prefill publishes the target's rows under round 0; a
-request in round r asks its draft to propose from round r's rows, and the verification publishes the
-next rows under round r + 1. The scheduler talks to TargetBackend / DraftBackend (orchestrator/
-backends.py), so the same rounds run against gRPC services or in-process runners.
+A step: free cancelled requests; choose the step (decoding requests first, preempting the newest when the KV pool
+is short, then prompt chunks); ask each replica for its decoding requests' drafts; run the step on the target;
+emit each request's new tokens (orchestrator.output); release finished requests.
+
+Round numbers join the draft's two inputs: every item a request sends publishes its hidden rows under round + 1,
+and the item that commits new tokens moves the request to that round; the draft proposes for round r from the
+rows published under r (the chunks of a long prompt, and a replay with the rows after it, arrive as several
+messages of one round and are joined by the draft). The scheduler talks to TargetBackend / DraftBackend
+(orchestrator/backends.py), so the same steps run against gRPC services or in-process runners.
+
+Failures stay with the request they belong to: an item the target refuses fails that request alone; an item that
+finds no KV room waits for the next step; a replica that fails, times out or proposes bad tokens is demoted (its
+requests move to another replica or go on target-only) and probed again with backoff until it answers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
 from orchestrator.backends import (
     BackendError,
     FailureKind,
-    PrefillTask,
+    OpenTask,
     ProposedBatch,
     ProposeTask,
-    ReassignTask,
+    StepTask,
     TargetBackend,
-    VerifyTask,
 )
+from orchestrator.batching import ActiveRequest, KVPool, Scheduled, plan_step
+from orchestrator.output import RequestFailed, RequestOutput
 from orchestrator.replicas import ReplicaPool
 from orchestrator.settings import SchedulerSettings
 from orchestrator.text import IncrementalDetokenizer, StopStringMatcher
-from orchestrator.validation import ValidatedRequest
+from orchestrator.validation import InvalidRequest, ValidatedRequest
 
 LOG = logging.getLogger(__name__)
+MAX_REPROBE_S = 30.0
 
 
-class RequestFailed(Exception):
-    """A request that cannot go on; carries the kind of failure to report to its client."""
-
-    def __init__(self, kind: FailureKind, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-@dataclass
-class Stats:
-    rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    wire_seconds: float = 0.0
-    scheduling_seconds: float = 0.0
-
-    def count_round(self, num_drafts: int, accepted: int) -> None:
-        self.rounds += 1
-        self.draft_tokens += num_drafts
-        self.accepted_tokens += accepted
-        if len(self.accepted_per_position) < num_drafts:
-            self.accepted_per_position.extend([0] * (num_drafts - len(self.accepted_per_position)))
-        for position in range(accepted):
-            self.accepted_per_position[position] += 1
+class QueueFull(Exception):
+    """The waiting queue holds its maximum; the message says how many."""
 
 
 @dataclass(frozen=True)
-class Output:
-    """One streamed message of a request, in our own terms (the service converts it to protobuf)."""
+class TargetFacts:
+    """What the scheduler needs to know of the target."""
 
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "" until the last message
-    stats: Stats | None  # on the last message
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass
-class ActiveRequest:
-    request_id: str
-    params: ValidatedRequest
-    detokenizer: IncrementalDetokenizer
-    stop: StopStringMatcher
-    replica: str | None  # None: target-only decoding
-    outputs: asyncio.Queue[Output | RequestFailed] = field(default_factory=asyncio.Queue)
-    generated: list[int] = field(default_factory=list)
-    round: int = 0
-    stats: Stats = field(default_factory=Stats)
-    finished: bool = False
-    cancelled: bool = False
-    # The target must (re)send this request's history to its replica (or stop streaming, replica None)
-    # before the replica can propose for it: set when a replica is lost or the request switches back.
-    needs_replay: bool = False
-
-    @property
-    def wants_speculation(self) -> bool:
-        return not self.params.disable_speculation
-
-    @property
-    def remaining(self) -> int:
-        return self.params.max_new_tokens - len(self.generated)
+    vocab_size: int
+    pool: KVPool
+    max_draft_tokens: int
 
 
 @dataclass(frozen=True)
@@ -117,28 +74,44 @@ class Scheduler:
         tokenizer: PreTrainedTokenizerBase,
         eos_token_ids: Iterable[int],
         settings: SchedulerSettings,
+        facts: TargetFacts,
     ) -> None:
         self.target = target
         self.replicas = replicas
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.settings = settings
+        self.facts = facts
         self.waiting: deque[ActiveRequest] = deque()
-        self.running: dict[str, ActiveRequest] = {}
+        self.running: dict[str, ActiveRequest] = {}  # in admission order
+        self.last_progress = time.monotonic()  # when the loop last finished a step (health)
         self._wake = asyncio.Event()
-        self._ids = itertools.count()
+        self._probes: dict[str, asyncio.Task[None]] = {}
 
     def submit(self, params: ValidatedRequest) -> ActiveRequest:
-        replica = None if params.disable_speculation else self.replicas.pick()
-        request = ActiveRequest(
-            request_id=f"req-{next(self._ids)}",
-            params=params,
+        """Queues a request; raises InvalidRequest when it can never fit the KV pool, QueueFull when the queue is."""
+        positions = len(params.input_ids) + params.max_new_tokens
+        pool = self.facts.pool
+        if not pool.fits_alone(positions):
+            raise InvalidRequest(
+                f"max_new_tokens: a {len(params.input_ids)}-token prompt and {params.max_new_tokens} new tokens need "
+                f"{pool.blocks(positions)} KV blocks of {pool.block_size} tokens; the target's KV pool holds "
+                f"{pool.num_blocks} blocks ({pool.num_blocks * pool.block_size} tokens, --kv-blocks)"
+            )
+        if len(self.waiting) >= self.settings.max_waiting:
+            raise QueueFull(
+                f"the waiting queue holds its maximum of {self.settings.max_waiting} requests (--max-waiting); "
+                "retry later"
+            )
+        replica = None if params.disable_speculation else self._assign()
+        output = RequestOutput(
+            prompt_tokens=len(params.input_ids),
+            max_new_tokens=params.max_new_tokens,
+            ignore_eos=params.ignore_eos,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.input_ids),
             stop=StopStringMatcher(params.stop),
-            replica=replica,
         )
-        if replica is not None:
-            self.replicas.acquire(replica)
+        request = ActiveRequest(uuid.uuid4().hex, params, output, replica)
         self.waiting.append(request)
         self._wake.set()
         return request
@@ -155,153 +128,146 @@ class Scheduler:
 
     async def run(self) -> None:
         while True:
+            self.last_progress = time.monotonic()
             if not self.waiting and not self.running:
                 await self._wake.wait()
             self._wake.clear()
             await self._drop_cancelled()
-            await self._admit()
-            if self.running:
-                await self._round()
+            self._return_orphans()
+            if self.waiting or self.running:
+                await self._step()
 
-    async def _admit(self) -> None:
-        batch: list[ActiveRequest] = []
-        tokens = 0
-        while self.waiting and len(self.running) + len(batch) < self.settings.max_batch_size:
-            request = self.waiting[0]
-            if batch and tokens + len(request.params.input_ids) > self.settings.max_prefill_tokens:
-                break
-            batch.append(self.waiting.popleft())
-            tokens += len(request.params.input_ids)
-        if not batch:
-            return
-        tasks = [PrefillTask(r.request_id, r.params.input_ids, r.params.sampling, r.replica) for r in batch]
-        try:
-            prefilled = await self.target.prefill(tasks)
-        except BackendError as error:
-            if error.kind == FailureKind.EXHAUSTED and self.running:
-                self.waiting.extendleft(reversed(batch))  # retry once running requests free KV blocks
-                return
-            await self._fail(batch, RequestFailed(error.kind, str(error)))
-            return
-        for request, result in zip(batch, prefilled, strict=True):
-            self.running[request.request_id] = request
-            self._emit(request, [result.first_token])
-        for request, result in zip(batch, prefilled, strict=True):
-            if request.replica is not None and not result.streaming:
-                self._replica_lost(request.replica, "not subscribed to the target")
-        await self._release_finished(batch)
-        await self._replay_pending()
-
-    async def _round(self) -> None:
-        """draft -> verify -> accept (on the target) -> emit -> release finished."""
+    async def _step(self) -> None:
         started = time.perf_counter()
-        requests = list(self.running.values())
-        drafts, replica_timing = await self._propose([r for r in requests if r.replica is not None])
-        tasks = [VerifyTask(r.request_id, drafts.get(r.request_id, []), r.round + 1) for r in requests]
-        verify_started = time.perf_counter()
-        try:
-            verified = await self.target.verify(tasks)
-        except BackendError as error:
-            await self._fail(requests, RequestFailed(error.kind, str(error)))
+        plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings)
+        await self._preempt(plan.preempted)
+        for request in plan.admitted:
+            self.waiting.remove(request)
+            self.running[request.request_id] = request
+        if not plan.decode and not plan.chunks:
+            if self.running or self.waiting:
+                # Nothing fits until running requests finish; they are all waiting for KV room, which only
+                # happens when the mirror and the target disagree. Yield instead of spinning.
+                await asyncio.sleep(0.01)
             return
-        verify_call = time.perf_counter() - verify_started
-        propose_call = verify_started - started
-        for request, task, result in zip(requests, tasks, verified.results, strict=True):
-            request.round += 1
-            request.stats.count_round(len(task.draft_tokens), result.accepted)
-            timing = replica_timing.get(request.replica or "")
-            draft_compute = timing.compute_seconds if timing else 0.0
-            request.stats.draft_seconds += draft_compute
-            request.stats.verify_seconds += verified.compute_seconds
-            request.stats.wire_seconds += (timing.call_seconds - draft_compute if timing else 0.0) + (
-                verify_call - verified.compute_seconds
-            )
-            if not request.cancelled:
-                self._emit(request, result.new_tokens)
-        finished = time.perf_counter()
-        for request in requests:
-            request.stats.scheduling_seconds += (finished - started) - propose_call - verify_call
-        await self._release_finished(requests)
-        await self._replay_pending()
+        drafts, timings = await self._propose(plan.decode)
+        tasks = [self._task(entry, drafts.get(entry.request.request_id, [])) for entry in (*plan.decode, *plan.chunks)]
+        step_started = time.perf_counter()
+        try:
+            outcome = await self.target.step(tasks, [request.request_id for request in plan.preempted])
+        except BackendError as error:
+            scheduled = [entry.request for entry in (*plan.decode, *plan.chunks)]
+            await self._fail(scheduled, RequestFailed(error.kind, str(error)))
+            return
+        step_call = time.perf_counter() - step_started
+        propose_call = step_started - started
+        decoding = {entry.request.request_id for entry in plan.decode}
+        for task, done in zip(tasks, outcome.results, strict=True):
+            request = self.running[task.request_id]
+            if done.failure is not None:
+                if done.failure.kind == FailureKind.EXHAUSTED:
+                    LOG.info("request %s waits for KV room: %s", request.request_id, done.failure)
+                    continue
+                await self._fail([request], RequestFailed(done.failure.kind, str(done.failure)))
+                continue
+            request.opened = True
+            if task.move:
+                request.needs_move = False
+            request.kv_length += task.num_tokens + done.accepted
+            if request.replica is not None and not done.streaming:
+                self._replica_failed(request.replica, "not subscribed to the target")
+            if task.request_id in decoding:
+                stats = request.output.stats
+                stats.count_round(len(task.draft_tokens), done.accepted)
+                timing = timings.get(request.replica or "")
+                draft_compute = timing.compute_seconds if timing else 0.0
+                stats.draft_seconds += draft_compute
+                stats.verify_seconds += outcome.compute_seconds
+                stats.wire_seconds += (timing.call_seconds - draft_compute if timing else 0.0) + (
+                    step_call - outcome.compute_seconds
+                )
+                stats.scheduling_seconds += (time.perf_counter() - started) - propose_call - step_call
+            if done.new_tokens:
+                request.round += 1
+                if not request.cancelled:
+                    request.output.emit(done.new_tokens, self.eos_token_ids)
+        await self._release_finished([task.request_id for task in tasks])
 
-    async def _propose(
-        self, requests: Sequence[ActiveRequest]
-    ) -> tuple[dict[str, list[int]], dict[str, ReplicaTiming]]:
-        """Asks each replica for its requests' drafts, all replicas concurrently."""
-        by_replica: dict[str, list[ProposeTask]] = {}
+    def _task(self, entry: Scheduled, drafts: list[int]) -> StepTask:
+        request = entry.request
+        params = request.params
+        return StepTask(
+            request_id=request.request_id,
+            round=request.round + 1,
+            num_tokens=entry.num_tokens,
+            draft_tokens=drafts,
+            open=None if request.opened else OpenTask(params.input_ids, params.sampling),
+            replica=request.replica,
+            move=request.needs_move,
+            replay=request.needs_move,
+        )
+
+    async def _preempt(self, requests: Sequence[ActiveRequest]) -> None:
+        """Frees the KV of preempted requests on their drafts now (the target frees it with the step) and queues
+        them first; they are recomputed from their tokens when they are admitted again."""
+        if not requests:
+            return
+        LOG.info("KV pool full: preempting %d requests (newest first)", len(requests))
         for request in requests:
-            # A round yields up to k + 1 tokens; never draft past max_new_tokens.
-            num_steps = min(self.settings.num_steps, request.remaining - 1)
-            if num_steps > 0 and request.replica is not None and not request.needs_replay:
-                task = ProposeTask(request.request_id, request.round, num_steps)
+            del self.running[request.request_id]
+            request.kv_length = 0
+            request.needs_move = False  # the draft starts over from the recomputed rows anyway
+            request.output.stats.preemptions += 1
+        await self._release_on_drafts(requests)
+        self.waiting.extendleft(requests)  # newest first in `requests`: the oldest ends up at the front
+
+    async def _propose(self, decode: Sequence[Scheduled]) -> tuple[dict[str, list[int]], dict[str, ReplicaTiming]]:
+        """Asks each replica for its requests' drafts, all replicas concurrently; checks what they send."""
+        by_replica: dict[str, list[ProposeTask]] = {}
+        for entry in decode:
+            request = entry.request
+            if entry.max_drafts > 0 and request.replica is not None:
+                task = ProposeTask(request.request_id, request.round, entry.max_drafts)
                 by_replica.setdefault(request.replica, []).append(task)
         replies = await asyncio.gather(
             *(self._timed_propose(replica, tasks) for replica, tasks in by_replica.items()), return_exceptions=True
         )
         drafts: dict[str, list[int]] = {}
         timings: dict[str, ReplicaTiming] = {}
-        for replica, reply in zip(by_replica, replies, strict=True):
+        for (replica, tasks), reply in zip(by_replica.items(), replies, strict=True):
             if isinstance(reply, BaseException):
-                self._replica_lost(replica, str(reply))
+                self._replica_failed(replica, str(reply))
                 continue
             batch, call_seconds = reply
+            fault = self._check_proposals(tasks, batch)
+            if fault:
+                self._replica_failed(replica, fault)
+                continue
+            for request_id, reason in batch.exhausted.items():
+                LOG.warning("request %s goes without drafts this round: %s", request_id, reason)
+                self.running[request_id].needs_move = True  # the replica dropped its state
             drafts.update(batch.drafts)
             timings[replica] = ReplicaTiming(call_seconds, batch.compute_seconds)
         return drafts, timings
+
+    def _check_proposals(self, tasks: Sequence[ProposeTask], batch: ProposedBatch) -> str:
+        """What is wrong with a replica's answer ("" if nothing): a replica that sends bad drafts is at fault."""
+        for task in tasks:
+            if task.request_id in batch.exhausted:
+                continue
+            tokens = batch.drafts.get(task.request_id)
+            if tokens is None:
+                return f"no drafts for request {task.request_id}"
+            if len(tokens) > task.num_steps:
+                return f"{len(tokens)} drafts for request {task.request_id}, {task.num_steps} asked"
+            if any(not 0 <= token < self.facts.vocab_size for token in tokens):
+                return f"draft ids outside the vocabulary [0, {self.facts.vocab_size}) for request {task.request_id}"
+        return ""
 
     async def _timed_propose(self, replica: str, tasks: list[ProposeTask]) -> tuple[ProposedBatch, float]:
         started = time.perf_counter()
         batch = await self.replicas.backend(replica).propose(tasks)
         return batch, time.perf_counter() - started
-
-    def _emit(self, request: ActiveRequest, new_tokens: list[int]) -> None:
-        """Applies the stop conditions to a request's new tokens and queues one output message."""
-        accepted: list[int] = []
-        finish_reason = ""
-        for token in new_tokens:
-            accepted.append(token)
-            request.generated.append(token)
-            if token in self.eos_token_ids and not request.params.ignore_eos:
-                finish_reason = "eos"
-                break
-            if request.remaining <= 0:
-                finish_reason = "length"
-                break
-        text = request.detokenizer.push(accepted)
-        if finish_reason:
-            text += request.detokenizer.flush()
-        text, stopped = request.stop.feed(text)
-        if stopped:
-            finish_reason = "stop"
-        elif finish_reason:
-            text += request.stop.flush()
-        request.finished = bool(finish_reason)
-        request.outputs.put_nowait(
-            Output(
-                token_ids=accepted,
-                text=text,
-                finish_reason=finish_reason,
-                stats=request.stats if finish_reason else None,
-                prompt_tokens=len(request.params.input_ids),
-                completion_tokens=len(request.generated),
-            )
-        )
-
-    def _replica_lost(self, replica_id: str, reason: str) -> None:
-        """Forgets a failed replica and moves its requests to another one (or to target-only).
-
-        Moved running requests need a replay of their history; this round they are verified without drafts.
-        """
-        if self.replicas.remove(replica_id) is None:
-            return
-        moved = [r for r in self.running.values() if r.replica == replica_id]
-        LOG.warning("draft replica %s lost (%s): moving its %d running requests", replica_id, reason, len(moved))
-        for request in self.waiting:
-            if request.replica == replica_id:
-                request.replica = self._assign()
-        for request in moved:
-            request.replica = self._assign()
-            request.needs_replay = True
 
     def _assign(self) -> str | None:
         replica = self.replicas.pick()
@@ -309,62 +275,97 @@ class Scheduler:
             self.replicas.acquire(replica)
         return replica
 
-    async def _replay_pending(self) -> None:
-        """Sends moved requests' history to their new replica; brings target-only orphans back to speculation."""
-        if self.replicas.has_serving():
-            for request in self.running.values():
-                if request.replica is None and request.wants_speculation and not request.finished:
-                    request.replica = self._assign()
-                    request.needs_replay = True
-        pending = [r for r in self.running.values() if r.needs_replay and not r.finished]
-        if not pending:
+    def _replica_failed(self, replica_id: str, reason: str) -> None:
+        """Demotes a failed replica and moves its requests to another one (or to target-only); it is probed again
+        with backoff and serves new requests once it answers."""
+        replica = self.replicas.get(replica_id)
+        if replica is None or replica.demoted:
             return
-        tasks = [ReassignTask(r.request_id, r.replica, r.round) for r in pending]
+        self.replicas.demote(replica_id)
+        moved = [r for r in (*self.running.values(), *self.waiting) if r.replica == replica_id]
+        LOG.warning("draft replica %s demoted (%s): moving its %d requests", replica_id, reason, len(moved))
+        for request in moved:
+            self.replicas.release(replica_id)
+            request.replica = self._assign()
+            request.needs_move = request.opened
+        # What the replica still holds of them is of no use now; a live but slow replica frees it.
+        asyncio.get_running_loop().create_task(self._forget_on(replica_id, [r.request_id for r in moved]))
+        if replica_id not in self._probes:
+            self._probes[replica_id] = asyncio.get_running_loop().create_task(self._reprobe(replica_id))
+
+    async def _forget_on(self, replica_id: str, request_ids: list[str]) -> None:
+        replica = self.replicas.get(replica_id)
+        if replica is not None and request_ids:
+            try:
+                await replica.backend.release(request_ids)
+            except BackendError as error:
+                LOG.info("replica %s could not release moved requests: %s", replica_id, error)
+
+    async def _reprobe(self, replica_id: str) -> None:
+        wait = self.settings.reprobe_s
         try:
-            streaming = await self.target.reassign(tasks)
-        except BackendError as error:
-            LOG.warning("reassigning %d requests failed (%s): they go on target-only", len(pending), error)
-            streaming = [False] * len(pending)
-        for request, ok in zip(pending, streaming, strict=True):
-            request.needs_replay = False
-            if request.replica is not None and not ok:
-                # That replica is gone too: forget it. The request is target-only until the next round's
-                # _replay_pending assigns it again (if any replica is left).
-                lost = request.replica
-                request.replica = None
-                self._replica_lost(lost, "not subscribed to the target")
+            while (replica := self.replicas.get(replica_id)) is not None and replica.demoted:
+                await asyncio.sleep(wait)
+                try:
+                    await replica.backend.probe()
+                except BackendError as error:
+                    wait = min(2 * wait, MAX_REPROBE_S)
+                    LOG.info("draft replica %s still failing (%s); next probe in %.0f s", replica_id, error, wait)
+                    continue
+                LOG.info("draft replica %s answers again: it serves new requests", replica_id)
+                self.replicas.restore(replica_id)
+                self._wake.set()
+        finally:
+            self._probes.pop(replica_id, None)
+
+    def _return_orphans(self) -> None:
+        """Brings target-only requests that want speculation back to a replica once one serves."""
+        if not self.replicas.has_serving():
+            return
+        for request in self.running.values():
+            if request.replica is None and request.wants_speculation and not request.finished:
+                request.replica = self._assign()
+                request.needs_move = request.opened
 
     async def _drop_cancelled(self) -> None:
-        cancelled = [r for r in self.running.values() if r.cancelled]
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
-            if request.replica is not None:
-                self.replicas.release(request.replica)
+            self.running[request.request_id] = request  # released below like a running one
+        cancelled = [r for r in self.running.values() if r.cancelled]
         for request in cancelled:
-            request.finished = True
-        await self._release_finished(cancelled)
+            request.output.finished = True
+        await self._release_finished([r.request_id for r in cancelled])
 
-    async def _release_finished(self, requests: Sequence[ActiveRequest]) -> None:
-        done = [r for r in requests if r.finished and r.request_id in self.running]
+    async def _release_finished(self, request_ids: Sequence[str]) -> None:
+        done = [self.running[i] for i in request_ids if i in self.running and self.running[i].finished]
         if not done:
             return
         for request in done:
             del self.running[request.request_id]
-        by_replica: dict[str, list[str]] = {}
-        for request in done:
-            if request.replica is not None:
-                by_replica.setdefault(request.replica, []).append(request.request_id)
-                self.replicas.release(request.replica)
-        calls = [self.target.release([r.request_id for r in done])]
-        calls += [self.replicas.backend(replica).release(ids) for replica, ids in by_replica.items()]
-        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+        calls = []
+        opened = [r.request_id for r in done if r.opened]
+        if opened:
+            calls.append(self.target.release(opened))
+        for outcome in await asyncio.gather(*calls, self._release_on_drafts(done), return_exceptions=True):
             if isinstance(outcome, BaseException):
                 LOG.warning("release failed: %s", outcome)
+        for request in done:
+            if request.replica is not None:
+                self.replicas.release(request.replica)
+
+    async def _release_on_drafts(self, requests: Sequence[ActiveRequest]) -> None:
+        by_replica: dict[str, list[str]] = {}
+        for request in requests:
+            if request.replica is not None and self.replicas.get(request.replica) is not None:
+                by_replica.setdefault(request.replica, []).append(request.request_id)
+        calls = [self.replicas.backend(replica).release(ids) for replica, ids in by_replica.items()]
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                LOG.warning("draft release failed: %s", outcome)
 
     async def _fail(self, requests: Sequence[ActiveRequest], failure: RequestFailed) -> None:
         LOG.error("%d requests failed: %s", len(requests), failure)
         for request in requests:
-            request.finished = True
-            request.outputs.put_nowait(failure)
+            request.output.fail(failure)
             self.running.setdefault(request.request_id, request)
-        await self._release_finished(requests)
+        await self._release_finished([r.request_id for r in requests])

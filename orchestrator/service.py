@@ -11,11 +11,13 @@ from transformers import AutoTokenizer
 
 from orchestrator.admin import AdminService
 from orchestrator.backends import DraftBackend, FailureKind
+from orchestrator.batching import KVPool
 from orchestrator.grpc_backends import GrpcDraft, GrpcTarget
+from orchestrator.output import Output, RequestFailed
 from orchestrator.replicas import ReplicaPool
-from orchestrator.scheduler import Output, RequestFailed, Scheduler
+from orchestrator.scheduler import QueueFull, Scheduler, TargetFacts
 from orchestrator.settings import OrchestratorSettings
-from orchestrator.validation import InvalidRequest, Limits, validate_request
+from orchestrator.validation import InvalidRequest, Limits, check_bounds, validate_request
 from tandem.grpc_util import channel_options, wait_for_ready
 from tandem.wire import draft_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -60,14 +62,19 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
         try:
-            params = validate_request(request, self.scheduler.tokenizer, self.limits)
+            check_bounds(request, self.limits)
+            # Tokenizing a long prompt takes a while: off the event loop, which keeps streaming to other clients.
+            params = await asyncio.to_thread(validate_request, request, self.scheduler.tokenizer, self.limits)
+            active = self.scheduler.submit(params)
         except InvalidRequest as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             return
-        active = self.scheduler.submit(params)
+        except QueueFull as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            return
         try:
             while True:
-                output = await active.outputs.get()
+                output = await active.output.messages.get()
                 if isinstance(output, RequestFailed):
                     await context.abort(STATUS_OF_FAILURE[output.kind], str(output))
                     return
@@ -79,7 +86,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
             self.scheduler.cancel(active)
 
 
-async def connect_replica(address: str, timeout_s: float = 30.0) -> tuple[str, DraftBackend]:
+async def connect_replica(address: str, call_timeout_s: float, timeout_s: float = 30.0) -> tuple[str, DraftBackend]:
     """Connects to a draft replica and returns its id (from GetInfo) and a backend for it."""
     channel = grpc.aio.insecure_channel(address, options=channel_options())
     stub = draft_pb2_grpc.DraftStub(channel)
@@ -87,7 +94,7 @@ async def connect_replica(address: str, timeout_s: float = 30.0) -> tuple[str, D
         draft_pb2.DraftInfoRequest(), wait_for_ready=True, timeout=timeout_s
     )
     LOG.info("draft replica %s at %s: %s, %d steps", draft.replica_id, address, draft.architecture, draft.num_steps)
-    return draft.replica_id, GrpcDraft(stub)
+    return draft.replica_id, GrpcDraft(stub, call_timeout_s)
 
 
 async def start_orchestrator(
@@ -98,14 +105,17 @@ async def start_orchestrator(
     target_stub = target_pb2_grpc.TargetStub(target_channel)
     info: target_pb2.TargetInfo = await target_stub.GetInfo(target_pb2.TargetInfoRequest())
     replicas = ReplicaPool()
+    draft_timeout_s = settings.scheduler.draft_timeout_s
     for address in settings.draft_addresses:
-        replica_id, backend = await connect_replica(address, timeout_s=600.0)
+        replica_id, backend = await connect_replica(address, draft_timeout_s, timeout_s=600.0)
         replicas.add(replica_id, address, backend)
     tokenizer = AutoTokenizer.from_pretrained(str(settings.tokenizer_dir))
     eos_ids = set(info.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
-    scheduler = Scheduler(GrpcTarget(target_stub), replicas, tokenizer, eos_ids, settings.scheduler)
+    facts = TargetFacts(info.vocab_size, KVPool(info.kv_blocks_total, info.kv_block_size), info.max_draft_tokens)
+    target = GrpcTarget(target_stub, settings.scheduler.target_timeout_s)
+    scheduler = Scheduler(target, replicas, tokenizer, eos_ids, settings.scheduler, facts)
     limits = Limits(
         vocab_size=info.vocab_size,
         max_context=info.max_context,
@@ -116,5 +126,5 @@ async def start_orchestrator(
     if settings.scaler_address:
         scaler_channel = grpc.aio.insecure_channel(settings.scaler_address, options=channel_options())
         scaler = orchestrator_pb2_grpc.ScalerStub(scaler_channel)
-    admin = AdminService(scheduler, connect_replica, scaler)
+    admin = AdminService(scheduler, lambda address: connect_replica(address, draft_timeout_s), scaler)
     return OrchestratorService(scheduler, limits), admin, loop_task

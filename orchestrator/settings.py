@@ -10,8 +10,13 @@ from pathlib import Path
 @dataclass(frozen=True)
 class SchedulerSettings:
     num_steps: int = 5  # draft tokens per round
-    max_batch_size: int = 32
-    max_prefill_tokens: int = 8192  # prompt tokens admitted in one prefill call
+    max_num_seqs: int = 32  # requests running at once (each step carries at most these)
+    # Tokens one target step computes: verification rows first, then prompt chunks (chunked prefill).
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024  # requests queued for admission; beyond, Generate answers RESOURCE_EXHAUSTED
+    target_timeout_s: float = 300.0  # a target step or release that takes longer fails its requests
+    draft_timeout_s: float = 10.0  # a Propose that takes longer costs its round's drafts and demotes the replica
+    reprobe_s: float = 1.0  # first wait before a demoted replica is probed again (doubling, up to 30 s)
 
 
 @dataclass(frozen=True)

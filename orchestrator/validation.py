@@ -26,6 +26,11 @@ class Limits:
     vocab_size: int  # the target model's vocabulary; ids in [0, vocab_size)
     max_context: int  # prompt and generated tokens together
     default_max_new_tokens: int = 128
+    max_stop_strings: int = 16
+    max_stop_length: int = 256  # characters of one stop string
+    # Characters a prompt may have before it is tokenized: tokenizing costs time, so a prompt that could not fit the
+    # context even at this many characters per token is refused unread.
+    max_chars_per_token: int = 64
 
 
 @dataclass(frozen=True)
@@ -38,10 +43,32 @@ class ValidatedRequest:
     disable_speculation: bool
 
 
+def check_bounds(request: orchestrator_pb2.GenerateRequest, limits: Limits) -> None:
+    """The checks that need no tokenizer, so that an oversized request costs nothing: counts and lengths."""
+    if len(request.stop) > limits.max_stop_strings:
+        raise InvalidRequest(f"stop: {len(request.stop)} strings, at most {limits.max_stop_strings}")
+    for index, stop_string in enumerate(request.stop):
+        if len(stop_string) > limits.max_stop_length:
+            raise InvalidRequest(f"stop[{index}]: {len(stop_string)} characters, at most {limits.max_stop_length}")
+    max_chars = limits.max_context * limits.max_chars_per_token
+    if len(request.prompt) > max_chars:
+        raise InvalidRequest(
+            f"prompt: {len(request.prompt)} characters cannot fit the context of {limits.max_context} tokens "
+            f"(refused before tokenizing above {max_chars})"
+        )
+    if len(request.input_ids) >= limits.max_context:
+        raise InvalidRequest(
+            f"prompt: {len(request.input_ids)} tokens, the context holds {limits.max_context} "
+            "(the prompt must leave room for at least one new token)"
+        )
+
+
 def validate_request(
     request: orchestrator_pb2.GenerateRequest, tokenizer: PreTrainedTokenizerBase, limits: Limits
 ) -> ValidatedRequest:
     """Returns the request as a ValidatedRequest, or raises InvalidRequest naming the first bad field.
+
+    Call check_bounds first: this tokenizes.
 
     A non-empty prompt is tokenized (with the special tokens the tokenizer adds, such as BOS) and input_ids are
     ignored; otherwise input_ids are the prompt.

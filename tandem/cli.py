@@ -80,6 +80,39 @@ def _draft_dir(given: str) -> Path:
     return DEMO_DRAFTS[name]
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value
+
+
+def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-num-seqs", type=_positive, default=SchedulerSettings.max_num_seqs, help="requests running at once"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive,
+        default=SchedulerSettings.max_num_batched_tokens,
+        help="tokens one target step computes: verification rows first, then prompt chunks",
+    )
+    parser.add_argument(
+        "--max-waiting", type=_positive, default=SchedulerSettings.max_waiting, help="queued requests before refusing"
+    )
+
+
+def _add_cache_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-blocks", type=_positive, default=KVCacheSettings.num_blocks, help="KV blocks preallocated in the pool"
+    )
+    parser.add_argument("--block-size", type=_positive, default=KVCacheSettings.block_size, help="tokens per KV block")
+
+
+def _cache(args: argparse.Namespace) -> KVCacheSettings:
+    return KVCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -100,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--draft-replicas", type=int, default=ServeSettings.draft_replicas)
     serve_parser.add_argument("--aux-layer-convention", choices=CONVENTIONS, default=ServeSettings.aux_layer_convention)
     serve_parser.add_argument("--dtype", choices=DTYPES, default=ServeSettings.dtype)
-    serve_parser.add_argument("--max-batch-size", type=int, default=ServeSettings.max_batch_size)
+    _add_scheduler_options(serve_parser)
+    _add_cache_options(serve_parser)
     serve_parser.add_argument(
         "--launcher", choices=LAUNCHERS, default=ServeSettings.launcher, help="child processes, or Ray actors"
     )
@@ -114,8 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     target_parser.add_argument("--model", type=Path, required=True)
     target_parser.add_argument("--dtype", choices=DTYPES, default=TargetSettings.dtype)
     target_parser.add_argument("--max-context", type=int, default=TargetSettings.max_context)
-    target_parser.add_argument("--kv-blocks", type=int, default=KVCacheSettings.num_blocks)
-    target_parser.add_argument("--block-size", type=int, default=KVCacheSettings.block_size)
+    _add_cache_options(target_parser)
     target_parser.add_argument("--tp", type=int, default=TargetSettings.tp, help="tensor-parallel ranks")
     _add_threads(target_parser, "each rank's", "0: the cores this process may use, over --tp")
     _add_listen(target_parser)
@@ -127,8 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     draft_parser.add_argument("--speculative-num-steps", type=int, default=DraftSettings.num_steps)
     draft_parser.add_argument("--aux-layer-convention", choices=CONVENTIONS, default=DraftSettings.aux_layer_convention)
     draft_parser.add_argument("--dtype", choices=DTYPES, default=DraftSettings.dtype)
-    draft_parser.add_argument("--kv-blocks", type=int, default=KVCacheSettings.num_blocks)
-    draft_parser.add_argument("--block-size", type=int, default=KVCacheSettings.block_size)
+    _add_cache_options(draft_parser)
     _add_threads(draft_parser, "the draft model's", "0: the cores this process may use")
     _add_mtp_options(draft_parser)
     _add_listen(draft_parser)
@@ -138,7 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     orchestrator_parser.add_argument("--draft-address", action="append", default=[], help="repeat per replica")
     orchestrator_parser.add_argument("--tokenizer", type=Path, required=True, help="directory with tokenizer files")
     orchestrator_parser.add_argument("--speculative-num-steps", type=int, default=SchedulerSettings.num_steps)
-    orchestrator_parser.add_argument("--max-batch-size", type=int, default=SchedulerSettings.max_batch_size)
+    _add_scheduler_options(orchestrator_parser)
+    orchestrator_parser.add_argument(
+        "--target-timeout", type=float, default=SchedulerSettings.target_timeout_s, help="seconds per target step"
+    )
+    orchestrator_parser.add_argument(
+        "--draft-timeout", type=float, default=SchedulerSettings.draft_timeout_s, help="seconds per Propose"
+    )
     orchestrator_parser.add_argument(
         "--default-max-new-tokens", type=int, default=OrchestratorSettings.default_max_new_tokens
     )
@@ -201,7 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_steps=args.speculative_num_steps,
             aux_layer_convention=args.aux_layer_convention,
             dtype=args.dtype,
-            max_batch_size=args.max_batch_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_waiting=args.max_waiting,
+            cache=_cache(args),
             launcher=args.launcher,
             ray_address=args.ray_address,
             tp=args.tp,
@@ -264,7 +305,7 @@ def run_service(args: argparse.Namespace) -> None:
             model_dir=args.model,
             dtype=args.dtype,
             max_context=args.max_context,
-            cache=KVCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
+            cache=_cache(args),
             tp=args.tp,
             threads=args.threads,
         )
@@ -278,7 +319,7 @@ def run_service(args: argparse.Namespace) -> None:
             replica_id=args.replica_id,
             num_steps=args.speculative_num_steps,
             aux_layer_convention=args.aux_layer_convention,
-            cache=KVCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
+            cache=_cache(args),
             dtype=args.dtype,
             threads=args.threads,
             mtp_feedback=args.mtp_feedback,
@@ -292,7 +333,14 @@ def run_service(args: argparse.Namespace) -> None:
             target_address=args.target_address,
             draft_addresses=tuple(args.draft_address),
             tokenizer_dir=args.tokenizer,
-            scheduler=SchedulerSettings(num_steps=args.speculative_num_steps, max_batch_size=args.max_batch_size),
+            scheduler=SchedulerSettings(
+                num_steps=args.speculative_num_steps,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_waiting=args.max_waiting,
+                target_timeout_s=args.target_timeout,
+                draft_timeout_s=args.draft_timeout,
+            ),
             default_max_new_tokens=args.default_max_new_tokens,
             scaler_address=args.scaler_address,
         )

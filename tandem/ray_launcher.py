@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -43,10 +44,13 @@ LOG = logging.getLogger(__name__)
 ServiceSettings = TargetSettings | DraftSettings | OrchestratorSettings
 
 # Ray's resource counts place actors; they do not limit them. One bundle per target rank, so a TP group
-# lands on one node. A draft replica (one decoder layer) asks for half a CPU, so that a two-CPU machine
-# holds the target and two replicas; the orchestrator (I/O and bookkeeping) asks for none.
+# lands on one node. A draft replica (one decoder layer) asks for half a CPU; the orchestrator (I/O and
+# bookkeeping) asks for none.
 DRAFT_CPUS = 0.5
 POLL_S = 0.2
+# Everything is reserved before any service starts, after a check against the cluster's free resources, so a
+# longer wait only means a cluster whose free room is split over nodes or taken meanwhile by another job.
+PLACEMENT_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,10 @@ class ServiceExit:
 
     code: int
     reason: str
+
+
+class NoRoom(RuntimeError):
+    """The cluster cannot hold what the stack asks for; the message names both."""
 
 
 class ServiceFailed(RuntimeError):
@@ -214,13 +222,42 @@ def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """What the stack asks Ray for: `ranks` bundles of `rank_bundle` on one node, DRAFT_CPUS per draft replica."""
+
+    rank_bundle: Mapping[str, float]
+    ranks: int
+    drafts: int
+
+    def total(self) -> dict[str, float]:
+        total = {name: amount * self.ranks for name, amount in self.rank_bundle.items()}
+        if self.drafts:
+            total["CPU"] = total.get("CPU", 0.0) + DRAFT_CPUS * self.drafts
+        return total
+
+    def __str__(self) -> str:
+        asked = [f"target placement group: {plural(self.ranks, 'bundle')} of {resources(self.rank_bundle)} on one node"]
+        if self.drafts:
+            asked.append(f"{plural(self.drafts, 'draft replica')} x {DRAFT_CPUS:g} CPU")
+        return f"{'; '.join(asked)} ({resources(self.total())} in all)"
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def resources(amounts: Mapping[str, float]) -> str:
+    return ", ".join(f"{amount:g} {name}" for name, amount in amounts.items())
+
+
 class RayLauncher:
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
         self.services: list[RunningService] = []
         self._actor_class = ray.remote(ServiceActor)
         self._rank_class = ray.remote(RankActor)
-        self._placement: PlacementGroup | None = None
+        self._placements: list[PlacementGroup] = []
         self._stopping = False
 
     def connect(self) -> None:
@@ -230,9 +267,19 @@ class RayLauncher:
         runtime_env = {"env_vars": service_environment()}
         # "local" always starts a new cluster, even when one started with `ray start` runs on this machine.
         if address is None:
+            # Ray's counts place actors, they do not limit them: a cluster of only the CPUs this process may run
+            # on could not place a stack that asks for more (tp 2 and two drafts ask for 3 on a 2-CPU machine),
+            # and would wait forever. GPUs are Ray's own count: the ranks take GPU bundles only when there is one
+            # per rank (rank_bundle), so they never ask for more than the machine has.
+            asked = self.reservation({"CPU": 1.0}).total()["CPU"]  # the most it asks for: with CPU bundles
+            num_cpus = max(available_cpus(), math.ceil(asked))
+            report(
+                f"starting a local Ray cluster of {num_cpus} CPUs: this process may run on {available_cpus()},"
+                f" the stack asks for up to {asked:g} (Ray's counts place actors, they do not limit them)"
+            )
             ray.init(
                 address="local",
-                num_cpus=available_cpus(),
+                num_cpus=num_cpus,
                 include_dashboard=False,
                 log_to_driver=True,
                 runtime_env=runtime_env,
@@ -245,33 +292,42 @@ class RayLauncher:
         s = self.settings
         # A local cluster is this machine: services stay on loopback, as with the process launcher.
         internal_host = "127.0.0.1" if s.ray_address is None else None
-        rank_options = self._place_target(s.tp)
+        rank_options, draft_options = self._reserve()
         rendezvous = None
         if s.tp > 1:
             # The ranks meet at a free port of their node; rank 0's actor serves it. Ranks 1..tp-1 are started
             # before rank 0, so that stop() (reverse order) stops rank 0 first, which then stops them.
             probe = ray.remote(rendezvous_on_this_node).options(**rank_options[0]).remote(internal_host)
-            self._wait_for(probe, "a free port on the target's node")
+            self._wait_for([probe], "a free port on the target's node")
             rendezvous = ray.get(probe)
         target_settings = TargetSettings(
-            model_dir=s.target_dir, dtype=s.dtype, tp=s.tp, threads=s.target_threads, rendezvous=rendezvous
+            model_dir=s.target_dir,
+            dtype=s.dtype,
+            cache=s.cache,
+            tp=s.tp,
+            threads=s.target_threads,
+            rendezvous=rendezvous,
         )
         for rank in range(1, s.tp):
             self._start_rank(rank, target_settings, rank_options[rank])
         target = self._start("target", target_settings, internal_host, 0, rank_options[0])
         target_address = self._wait_ready(target)
-        replicas = [f"draft-{index}" for index in range(s.draft_replicas)] if s.draft_dir is not None else []
-        draft_options = {"num_cpus": DRAFT_CPUS}
+        replicas = [f"draft-{index}" for index in range(len(draft_options))]
         drafts = [
-            self._start(replica, self.draft_settings(replica, target_address), internal_host, 0, draft_options)
-            for replica in replicas
+            self._start(replica, self.draft_settings(replica, target_address), internal_host, 0, options)
+            for replica, options in zip(replicas, draft_options, strict=True)
         ]
         draft_addresses = [self._wait_ready(draft) for draft in drafts]
         orchestrator_settings = OrchestratorSettings(
             target_address=target_address,
             draft_addresses=tuple(draft_addresses),
             tokenizer_dir=s.target_dir,
-            scheduler=SchedulerSettings(num_steps=s.num_steps, max_batch_size=s.max_batch_size),
+            scheduler=SchedulerSettings(
+                num_steps=s.num_steps,
+                max_num_seqs=s.max_num_seqs,
+                max_num_batched_tokens=s.max_num_batched_tokens,
+                max_waiting=s.max_waiting,
+            ),
         )
         # --host/--port name an address of the machine running `tandem serve`, so the orchestrator runs here.
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -287,6 +343,7 @@ class RayLauncher:
             target_address=target_address,
             replica_id=replica_id,
             num_steps=s.num_steps,
+            cache=s.cache,
             aux_layer_convention=cast(Convention, s.aux_layer_convention),  # the CLI offers only CONVENTIONS
             dtype=s.dtype,
             threads=s.draft_threads,
@@ -294,21 +351,52 @@ class RayLauncher:
             mtp_mode=s.mtp_mode,
         )
 
-    def _place_target(self, num_ranks: int) -> list[dict[str, object]]:
-        """Reserves one bundle per target rank on one node; returns each rank's actor options, in rank order."""
-        use_gpus = ray.cluster_resources().get("GPU", 0) >= 1
-        bundle = {"GPU": 1.0} if use_gpus else {"CPU": 1.0}
-        self._placement = placement_group([bundle] * num_ranks, strategy="STRICT_PACK")
-        self._wait_for(self._placement.ready(), f"room for the target's {num_ranks} x {bundle} placement group")
+    def reservation(self, rank_bundle: Mapping[str, float]) -> Reservation:
+        s = self.settings
+        return Reservation(rank_bundle, s.tp, s.draft_replicas if s.draft_dir is not None else 0)
+
+    def _reserve(self) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+        """Reserves what every rank and draft replica asks for, before any starts; returns their actor options.
+
+        Raises NoRoom, naming what was asked and what is free, when the cluster's free resources fall short or the
+        placement groups are not placed within PLACEMENT_TIMEOUT_S (Ray would keep them pending forever).
+        """
+        reservation = self.reservation(rank_bundle(self.settings.tp))
+        asked = reservation.total()
+        free = ray.available_resources()
+        if any(amount > free.get(name, 0.0) for name, amount in asked.items()):
+            raise NoRoom(no_room(reservation, free))
+        rank_options = self._placement_group([reservation.rank_bundle] * reservation.ranks, "STRICT_PACK")
+        # The replicas get a group of their own, not the ranks' node: PACK prefers few nodes but takes any with room.
+        draft_options = self._placement_group([{"CPU": DRAFT_CPUS}] * reservation.drafts, "PACK")
+        try:
+            self._wait_for([group.ready() for group in self._placements], "placement groups", PLACEMENT_TIMEOUT_S)
+        except TimeoutError:
+            # The free resources sufficed in all, so they are split over nodes (or another job took them meanwhile).
+            nodes = " / ".join(
+                resources({name: node["Resources"].get(name, 0.0) for name in asked})
+                for node in ray.nodes()
+                if node["Alive"]
+            )
+            raise NoRoom(
+                f"{no_room(reservation, ray.available_resources())}; not placed within {PLACEMENT_TIMEOUT_S:.0f} s"
+                f" (the target's bundles must share one node; the nodes hold {nodes})"
+            ) from None
+        return rank_options, draft_options
+
+    def _placement_group(self, bundles: Sequence[Mapping[str, float]], strategy: str) -> list[dict[str, object]]:
+        """Asks Ray to place `bundles` (none: no group); returns the actor options of each bundle, in order."""
+        if not bundles:
+            return []
+        group = placement_group([dict(bundle) for bundle in bundles], strategy=strategy)
+        self._placements.append(group)
         return [
             {
-                "num_cpus": bundle.get("CPU", 0),
-                "num_gpus": bundle.get("GPU", 0),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    self._placement, placement_group_bundle_index=rank
-                ),
+                "num_cpus": bundle.get("CPU", 0.0),
+                "num_gpus": bundle.get("GPU", 0.0),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
             }
-            for rank in range(num_ranks)
+            for index, bundle in enumerate(bundles)
         ]
 
     def _start_rank(self, rank: int, settings: TargetSettings, options: Mapping[str, object]) -> RunningService:
@@ -331,19 +419,20 @@ class RayLauncher:
         self.services.append(service)
         return service
 
-    def _wait_for(self, ref: ray.ObjectRef[Any], what: str) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    def _wait_for(self, refs: Sequence[ray.ObjectRef[Any]], what: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Waits until every one of `refs` is ready; TimeoutError after `timeout_s`, Interrupted on a signal."""
+        deadline = time.monotonic() + timeout_s
         while not self._stopping:
-            done, _ = ray.wait([ref], timeout=POLL_S)
-            if done:
+            _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=POLL_S)
+            if not pending:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no {what} within {STARTUP_TIMEOUT_S:.0f} s")
+                raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
         raise Interrupted(f"stopped while waiting for {what}")
 
     def _wait_ready(self, service: RunningService) -> str:
         ref = service.actor.address.remote()
-        self._wait_for(ref, f"address from {service.name}")
+        self._wait_for([ref], f"address from {service.name}")
         try:
             address: str | None = ray.get(ref)
             process: str = ray.get(service.actor.process.remote())
@@ -385,10 +474,26 @@ class RayLauncher:
                 ending = ServiceExit(1, f"did not stop within {STOP_TIMEOUT_S:.0f} s, killed")
             report(f"{service.name} {ending.reason}")
             ray.kill(service.actor)
-        if self._placement is not None:
-            remove_placement_group(self._placement)
+        for group in self._placements:
+            remove_placement_group(group)
         # Ends a cluster that connect() started; only disconnects from a joined one.
         ray.shutdown()
+
+
+def rank_bundle(ranks: int) -> dict[str, float]:
+    """A GPU per target rank when the cluster has one for each, else a CPU.
+
+    The ranks compute on the CPU today, so a GPU bundle only places them; with fewer GPUs than ranks, GPU bundles
+    would make a placement group that is never placed.
+    """
+    return {"GPU": 1.0} if ray.cluster_resources().get("GPU", 0.0) >= ranks else {"CPU": 1.0}
+
+
+def no_room(reservation: Reservation, free: Mapping[str, float]) -> str:
+    """One line: what the stack asked for, and what the cluster has free of each resource it asked for."""
+    total = ray.cluster_resources()
+    room = ", ".join(f"{free.get(name, 0.0):g} {name} free of {total.get(name, 0.0):g}" for name in reservation.total())
+    return f"the Ray cluster has no room for this stack: asked {reservation}; {room}"
 
 
 def report(message: str) -> None:
@@ -424,6 +529,9 @@ def serve_on_ray(settings: ServeSettings) -> int:
         address = launcher.start()
         print(ready_line(settings, address, f"{len(launcher.services)} Ray actors"), flush=True)
         return launcher.wait()
+    except NoRoom as error:
+        report(str(error))
+        return 1
     except ServiceFailed as error:
         return error.code  # stop() below reports each service, this one with why it ended
     except Interrupted:

@@ -8,7 +8,8 @@ group's command channel (gloo, CPU tensors): a header [command, payload length],
     WEIGHT_SHARDS  payload: [index of the table in SHARED_TABLES]; every rank sends its padded shard to rank 0.
     STOP           no payload; the other ranks leave the group and exit.
 A rank that follows waits for the next command for as long as the target sits idle (ParallelGroup's timeout), and
-ends when rank 0's connection closes, so ranks never outlive rank 0.
+ends when rank 0's connection closes, so ranks never outlive rank 0; the ranks that rank 0 starts also get SIGTERM
+from the kernel when it dies (tandem.lifetime).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 
 from tandem.errors import StartupError
 from tandem.layers.kv_cache import PagedKVCache
+from tandem.lifetime import start_child
 from tandem.models.registry import TargetModel
 from tandem.models.stack import TargetOutput
 from tandem.parallel.group import (
@@ -224,6 +226,6 @@ def spawn_rank(settings: TargetSettings, rank: int, rendezvous: str) -> subproce
         "--rank", str(rank),
         "--rendezvous", rendezvous,
     ]  # fmt: skip
-    process = subprocess.Popen(command)
+    process = start_child(command)  # also gets SIGTERM when this process is killed (tandem.lifetime)
     LOG.info("started target rank %d/%d (pid %d)", rank, settings.tp, process.pid)
     return process

@@ -1,20 +1,31 @@
-"""The target's model runner: prefill, batched verification, acceptance, KV commit, aux capture.
+"""The target's model runner: one kind of step, a batch of items run in one packed forward pass.
 
-A request's committed tokens are `tokens`; KV exists for every committed token but the last
-(`kv.length == len(tokens) - 1`), which is the input of the next forward pass.
+A request's committed tokens are `tokens`; KV exists for its first `kv.length` of them. Every item of a step
+computes the next `num_tokens` committed tokens from where the request's KV ends; an item that reaches the last
+committed token also scores the draft tokens after it, and its logits decide what is committed next:
 
-One verification round for one request, with k draft tokens d_1..d_k:
-    input      [t, d_1, ..., d_k] at positions [n, n + k], t = last committed token, n = kv.length
+    prompt chunk   num_tokens < tokens left without KV: KV only, no logits (chunked prefill)
+    final chunk    the chunk reaches the last prompt token: its row's logits give the first new token
+    verification   num_tokens 1 (the last committed token t) plus drafts d_1..d_k at positions [n, n + k]
+    recompute      after preemption (KV freed, tokens kept) the same chunks rebuild the KV; the final one
+                   gives the next token
+
+One verification with k drafts, n = kv.length:
+    input      [t, d_1, ..., d_k] at positions [n, n + k]
     logits     row i is the target's prediction for the token after input i
     accept     d_1..d_a (see tandem.sampling.verify), then one correction or bonus token c
     commit     tokens += [d_1..d_a, c]; KV is kept for positions [0, n + a] (t, d_1..d_a) and the
                rows written for rejected drafts are truncated away
     capture    rows 0..a (positions n..n+a) of the aux features go to the draft, each paired with the
                token that follows it: d_1..d_a, c
+
+Failures are per item: an item that is wrong (INVALID) or does not fit the KV pool (EXHAUSTED) changes nothing and
+the rest of the step runs. An exception of the forward pass itself undoes what the step reserved and propagates.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,14 +36,24 @@ from tandem.models.registry import TargetModel
 from tandem.models.stack import TargetOutput
 from tandem.parallel.group import SINGLE_PROCESS
 from tandem.sampling.params import SamplingParams
-from tandem.sampling.verify import make_generator, sample_token, verify
+from tandem.sampling.verify import make_generator, verify
 from tandem.settings import KVCacheSettings
 from target_server.ranks import RankDriver, build_cache
 from target_server.step import ForwardStep
 
+# Draft tokens one item may carry: far above any useful chain, low enough that a faulty draft cannot make one
+# request's verification the size of a prefill.
+MAX_DRAFT_TOKENS = 64
+
 
 class RequestError(ValueError):
-    """A request the runner cannot serve (unknown id, duplicate id, too long); the message says why."""
+    """An item the runner cannot serve (unknown id, duplicate id, too long); the message says why."""
+
+
+class ItemStatus(enum.Enum):
+    OK = "ok"
+    INVALID = "invalid"  # the item is wrong; nothing changed
+    EXHAUSTED = "exhausted"  # the KV pool cannot hold the item now; nothing changed
 
 
 @dataclass
@@ -56,19 +77,57 @@ class CapturedRows:
 
 
 @dataclass(frozen=True)
-class PrefillInput:
-    request_id: str
-    input_ids: Sequence[int]
+class OpenRequest:
+    """What a request's first item carries: its prompt and how to sample."""
+
+    prompt: Sequence[int]
     sampling: SamplingParams
-    capture: tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class StepResult:
+class StepItem:
     request_id: str
-    accepted: int  # draft tokens accepted
-    new_tokens: list[int]  # accepted drafts + correction/bonus (prefill: the first token)
-    captured: CapturedRows | None
+    num_tokens: int  # committed tokens to compute, from where the request's KV ends
+    draft_tokens: Sequence[int] = ()  # only when the item reaches the last committed token
+    open: OpenRequest | None = None  # on the request's first item
+    capture: tuple[int, ...] | None = None  # a new capture set (open, or a move to another draft); None: unchanged
+    # Recompute the aux rows of every position the request's KV holds, for a draft that starts from scratch; the
+    # request's own KV is not rewritten (a recomputed KV could differ in the last bits, and with it the outputs).
+    replay: bool = False
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    request_id: str
+    status: ItemStatus
+    message: str = ""  # why, when not OK
+    accepted: int = 0  # draft tokens accepted
+    new_tokens: list[int] = field(default_factory=list)  # accepted drafts + correction/bonus; [] for a prompt chunk
+    captured: CapturedRows | None = None  # replayed rows, then the rows this item committed
+
+
+@dataclass
+class _Planned:
+    """An item admitted to the forward pass: where its rows are and what it reserved."""
+
+    item: StepItem
+    request: TargetRequest
+    start_length: int  # kv.length before the step
+    opened: bool
+    previous_capture: tuple[int, ...]
+    scratch: SequenceKV | None  # the replay's sequence
+    rows: slice = field(default_factory=lambda: slice(0))  # the item's rows in the packed batch
+    scratch_rows: slice = field(default_factory=lambda: slice(0))  # the replay's rows
+    logit_start: int = 0  # the item's first row among the scored rows
+
+    @property
+    def reaches_end(self) -> bool:
+        """Whether the item computes the last committed token, so that its logits decide the next tokens."""
+        return self.start_length + self.item.num_tokens == len(self.request.tokens)
+
+    @property
+    def has_work(self) -> bool:
+        return self.item.num_tokens > 0 or self.scratch is not None
 
 
 class TargetRunner:
@@ -76,7 +135,11 @@ class TargetRunner:
     (tensor parallelism, target_server.ranks); its default is the single-process target."""
 
     def __init__(
-        self, model: TargetModel, cache: KVCacheSettings, max_context: int, ranks: RankDriver | None = None
+        self,
+        model: TargetModel,
+        cache: KVCacheSettings,
+        max_context: int,
+        ranks: RankDriver | None = None,
     ) -> None:
         self.model = model
         self.max_context = max_context
@@ -89,92 +152,53 @@ class TargetRunner:
         return self.cache.device
 
     @torch.inference_mode()
-    def prefill(self, inputs: Sequence[PrefillInput]) -> list[StepResult]:
-        for item in inputs:
-            if item.request_id in self.requests:
-                raise RequestError(f"request_id: {item.request_id!r} is already running")
-            if not 0 < len(item.input_ids) < self.max_context:
-                raise RequestError(f"input_ids: {len(item.input_ids)} tokens, the context holds {self.max_context}")
-        requests = [
-            TargetRequest(
-                item.request_id, list(item.input_ids), item.sampling, make_generator(item.sampling), item.capture
-            )
-            for item in inputs
-        ]
-        try:
-            metadata = self.cache.plan([(request.kv, len(request.tokens)) for request in requests])
-        except OutOfKVBlocks:
-            for request in requests:
-                self.cache.release(request.kv)
-            raise
-        input_ids = torch.tensor([t for request in requests for t in request.tokens], device=self.device)
-        last_rows = torch.tensor([span.query_start + span.query_len - 1 for span in metadata.spans], device=self.device)
-        step = ForwardStep(input_ids, metadata, tuple(self._capture_union(requests)), last_rows)
-        output, logits = self.ranks.forward(self.model, self.cache, step)
-        logits = logits.cpu()  # [num_requests, vocab]
-        results = []
-        for row, (request, span) in enumerate(zip(requests, metadata.spans, strict=True)):
-            first = sample_token(logits[row], request.sampling, request.generator)
-            next_tokens = [*request.tokens[1:], first]
-            request.tokens.append(first)
-            self.requests[request.request_id] = request
-            rows = slice(span.query_start, span.query_start + span.query_len)
-            captured = self._captured(request, output, rows, 0, next_tokens)
-            results.append(StepResult(request.request_id, 0, [first], captured))
-        return results
+    def step(self, items: Sequence[StepItem], preempt: Sequence[str] = ()) -> list[ItemResult]:
+        """Frees the KV of `preempt` (tokens kept), then runs the items in one forward pass, one result per item.
 
-    @torch.inference_mode()
-    def verify(self, drafts: Sequence[tuple[str, Sequence[int]]]) -> list[StepResult]:
-        """Verifies (request_id, draft tokens) pairs in one forward pass; an empty draft is plain decoding."""
-        pairs = [(self._get(request_id), list(draft)) for request_id, draft in drafts]
-        for request, draft in pairs:
-            if len(request.tokens) + len(draft) > self.max_context:
-                raise RequestError(
-                    f"draft_tokens: request {request.request_id!r} would reach {len(request.tokens) + len(draft)} "
-                    f"tokens, the context holds {self.max_context}"
-                )
-        requests = [request for request, _ in pairs]
-        start_lengths = [request.kv.length for request in requests]
-        metadata = self.cache.plan([(request.kv, 1 + len(draft)) for request, draft in pairs])
-        flat_inputs = [token for request, draft in pairs for token in (request.tokens[-1], *draft)]
-        input_ids = torch.tensor(flat_inputs, device=self.device)
-        every_row = torch.arange(len(flat_inputs), device=self.device)
-        step = ForwardStep(input_ids, metadata, tuple(self._capture_union(requests)), every_row)
-        output, logits = self.ranks.forward(self.model, self.cache, step)
-        logits = logits.cpu()  # [num_tokens, vocab]
-        results = []
-        for (request, draft), span, start in zip(pairs, metadata.spans, start_lengths, strict=True):
-            rows = slice(span.query_start, span.query_start + span.query_len)
-            outcome = verify(logits[rows], draft, request.sampling, request.generator)
-            # Keep KV for the last committed token and the accepted drafts; drop rows of rejected drafts.
-            self.cache.truncate(request.kv, start + 1 + outcome.accepted)
-            request.tokens.extend(outcome.tokens)
-            committed = slice(span.query_start, span.query_start + 1 + outcome.accepted)
-            captured = self._captured(request, output, committed, start, outcome.tokens)
-            results.append(StepResult(request.request_id, outcome.accepted, outcome.tokens, captured))
-        return results
-
-    @torch.inference_mode()
-    def reassign(self, request_id: str, capture: tuple[int, ...]) -> CapturedRows | None:
-        """Points a request at another draft (capture () : none) and recomputes its committed rows for it.
-
-        The rows are recomputed in a scratch sequence that is released at once: the request's own KV
-        is never rewritten, so its outputs cannot change (a recomputed KV could differ in the last bits).
+        Items get KV blocks in order: the caller puts the items it cares most about first.
         """
-        request = self._get(request_id)
-        request.capture = capture
-        if not capture:
-            return None
-        committed = request.kv.length
-        scratch = SequenceKV()
+        for request_id in preempt:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self.cache.release(request.kv)
+        results: dict[int, ItemResult] = {}
+        planned: list[tuple[int, _Planned]] = []
+        seen: set[str] = set()
+        for index, item in enumerate(items):
+            try:
+                if item.request_id in seen:
+                    raise RequestError(f"request_id: {item.request_id!r} appears twice in one step")
+                seen.add(item.request_id)
+                planned.append((index, self._admit(item)))
+            except RequestError as error:
+                results[index] = ItemResult(item.request_id, ItemStatus.INVALID, str(error))
+            except OutOfKVBlocks as error:
+                results[index] = ItemResult(item.request_id, ItemStatus.EXHAUSTED, str(error))
+        working = [entry for _, entry in planned if entry.has_work]
         try:
-            metadata = self.cache.plan([(scratch, committed)])
-            input_ids = torch.tensor(request.tokens[:committed], device=self.device)
-            no_logits = torch.empty(0, dtype=torch.long, device=self.device)
-            output, _ = self.ranks.forward(self.model, self.cache, ForwardStep(input_ids, metadata, capture, no_logits))
-        finally:
-            self.cache.release(scratch)
-        return self._captured(request, output, slice(0, committed), 0, request.tokens[1 : committed + 1])
+            output, logits = self._forward(working) if working else (None, None)
+        except BaseException:
+            for _, entry in planned:
+                self._undo(entry)
+            raise
+        for index, entry in planned:
+            if output is None or logits is None or not entry.has_work:
+                # Nothing to compute: the item only changed where the request's rows go (a move to no draft).
+                results[index] = ItemResult(entry.item.request_id, ItemStatus.OK)
+            else:
+                results[index] = self._commit(entry, output, logits)
+        return [results[index] for index in range(len(items))]
+
+    def prefill(
+        self, request_id: str, prompt: Sequence[int], sampling: SamplingParams, capture: tuple[int, ...] = ()
+    ) -> ItemResult:
+        """Opens a request and computes its whole prompt in one step; raises RequestError unless it succeeds."""
+        item = StepItem(request_id, len(prompt), open=OpenRequest(prompt, sampling), capture=capture)
+        return self._only(item)
+
+    def verify(self, request_id: str, draft_tokens: Sequence[int] = ()) -> ItemResult:
+        """Verifies drafts after the last committed token (none: plain decoding); raises unless it succeeds."""
+        return self._only(StepItem(request_id, 1, draft_tokens))
 
     def weight_shards(self, name: str) -> list[torch.Tensor]:  # -> tp tensors [s, hidden], padding rows zero
         """The vocab-parallel shards of a shared table ("embed_tokens" or "lm_head") as each rank holds it, by the
@@ -191,21 +215,145 @@ class TargetRunner:
             if request is not None:
                 self.cache.release(request.kv)
 
-    def _get(self, request_id: str) -> TargetRequest:
-        request = self.requests.get(request_id)
-        if request is None:
-            raise RequestError(f"request_id: {request_id!r} is not running on the target")
-        return request
+    def _only(self, item: StepItem) -> ItemResult:
+        (result,) = self.step([item])
+        if result.status is not ItemStatus.OK:
+            raise RequestError(result.message)
+        return result
 
-    @staticmethod
-    def _capture_union(requests: Sequence[TargetRequest]) -> list[int]:
-        return sorted({index for request in requests for index in request.capture})
+    def _admit(self, item: StepItem) -> _Planned:
+        """Checks an item and reserves its KV blocks; raises (changing nothing) when it cannot run."""
+        opened = item.open is not None
+        if item.open is not None:
+            if item.request_id in self.requests:
+                raise RequestError(f"request_id: {item.request_id!r} is already running")
+            prompt = list(item.open.prompt)
+            if not 0 < len(prompt) < self.max_context:
+                raise RequestError(f"prompt: {len(prompt)} tokens, the context holds {self.max_context}")
+            self._check_ids("prompt", prompt)
+            sampling = item.open.sampling
+            request = TargetRequest(item.request_id, prompt, sampling, make_generator(sampling), ())
+        else:
+            found = self.requests.get(item.request_id)
+            if found is None:
+                raise RequestError(f"request_id: {item.request_id!r} is not running on the target")
+            request = found
+        start = request.kv.length
+        uncomputed = len(request.tokens) - start
+        if not 0 <= item.num_tokens <= uncomputed:
+            raise RequestError(
+                f"num_tokens: {item.num_tokens}, request {item.request_id!r} has {uncomputed} tokens without KV"
+            )
+        drafts = list(item.draft_tokens)
+        if drafts and item.num_tokens != uncomputed:
+            raise RequestError("draft_tokens: only an item that reaches the last committed token can verify drafts")
+        if len(drafts) > MAX_DRAFT_TOKENS:
+            raise RequestError(f"draft_tokens: {len(drafts)}, at most {MAX_DRAFT_TOKENS} per item")
+        self._check_ids("draft_tokens", drafts)
+        if len(request.tokens) + len(drafts) > self.max_context:
+            raise RequestError(
+                f"draft_tokens: request {item.request_id!r} would reach {len(request.tokens) + len(drafts)} "
+                f"tokens, the context holds {self.max_context}"
+            )
+        replay = item.replay and bool(item.capture) and start > 0
+        scratch = SequenceKV() if replay else None
+        needed = self.cache.blocks_needed(request.kv, start + item.num_tokens + len(drafts))
+        needed += self.cache.blocks_needed(scratch, start) if scratch is not None else 0
+        if needed > self.cache.num_free_blocks:
+            raise OutOfKVBlocks(
+                f"KV cache: request {item.request_id!r} needs {needed} more blocks, {self.cache.num_free_blocks} free"
+            )
+        self.cache.reserve(request.kv, start + item.num_tokens + len(drafts))
+        if scratch is not None:
+            self.cache.reserve(scratch, start)
+        if opened:
+            self.requests[item.request_id] = request
+        previous_capture = request.capture
+        if item.capture is not None:
+            request.capture = item.capture
+        return _Planned(item, request, start, opened, previous_capture, scratch)
 
-    @staticmethod
-    def _captured(
-        request: TargetRequest, output: TargetOutput, rows: slice, start_position: int, next_tokens: list[int]
-    ) -> CapturedRows | None:
+    def _check_ids(self, name: str, tokens: Sequence[int]) -> None:
+        vocab_size = self.model.config.vocab_size
+        for index, token in enumerate(tokens):
+            if not 0 <= token < vocab_size:
+                raise RequestError(f"{name}[{index}]: {token} is outside the vocabulary [0, {vocab_size})")
+
+    def _forward(self, planned: Sequence[_Planned]) -> tuple[TargetOutput, torch.Tensor]:
+        """One packed forward over every admitted item (replays as spans of their own); fills in the row slices."""
+        sequences: list[tuple[SequenceKV, int]] = []
+        inputs: list[int] = []
+        logit_rows: list[int] = []
+        for entry in planned:
+            request, item, start = entry.request, entry.item, entry.start_length
+            if entry.scratch is not None:
+                entry.scratch_rows = slice(len(inputs), len(inputs) + start)
+                sequences.append((entry.scratch, start))
+                inputs += request.tokens[:start]
+            new = [*request.tokens[start : start + item.num_tokens], *item.draft_tokens]
+            entry.rows = slice(len(inputs), len(inputs) + len(new))
+            sequences.append((request.kv, len(new)))
+            inputs += new
+            if entry.reaches_end:
+                # The last committed token's row and every draft's row are scored.
+                entry.logit_start = len(logit_rows)
+                logit_rows += range(entry.rows.stop - 1 - len(item.draft_tokens), entry.rows.stop)
+        metadata = self.cache.plan(sequences)
+        capture = tuple(sorted({index for entry in planned for index in entry.request.capture}))
+        step = ForwardStep(
+            torch.tensor(inputs, dtype=torch.long, device=self.device),
+            metadata,
+            capture,
+            torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+        )
+        output, logits = self.ranks.forward(self.model, self.cache, step)
+        for entry in planned:  # release the replays' scratch sequences: their rows are in `output`
+            if entry.scratch is not None:
+                self.cache.release(entry.scratch)
+        return output, logits.cpu()  # logits [len(logit_rows), vocab]
+
+    def _commit(self, entry: _Planned, output: TargetOutput, logits: torch.Tensor) -> ItemResult:
+        """Acceptance and KV commit of one item after the forward pass; a failure here undoes this item only."""
+        request, item = entry.request, entry.item
+        try:
+            accepted, new_tokens = 0, []
+            if entry.reaches_end:
+                drafts = list(item.draft_tokens)
+                scored = logits[entry.logit_start : entry.logit_start + 1 + len(drafts)]  # [1 + k, vocab]
+                outcome = verify(scored, drafts, request.sampling, request.generator)
+                accepted, new_tokens = outcome.accepted, outcome.tokens
+        except (ValueError, RuntimeError) as error:
+            self._undo(entry)
+            return ItemResult(item.request_id, ItemStatus.INVALID, f"sampling: {error}")
+        start = entry.start_length
+        computed = item.num_tokens + accepted
+        # Keep KV for the computed tokens and the accepted drafts; drop rows of rejected drafts.
+        self.cache.truncate(request.kv, start + computed)
+        request.tokens.extend(new_tokens)
+        captured = self._captured(entry, output, start + computed)
+        return ItemResult(item.request_id, ItemStatus.OK, "", accepted, new_tokens, captured)
+
+    def _undo(self, entry: _Planned) -> None:
+        """Returns what an item reserved: its KV back to the start length (an item that opened the request: all)."""
+        if entry.scratch is not None:
+            self.cache.release(entry.scratch)
+        entry.request.capture = entry.previous_capture
+        if entry.opened:
+            self.requests.pop(entry.item.request_id, None)
+            self.cache.release(entry.request.kv)
+        else:
+            self.cache.truncate(entry.request.kv, entry.start_length)
+
+    def _captured(self, entry: _Planned, output: TargetOutput, end: int) -> CapturedRows | None:
+        """Rows of positions [first, end) for the request's draft: the replayed ones, then the committed ones."""
+        request = entry.request
         if not request.capture:
             return None
-        features = torch.cat([output.captured[index][rows] for index in request.capture], dim=-1)
-        return CapturedRows(request.request_id, start_position, next_tokens, features)
+        start = entry.start_length
+        parts = [entry.scratch_rows] if entry.scratch is not None else []
+        parts.append(slice(entry.rows.start, entry.rows.start + end - start))
+        features = torch.cat(
+            [torch.cat([output.captured[index][rows] for index in request.capture], dim=-1) for rows in parts]
+        )  # [end - first, len(capture) * hidden]
+        first = 0 if entry.scratch is not None else start
+        return CapturedRows(request.request_id, first, request.tokens[first + 1 : end + 1], features)

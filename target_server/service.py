@@ -9,23 +9,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 
 from tandem.grpc_util import CallFailed, stream_calls, unary_call
-from tandem.layers.kv_cache import OutOfKVBlocks
 from tandem.model_thread import ModelThread
 from tandem.sampling.params import SamplingParams
 from tandem.wire import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire.codec import DEFAULT_CHUNK_BYTES, ShardOf, iter_weight_chunks, tensor_to_proto
 from target_server.ranks import SHARED_TABLES
-from target_server.runner import CapturedRows, PrefillInput, RequestError, StepResult, TargetRunner
+from target_server.runner import (
+    MAX_DRAFT_TOKENS,
+    CapturedRows,
+    ItemResult,
+    ItemStatus,
+    OpenRequest,
+    StepItem,
+    TargetRunner,
+)
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
+
+STATUS_OF_ITEM = {
+    ItemStatus.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ItemStatus.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 
 
 @dataclass
@@ -64,32 +76,85 @@ class TargetService(target_pb2_grpc.TargetServicer):
         info.running_requests = len(self.runner.requests)
         info.kv_blocks_total = self.runner.cache.num_blocks
         info.kv_blocks_free = self.runner.cache.num_free_blocks
+        info.kv_block_size = self.runner.cache.block_size
+        info.max_draft_tokens = MAX_DRAFT_TOKENS
         return info
 
-    async def Prefill(
-        self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> target_pb2.PrefillResponse:
-        inputs = []
-        for item in request.items:
+    async def Step(self, request: target_pb2.StepRequest, context: grpc.aio.ServicerContext) -> target_pb2.StepResponse:
+        return await unary_call(context, self._step(request))
+
+    async def StepStream(
+        self, requests: AsyncIterator[target_pb2.StepRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[target_pb2.StepResponse]:
+        async for response in stream_calls(requests, self._step, lambda e: target_pb2.StepResponse(error=e)):
+            yield response
+
+    async def _step(self, request: target_pb2.StepRequest) -> target_pb2.StepResponse:
+        items: list[StepItem | None] = []
+        refused: dict[int, target_pb2.StepResult] = {}
+        for index, message in enumerate(request.items):
             try:
-                sampling = sampling_from_proto(item.sampling)
+                items.append(self._item(message))
             except ValueError as error:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {error}")
-            inputs.append(
-                PrefillInput(item.request_id, list(item.input_ids), sampling, self._capture(item.draft_replica))
-            )
-        results: list[StepResult] = await self._guarded(context, self._run(self.runner.prefill, inputs))
-        for item, prefill_input in zip(request.items, inputs, strict=True):
-            if prefill_input.capture:
-                self.replica_of[item.request_id] = item.draft_replica
-        self._publish(results, round_number=0)
-        return target_pb2.PrefillResponse(
-            results=[
-                target_pb2.PrefillResult(
-                    request_id=result.request_id, next_token=result.new_tokens[0], streaming=bool(prefill_input.capture)
+                items.append(None)
+                refused[index] = target_pb2.StepResult(
+                    request_id=message.request_id,
+                    error=CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(error)).as_proto(),
                 )
-                for result, prefill_input in zip(results, inputs, strict=True)
-            ]
+        started = time.perf_counter()
+        try:
+            results = await self._run(self.runner.step, [item for item in items if item is not None], request.preempt)
+        except Exception as error:  # the forward pass itself failed; the runner has undone the step's reservations
+            LOG.exception("step of %d items failed", len(request.items))
+            raise CallFailed(grpc.StatusCode.INTERNAL, f"target step failed: {error!r}") from None
+        compute_seconds = time.perf_counter() - started
+        answers = iter(results)
+        response = target_pb2.StepResponse(compute_seconds=compute_seconds)
+        for index, (message, item) in enumerate(zip(request.items, items, strict=True)):
+            if item is None:
+                response.results.append(refused[index])
+                continue
+            result = next(answers)
+            response.results.append(self._result(message, item, result))
+        response.kv_blocks_free = self.runner.cache.num_free_blocks
+        return response
+
+    def _item(self, message: target_pb2.StepItem) -> StepItem:
+        """The runner's item for a wire item; raises ValueError naming a field the runner cannot take."""
+        open_request = None
+        if message.HasField("open"):
+            sampling = sampling_from_proto(message.open.sampling)
+            open_request = OpenRequest(list(message.open.prompt), sampling)
+        capture = self._capture(message.draft_replica) if open_request is not None or message.set_replica else None
+        return StepItem(
+            message.request_id,
+            message.num_tokens,
+            list(message.draft_tokens),
+            open_request,
+            capture,
+            replay=message.replay,
+        )
+
+    def _result(self, message: target_pb2.StepItem, item: StepItem, result: ItemResult) -> target_pb2.StepResult:
+        """Publishes an item's rows to its replica and answers for it."""
+        if result.status is not ItemStatus.OK:
+            code = STATUS_OF_ITEM[result.status]
+            return target_pb2.StepResult(
+                request_id=result.request_id, error=CallFailed(code, result.message).as_proto()
+            )
+        if item.capture is not None:
+            self.replica_of.pop(message.request_id, None)
+            if item.capture:
+                self.replica_of[message.request_id] = message.draft_replica
+        replica = self.replica_of.get(message.request_id)
+        subscriber = self.subscribers.get(replica) if replica else None
+        if subscriber is not None and result.captured is not None:
+            subscriber.queue.put_nowait(hidden_message(result.captured, message.round))
+        return target_pb2.StepResult(
+            request_id=result.request_id,
+            accepted=result.accepted,
+            new_tokens=result.new_tokens,
+            streaming=subscriber is not None,
         )
 
     def _capture(self, replica: str) -> tuple[int, ...]:
@@ -99,33 +164,6 @@ class TargetService(target_pb2_grpc.TargetServicer):
             LOG.warning("draft replica %r is not subscribed: its request goes on target-only", replica)
         return subscriber.capture if subscriber is not None else ()
 
-    async def Verify(
-        self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
-    ) -> target_pb2.VerifyResponse:
-        return await unary_call(context, self._verify(request))
-
-    async def VerifyStream(
-        self, requests: AsyncIterator[target_pb2.VerifyRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[target_pb2.VerifyResponse]:
-        async for response in stream_calls(requests, self._verify, lambda e: target_pb2.VerifyResponse(error=e)):
-            yield response
-
-    async def _verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
-        drafts = [(item.request_id, list(item.draft_tokens)) for item in request.items]
-        started = time.perf_counter()
-        results: list[StepResult] = await self._checked(self._run(self.runner.verify, drafts))
-        compute_seconds = time.perf_counter() - started
-        rounds = {item.request_id: item.round for item in request.items}
-        for result in results:
-            self._publish([result], round_number=rounds[result.request_id])
-        return target_pb2.VerifyResponse(
-            results=[
-                target_pb2.VerifyResult(request_id=r.request_id, accepted=r.accepted, new_tokens=r.new_tokens)
-                for r in results
-            ],
-            compute_seconds=compute_seconds,
-        )
-
     async def Release(
         self, request: target_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.ReleaseResponse:
@@ -133,21 +171,6 @@ class TargetService(target_pb2_grpc.TargetServicer):
         for request_id in request.request_ids:
             self.replica_of.pop(request_id, None)
         return target_pb2.ReleaseResponse()
-
-    async def Reassign(
-        self, request: target_pb2.ReassignRequest, context: grpc.aio.ServicerContext
-    ) -> target_pb2.ReassignResponse:
-        results = []
-        for item in request.items:
-            capture = self._capture(item.draft_replica)
-            rows = await self._guarded(context, self._run(self.runner.reassign, item.request_id, capture))
-            self.replica_of.pop(item.request_id, None)
-            if rows is not None:
-                self.replica_of[item.request_id] = item.draft_replica
-                self.subscribers[item.draft_replica].queue.put_nowait(hidden_message(rows, item.round))
-            LOG.info("request %s reassigned to %s", item.request_id, item.draft_replica if capture else "no draft")
-            results.append(target_pb2.ReassignResult(request_id=item.request_id, streaming=bool(capture)))
-        return target_pb2.ReassignResponse(results=results)
 
     async def SubscribeHidden(
         self, request: target_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
@@ -196,25 +219,6 @@ class TargetService(target_pb2_grpc.TargetServicer):
         for subscriber in self.subscribers.values():
             subscriber.queue.put_nowait(None)
         self.model_thread.shutdown()
-
-    def _publish(self, results: Sequence[StepResult], round_number: int) -> None:
-        for result in results:
-            replica = self.replica_of.get(result.request_id)
-            subscriber = self.subscribers.get(replica) if replica else None
-            if subscriber is not None and result.captured is not None:
-                subscriber.queue.put_nowait(hidden_message(result.captured, round_number))
-
-    async def _guarded(self, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
-        return await unary_call(context, self._checked(work))
-
-    @staticmethod
-    async def _checked(work: Awaitable[T]) -> T:
-        try:
-            return await work
-        except RequestError as error:
-            raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-        except OutOfKVBlocks as error:
-            raise CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
 
 
 def hidden_message(rows: CapturedRows, round_number: int) -> target_pb2.HiddenStates:

@@ -48,7 +48,10 @@ def target_probs(
     vocab_size = logits.shape[-1]
     if params.is_greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab_size).float()
-    logits = logits / params.temperature
+    # Shifting by the row maximum first changes no probability and keeps the division finite: logits / 1e-40 would
+    # overflow to inf and the softmax would give NaN, while every shifted logit is <= 0, so the largest becomes 0 and
+    # the others at worst -inf (the greedy limit of a tiny temperature).
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
     if 0 < params.top_k < vocab_size:
         kth_largest = logits.topk(params.top_k, dim=-1).values[:, -1:]  # [num_rows, 1]
         # Tokens tied with the k-th largest logit are all kept: nothing principled picks among them.

@@ -28,7 +28,7 @@ from tandem.models.mtp import load_mtp
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from tandem.training.target import load_llama_target
-from target_server.runner import PrefillInput, TargetRunner
+from target_server.runner import TargetRunner
 
 GREEDY = SamplingParams()
 
@@ -92,7 +92,7 @@ def measure_acceptance(
     all_match = True
     for index, prompt in enumerate(tqdm(prompts, desc="acceptance", unit="prompt")):
         request_id = f"prompt-{index}"
-        (result,) = target_runner.prefill([PrefillInput(request_id, list(prompt), GREEDY, capture)])
+        result = target_runner.prefill(request_id, list(prompt), GREEDY, capture)
         generated = list(result.new_tokens)
         captured = result.captured
         while len(generated) < max_new_tokens:
@@ -102,7 +102,7 @@ def measure_acceptance(
             (proposal,) = draft_runner.propose([ProposeInput(request_id, rows, num_steps)])
             draft_times.append(time.perf_counter() - started)
             started = time.perf_counter()
-            (result,) = target_runner.verify([(request_id, proposal)])
+            result = target_runner.verify(request_id, proposal)
             verify_times.append(time.perf_counter() - started)
             accepted_counts.append(result.accepted)
             generated.extend(result.new_tokens)
@@ -136,11 +136,11 @@ def _plain_greedy(
     runner: TargetRunner, request_id: str, prompt: Sequence[int], length: int, times: list[float]
 ) -> list[int]:
     """Target-only greedy decoding of `length` tokens; appends the time of each single-token pass to times."""
-    (result,) = runner.prefill([PrefillInput(request_id, list(prompt), GREEDY, ())])
+    result = runner.prefill(request_id, list(prompt), GREEDY)
     generated = list(result.new_tokens)
     while len(generated) < length:
         started = time.perf_counter()
-        (result,) = runner.verify([(request_id, [])])
+        result = runner.verify(request_id)
         times.append(time.perf_counter() - started)
         generated.extend(result.new_tokens)
     runner.release([request_id])

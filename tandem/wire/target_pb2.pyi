@@ -12,7 +12,7 @@ class TargetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "max_context", "dtype", "eos_token_ids", "tp_size", "running_requests", "kv_blocks_total", "kv_blocks_free")
+    __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "max_context", "dtype", "eos_token_ids", "tp_size", "running_requests", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "max_draft_tokens")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,8 @@ class TargetInfo(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     hidden_size: int
     vocab_size: int
@@ -35,113 +37,77 @@ class TargetInfo(_message.Message):
     running_requests: int
     kv_blocks_total: int
     kv_blocks_free: int
-    def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ...) -> None: ...
+    kv_block_size: int
+    max_draft_tokens: int
+    def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
-class PrefillItem(_message.Message):
-    __slots__ = ("request_id", "input_ids", "draft_replica", "sampling")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_REPLICA_FIELD_NUMBER: _ClassVar[int]
+class OpenRequest(_message.Message):
+    __slots__ = ("prompt", "sampling")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    input_ids: _containers.RepeatedScalarFieldContainer[int]
-    draft_replica: str
+    prompt: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., draft_replica: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
-class PrefillRequest(_message.Message):
-    __slots__ = ("items",)
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[PrefillItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[PrefillItem, _Mapping]]] = ...) -> None: ...
-
-class PrefillResult(_message.Message):
-    __slots__ = ("request_id", "next_token", "streaming")
+class StepItem(_message.Message):
+    __slots__ = ("request_id", "round", "open", "num_tokens", "draft_tokens", "draft_replica", "set_replica", "replay")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    STREAMING_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    next_token: int
-    streaming: bool
-    def __init__(self, request_id: _Optional[str] = ..., next_token: _Optional[int] = ..., streaming: _Optional[bool] = ...) -> None: ...
-
-class PrefillResponse(_message.Message):
-    __slots__ = ("results",)
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[PrefillResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[PrefillResult, _Mapping]]] = ...) -> None: ...
-
-class VerifyItem(_message.Message):
-    __slots__ = ("request_id", "draft_tokens", "round")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SET_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     round: int
-    def __init__(self, request_id: _Optional[str] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ...) -> None: ...
+    open: OpenRequest
+    num_tokens: int
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_replica: str
+    set_replica: bool
+    replay: bool
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., open: _Optional[_Union[OpenRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_replica: _Optional[str] = ..., set_replica: _Optional[bool] = ..., replay: _Optional[bool] = ...) -> None: ...
 
-class VerifyRequest(_message.Message):
-    __slots__ = ("items",)
+class StepRequest(_message.Message):
+    __slots__ = ("items", "preempt")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[VerifyItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ...) -> None: ...
+    PREEMPT_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[StepItem]
+    preempt: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., preempt: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "accepted", "new_tokens")
+class StepResult(_message.Message):
+    __slots__ = ("request_id", "error", "accepted", "new_tokens", "streaming")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
+    error: _common_pb2.CallError
     accepted: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    streaming: bool
+    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., accepted: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., streaming: _Optional[bool] = ...) -> None: ...
 
-class VerifyResponse(_message.Message):
-    __slots__ = ("results", "compute_seconds", "error")
+class StepResponse(_message.Message):
+    __slots__ = ("results", "compute_seconds", "kv_blocks_free", "error")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
+    results: _containers.RepeatedCompositeFieldContainer[StepResult]
     compute_seconds: float
+    kv_blocks_free: int
     error: _common_pb2.CallError
-    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
-
-class ReassignItem(_message.Message):
-    __slots__ = ("request_id", "draft_replica", "round")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_REPLICA_FIELD_NUMBER: _ClassVar[int]
-    ROUND_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    draft_replica: str
-    round: int
-    def __init__(self, request_id: _Optional[str] = ..., draft_replica: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
-
-class ReassignRequest(_message.Message):
-    __slots__ = ("items",)
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[ReassignItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[ReassignItem, _Mapping]]] = ...) -> None: ...
-
-class ReassignResult(_message.Message):
-    __slots__ = ("request_id", "streaming")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    STREAMING_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    streaming: bool
-    def __init__(self, request_id: _Optional[str] = ..., streaming: _Optional[bool] = ...) -> None: ...
-
-class ReassignResponse(_message.Message):
-    __slots__ = ("results",)
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[ReassignResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[ReassignResult, _Mapping]]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

@@ -40,30 +40,20 @@ class TargetStub:
                 request_serializer=tandem_dot_v1_dot_target__pb2.TargetInfoRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_target__pb2.TargetInfo.FromString,
                 _registered_method=True)
-        self.Prefill = channel.unary_unary(
-                '/tandem.v1.Target/Prefill',
-                request_serializer=tandem_dot_v1_dot_target__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_target__pb2.PrefillResponse.FromString,
+        self.Step = channel.unary_unary(
+                '/tandem.v1.Target/Step',
+                request_serializer=tandem_dot_v1_dot_target__pb2.StepRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_target__pb2.StepResponse.FromString,
                 _registered_method=True)
-        self.Verify = channel.unary_unary(
-                '/tandem.v1.Target/Verify',
-                request_serializer=tandem_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_target__pb2.VerifyResponse.FromString,
-                _registered_method=True)
-        self.VerifyStream = channel.stream_stream(
-                '/tandem.v1.Target/VerifyStream',
-                request_serializer=tandem_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+        self.StepStream = channel.stream_stream(
+                '/tandem.v1.Target/StepStream',
+                request_serializer=tandem_dot_v1_dot_target__pb2.StepRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_target__pb2.StepResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/tandem.v1.Target/Release',
                 request_serializer=tandem_dot_v1_dot_target__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_target__pb2.ReleaseResponse.FromString,
-                _registered_method=True)
-        self.Reassign = channel.unary_unary(
-                '/tandem.v1.Target/Reassign',
-                request_serializer=tandem_dot_v1_dot_target__pb2.ReassignRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_target__pb2.ReassignResponse.FromString,
                 _registered_method=True)
         self.SubscribeHidden = channel.unary_stream(
                 '/tandem.v1.Target/SubscribeHidden',
@@ -87,23 +77,17 @@ class TargetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Prefill(self, request, context):
-        """Prefills new requests: computes the prompt's KV cache and the first token of each.
+    def Step(self, request, context):
+        """One scheduled step: a batch of items (prompt chunks, verifications, replays for a moved request) run in one
+        packed forward pass, with one result per item: an item that is wrong or does not fit fails alone.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Verify(self, request, context):
-        """Verifies the draft tokens of a batch of requests in one forward pass and commits the accepted ones.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def VerifyStream(self, request_iterator, context):
-        """The same calls on one long-lived stream (what the orchestrator uses): one response per request, in
-        order; a call that fails answers with `error` set and the stream goes on.
+    def StepStream(self, request_iterator, context):
+        """The same calls on one long-lived stream (what the orchestrator uses): one response per request, in order; a
+        call that fails as a whole answers with `error` set and the stream goes on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,14 +95,6 @@ class TargetServicer:
 
     def Release(self, request, context):
         """Frees the KV cache of finished or cancelled requests.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Reassign(self, request, context):
-        """Moves requests to another draft replica (or to none): the target recomputes the aux hidden states of
-        every committed position and publishes them to the new replica, which starts the request from scratch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -147,30 +123,20 @@ def add_TargetServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_target__pb2.TargetInfoRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_target__pb2.TargetInfo.SerializeToString,
             ),
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=tandem_dot_v1_dot_target__pb2.PrefillRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_target__pb2.PrefillResponse.SerializeToString,
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=tandem_dot_v1_dot_target__pb2.StepRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_target__pb2.StepResponse.SerializeToString,
             ),
-            'Verify': grpc.unary_unary_rpc_method_handler(
-                    servicer.Verify,
-                    request_deserializer=tandem_dot_v1_dot_target__pb2.VerifyRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
-            ),
-            'VerifyStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.VerifyStream,
-                    request_deserializer=tandem_dot_v1_dot_target__pb2.VerifyRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
+                    request_deserializer=tandem_dot_v1_dot_target__pb2.StepRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_target__pb2.StepResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
                     request_deserializer=tandem_dot_v1_dot_target__pb2.ReleaseRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_target__pb2.ReleaseResponse.SerializeToString,
-            ),
-            'Reassign': grpc.unary_unary_rpc_method_handler(
-                    servicer.Reassign,
-                    request_deserializer=tandem_dot_v1_dot_target__pb2.ReassignRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_target__pb2.ReassignResponse.SerializeToString,
             ),
             'SubscribeHidden': grpc.unary_stream_rpc_method_handler(
                     servicer.SubscribeHidden,
@@ -222,7 +188,7 @@ class Target:
             _registered_method=True)
 
     @staticmethod
-    def Prefill(request,
+    def Step(request,
             target,
             options=(),
             channel_credentials=None,
@@ -235,9 +201,9 @@ class Target:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/tandem.v1.Target/Prefill',
-            tandem_dot_v1_dot_target__pb2.PrefillRequest.SerializeToString,
-            tandem_dot_v1_dot_target__pb2.PrefillResponse.FromString,
+            '/tandem.v1.Target/Step',
+            tandem_dot_v1_dot_target__pb2.StepRequest.SerializeToString,
+            tandem_dot_v1_dot_target__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -249,34 +215,7 @@ class Target:
             _registered_method=True)
 
     @staticmethod
-    def Verify(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.Target/Verify',
-            tandem_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
-            tandem_dot_v1_dot_target__pb2.VerifyResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def VerifyStream(request_iterator,
+    def StepStream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -289,9 +228,9 @@ class Target:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/tandem.v1.Target/VerifyStream',
-            tandem_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
-            tandem_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            '/tandem.v1.Target/StepStream',
+            tandem_dot_v1_dot_target__pb2.StepRequest.SerializeToString,
+            tandem_dot_v1_dot_target__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -319,33 +258,6 @@ class Target:
             '/tandem.v1.Target/Release',
             tandem_dot_v1_dot_target__pb2.ReleaseRequest.SerializeToString,
             tandem_dot_v1_dot_target__pb2.ReleaseResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Reassign(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.Target/Reassign',
-            tandem_dot_v1_dot_target__pb2.ReassignRequest.SerializeToString,
-            tandem_dot_v1_dot_target__pb2.ReassignResponse.FromString,
             options,
             channel_credentials,
             insecure,

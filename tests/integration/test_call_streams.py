@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.backends import BackendError, FailureKind, PrefillTask, VerifyTask
+from orchestrator.backends import BackendError, FailureKind, OpenTask, StepTask
 from orchestrator.grpc_backends import GrpcTarget
 from tandem.grpc_util import channel_options
 from tandem.sampling.params import SamplingParams
@@ -18,41 +18,38 @@ from tandem.wire import target_pb2, target_pb2_grpc
 from tests.integration.stack import target_process
 
 
-def test_verify_stream_outlives_a_failed_call_and_reports_a_dead_target(llama_target: Path, tmp_path: Path) -> None:
+def test_step_stream_fails_items_alone_and_reports_a_dead_target(llama_target: Path, tmp_path: Path) -> None:
     with target_process(llama_target, 1, tmp_path / "ready") as target:
 
         async def scenario() -> None:
             async with grpc.aio.insecure_channel(target.address, options=channel_options()) as channel:
                 stub = target_pb2_grpc.TargetStub(channel)
-                backend = GrpcTarget(stub)
-                await backend.prefill([PrefillTask("a", [5, 6, 7], SamplingParams(), None)])
-                first = await backend.verify([VerifyTask("a", [], 1)])
-                stream = backend._verify._stream
+                backend = GrpcTarget(stub, timeout_s=60.0)
+                opened = await backend.step([StepTask("a", 1, 3, open=OpenTask([5, 6, 7], SamplingParams()))], [])
+                assert opened.results[0].failure is None and len(opened.results[0].new_tokens) == 1
+                stream = backend._step._stream
                 assert stream is not None
 
-                with pytest.raises(BackendError) as caught:
-                    await backend.verify([VerifyTask("missing", [8], 1)])
-                assert caught.value.kind == FailureKind.INVALID
-                assert str(caught.value) == (
-                    "target verify: INVALID_ARGUMENT: request_id: 'missing' is not running on the target"
-                )
-                # The unary call fails the same way, with the same words.
-                with pytest.raises(grpc.aio.AioRpcError) as unary:
-                    await stub.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(request_id="missing")]))
-                assert unary.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert f"target verify: INVALID_ARGUMENT: {unary.value.details()}" == str(caught.value)
+                # A wrong item fails alone: the other item of the same step goes on.
+                mixed = await backend.step([StepTask("missing", 1, 1, [8]), StepTask("a", 2, 1)], [])
+                failure = mixed.results[0].failure
+                assert failure is not None and failure.kind == FailureKind.INVALID
+                assert str(failure) == "target: INVALID_ARGUMENT: request_id: 'missing' is not running on the target"
+                assert mixed.results[1].failure is None and len(mixed.results[1].new_tokens) == 1
+                # The unary call answers the same item the same way.
+                unary = await stub.Step(target_pb2.StepRequest(items=[target_pb2.StepItem(request_id="missing")]))
+                assert unary.results[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
                 # Same stream, next call: the request goes on from where it was.
-                second = await backend.verify([VerifyTask("a", [], 2)])
-                assert backend._verify._stream is stream
-                assert [r.request_id for r in first.results + second.results] == ["a", "a"]
-                assert len(first.results[0].new_tokens) == len(second.results[0].new_tokens) == 1
+                third = await backend.step([StepTask("a", 3, 1)], [])
+                assert backend._step._stream is stream
+                assert third.results[0].failure is None and len(third.results[0].new_tokens) == 1
 
                 target.process.send_signal(signal.SIGKILL)
                 target.process.wait(timeout=30)
                 with pytest.raises(BackendError) as dead:
-                    await backend.verify([VerifyTask("a", [], 3)])
+                    await backend.step([StepTask("a", 4, 1)], [])
                 assert dead.value.kind == FailureKind.UNAVAILABLE
-                assert str(dead.value).startswith("target verify: ")
+                assert str(dead.value).startswith("target step: ")
 
         asyncio.run(scenario())

@@ -1,8 +1,9 @@
-"""`tandem serve --launcher ray` on a local Ray cluster of two CPUs.
+"""`tandem serve --launcher ray` on a machine of two CPUs.
 
 Same greedy outputs as target-only decoding through the same stack, a clean stop on SIGTERM (orchestrator,
 drafts, target in that order, every actor process gone), and killed actors reported instead of respawned:
-a dead draft replica leaves the stack serving, a dead target stops it.
+a dead draft replica leaves the stack serving, a dead target stops it. The local cluster holds a stack that
+asks Ray for more CPUs than the machine has; a joined cluster without room is refused at once, naming why.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -18,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tandem.launcher import ServeProcess
-from tests.integration.stack import Completion, generate, serve
+from tests.integration.stack import Completion, generate, run_to_exit, serve
 from tests.integration.test_greedy_equivalence import reference_greedy
 
 RAY = ("--launcher", "ray")
@@ -31,6 +34,17 @@ SERVING = re.compile(r"tandem serve: (\S+) serving on (\S+) \(Ray actor, pid (\d
 RANK1_LINE = re.compile(r"\(target-rank1 pid=(\d+)\)")
 ENDED = re.compile(r"tandem serve: (\S+) (stopped|died .*)$")
 LOG_TIMEOUT_S = 10.0
+NO_ROOM_TIMEOUT_S = 60.0  # it is refused within seconds: Ray's start-up and one look at the free resources
+
+# A Ray cluster of one CPU for a test to join: its driver prints the address, then holds the cluster until its
+# stdin closes, and ends it on the way out (`ray stop` would end every Ray cluster on the machine).
+ONE_CPU_HEAD = """
+import sys
+import ray
+ray.init(address="local", num_cpus=1, num_gpus=0, include_dashboard=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+"""
 
 
 @pytest.fixture(autouse=True)
@@ -137,18 +151,46 @@ def test_killed_actors_are_reported_not_restarted(llama_target: Path, random_dra
     wait_until_gone([pid for _, pid in services.values()], [address for address, _ in services.values()])
 
 
-def test_tensor_parallel_target_ranks_are_actors_in_one_placement_group(llama_target: Path) -> None:
-    # Two ranks take both CPUs of the local cluster (one bundle each), so this stack runs target-only.
+def test_tensor_parallel_target_and_two_drafts_on_two_cpus(llama_target: Path, random_draft: Path) -> None:
+    # Two rank bundles of a CPU and two replicas of half a CPU ask for three: the local cluster counts three.
     expected = [reference_greedy(llama_target, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
-    with serve(llama_target, None, *RAY, "--tp", "2") as stack:
-        completions = greedy(stack.address, disable_speculation=True)
+    arguments = (*RAY, "--tp", "2", "--draft-replicas", "2", "--speculative-num-steps", "3")
+    with serve(llama_target, random_draft, *arguments) as stack:
+        completions = greedy(stack.address, disable_speculation=False)
         services = serving(stack.log)
         assert stack.stop() == 0
     assert [c.token_ids for c in completions] == expected
-    assert any("(target-only, 3 Ray actors)" in line for line in stack.log)
-    assert list(services) == ["target", "orchestrator"]  # rank 1 serves nothing: rank 0 drives it
+    assert all(c.stats.draft_tokens > 0 for c in completions)
+    assert any("starting a local Ray cluster of 3 CPUs: this process may run on 2," in line for line in stack.log)
+    assert any("(speculative, 2 draft replicas, 5 Ray actors)" in line for line in stack.log)
+    assert list(services) == ["target", "draft-0", "draft-1", "orchestrator"]  # rank 1 serves nothing
     rank1_pids = {int(m.group(1)) for m in map(RANK1_LINE.search, stack.log) if m}
     assert len(rank1_pids) == 1 and rank1_pids.isdisjoint(pid for _, pid in services.values())
     assert any("rank 1/2 joined the group" in line for line in stack.log)
     pids = [*rank1_pids, *(pid for _, pid in services.values())]
     wait_until_gone(pids, [address for address, _ in services.values()])
+
+
+def test_joined_cluster_without_room_is_refused_naming_what_was_asked_and_what_is_free(
+    llama_target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cluster that ray.init starts takes token authentication by default, but a driver that joins one at an
+    # explicit address only uses the token (~/.ray/auth_token) when told to, as a user joining it would be.
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    head = subprocess.Popen(
+        [sys.executable, "-c", ONE_CPU_HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert head.stdout is not None
+        address = head.stdout.readline().strip()
+        assert address, "the one-CPU Ray head did not start"
+        arguments = ["serve", *RAY, "--ray-address", address, "--target", str(llama_target), "--tp", "2"]
+        result = run_to_exit([*arguments, "--port", "0"], timeout_s=NO_ROOM_TIMEOUT_S)
+    finally:
+        assert head.stdin is not None
+        head.stdin.close()
+        head.wait(timeout=60)
+    assert result.returncode == 1, result.stdout
+    asked = "asked target placement group: 2 bundles of 1 CPU on one node (2 CPU in all); 1 CPU free of 1\n"
+    assert f"tandem serve: the Ray cluster has no room for this stack: {asked}" in result.stdout
+    assert "Traceback" not in result.stdout and "tandem ready" not in result.stdout

@@ -54,8 +54,10 @@ def test_sigkilled_replica_costs_no_request(llama_target: Path, random_draft: Pa
             time.sleep(1.0)  # the streams are running
             os.kill(replica_pid("draft-1"), signal.SIGKILL)
             speculative = [future.result(timeout=300) for future in futures]
+        # The dead replica is demoted, holds no request, and is probed until it answers (it never will).
         replicas = admin(stack.address).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
-        assert [r.replica_id for r in replicas] == ["draft-0"]
+        states = sorted((r.replica_id, r.state, r.outstanding) for r in replicas)
+        assert states == [("draft-0", "serving", 0), ("draft-1", "demoted", 0)]
         target_only = [greedy(stack.address, prompt, 120, disable_speculation=True) for prompt in PROMPTS]
     assert speculative == target_only
 

@@ -321,7 +321,7 @@ def test_target_runner_serves_the_latent_cache(tmp_path: Path) -> None:
     """The target runner builds its cache from cache_layout (no value rows) and verifies drafts with it."""
     from tandem.sampling.params import SamplingParams
     from tandem.settings import KVCacheSettings
-    from target_server.runner import PrefillInput, TargetRunner
+    from target_server.runner import TargetRunner
 
     model = load_target(write_tiny_deepseek(tmp_path, SPECS["q-lora-interleaved-rope"]))
     runner = TargetRunner(model, KVCacheSettings(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE), max_context=256)
@@ -329,10 +329,10 @@ def test_target_runner_serves_the_latent_cache(tmp_path: Path) -> None:
     assert runner.cache.values.shape[-1] == 0
     prompt = [5, 9, 14, 3, 7, 11]
     reference = prompt_logits(model, prompt).argmax(-1)  # greedy continuation of the prompt, 1 token
-    first = runner.prefill([PrefillInput("a", prompt, SamplingParams(), capture=())])[0].new_tokens[0]
+    first = runner.prefill("a", prompt, SamplingParams()).new_tokens[0]
     assert first == int(reference[-1])
     # Draft the target's own greedy continuation (computed by one-token steps on a second request).
-    runner.prefill([PrefillInput("b", prompt, SamplingParams(), capture=())])
-    own = [runner.verify([("b", [])])[0].new_tokens[0] for _ in range(4)]
-    result = runner.verify([("a", own[:3])])[0]
+    runner.prefill("b", prompt, SamplingParams())
+    own = [runner.verify("b").new_tokens[0] for _ in range(4)]
+    result = runner.verify("a", own[:3])
     assert result.accepted == 3 and result.new_tokens == own

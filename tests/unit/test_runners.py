@@ -22,7 +22,7 @@ from tandem.models.registry import load_target
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
-from target_server.runner import PrefillInput, TargetRunner
+from target_server.runner import ItemStatus, OpenRequest, StepItem, TargetRunner
 from tests.helpers.checkpoints import (
     TinyEagle3Spec,
     TinyTargetSpec,
@@ -79,7 +79,7 @@ def greedy_from_scratch(model: LlamaForCausalLM, prompt: Sequence[int], num_new:
 
 def start(runner: TargetRunner, request_id: str = "a", capture: tuple[int, ...] = CAPTURE) -> int:
     """Prefills PROMPT and returns the first generated token."""
-    (result,) = runner.prefill([PrefillInput(request_id, PROMPT, GREEDY, capture)])
+    result = runner.prefill(request_id, PROMPT, GREEDY, capture)
     return result.new_tokens[0]
 
 
@@ -92,7 +92,7 @@ def blocks_for(length: int) -> int:
 
 def test_prefill_returns_first_token_and_captured_rows(target: LlamaForCausalLM, reference_tokens: list[int]) -> None:
     runner = TargetRunner(target, CACHE, max_context=64)
-    (result,) = runner.prefill([PrefillInput("a", PROMPT, GREEDY, CAPTURE)])
+    result = runner.prefill("a", PROMPT, GREEDY, CAPTURE)
 
     first = reference_tokens[len(PROMPT)]
     assert (result.accepted, result.new_tokens) == (0, [first])
@@ -117,7 +117,7 @@ def test_all_drafts_accepted_plus_bonus(target: LlamaForCausalLM, reference_toke
     n = len(PROMPT)  # KV length before the round
     drafts = reference_tokens[n + 1 : n + 4]  # the target's own greedy continuation, k = 3
 
-    (result,) = runner.verify([("a", drafts)])
+    result = runner.verify("a", drafts)
 
     assert result.accepted == 3
     assert result.new_tokens == reference_tokens[n + 1 : n + 5]  # 3 drafts and the bonus
@@ -140,7 +140,7 @@ def test_wrong_first_draft_accepts_nothing_and_truncates(target: LlamaForCausalL
     free_before = runner.cache.num_free_blocks
 
     # 6 drafts take the KV to n + 7 positions (4 blocks) during the pass; only n + 1 survive.
-    (result,) = runner.verify([("a", [wrong, *reference_tokens[n + 2 : n + 7]])])
+    result = runner.verify("a", [wrong, *reference_tokens[n + 2 : n + 7]])
 
     assert (result.accepted, result.new_tokens) == (0, [correct])
     request = runner.requests["a"]
@@ -166,7 +166,7 @@ def test_partial_acceptance_keeps_output_equal_to_plain_decoding(
         drafts = reference_tokens[position : position + right]
         drafts += [(token + 7) % 320 for token in reference_tokens[position + right : position + total]]
 
-        (result,) = runner.verify([("a", drafts)])
+        result = runner.verify("a", drafts)
 
         assert result.accepted == right
         assert result.new_tokens == reference_tokens[position : position + right + 1]
@@ -180,13 +180,19 @@ def test_batched_verify_matches_separate_requests(target: LlamaForCausalLM) -> N
     runner = TargetRunner(target, CACHE, max_context=64)
     prompts = {"a": PROMPT, "b": [1, 90, 91], "c": [1, 7, 8, 9, 10, 11, 12, 13, 14, 15]}
     references = {request_id: greedy_from_scratch(target, prompt, 6) for request_id, prompt in prompts.items()}
-    runner.prefill([PrefillInput(request_id, prompt, GREEDY, ()) for request_id, prompt in prompts.items()])
-
-    first = runner.verify(
+    opened = runner.step(
         [
-            ("a", references["a"][len(PROMPT) + 1 : len(PROMPT) + 4]),  # all 3 right
-            ("b", [0, 0]),  # wrong
-            ("c", []),  # plain decoding
+            StepItem(request_id, len(prompt), open=OpenRequest(prompt, GREEDY), capture=())
+            for request_id, prompt in prompts.items()
+        ]
+    )
+    assert all(result.status is ItemStatus.OK for result in opened)
+
+    first = runner.step(
+        [
+            StepItem("a", 1, references["a"][len(PROMPT) + 1 : len(PROMPT) + 4]),  # all 3 right
+            StepItem("b", 1, [0, 0]),  # wrong
+            StepItem("c", 1),  # plain decoding
         ]
     )
 

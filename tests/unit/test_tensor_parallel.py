@@ -34,7 +34,7 @@ from tandem.parallel.vocab import (
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from target_server.main import start_target
-from target_server.runner import PrefillInput, TargetRunner
+from target_server.runner import TargetRunner
 from target_server.settings import TargetSettings
 from target_server.step import ForwardStep
 from tests.helpers.checkpoints import TinyTargetSpec, read_target_tensor, write_tiny_target
@@ -185,13 +185,13 @@ def scenario(runner: TargetRunner) -> dict[str, Any]:
         cache.release(kv)
 
     # Plain decoding finds the greedy continuation; a second request then drafts two of its tokens and a wrong one.
-    (first,) = runner.prefill([PrefillInput("plain", PROMPTS[1], GREEDY, (1, 2))])
+    first = runner.prefill("plain", PROMPTS[1], GREEDY, (1, 2))
     rounds = [first]
     for _ in range(3):
-        rounds += runner.verify([("plain", [])])
+        rounds.append(runner.verify("plain"))
     greedy = [token for result in rounds for token in result.new_tokens]
-    (drafted_first,) = runner.prefill([PrefillInput("drafted", PROMPTS[1], GREEDY, (1, 2))])
-    rounds += [drafted_first, *runner.verify([("drafted", [greedy[1], greedy[2], (greedy[3] + 1) % 300])])]
+    drafted_first = runner.prefill("drafted", PROMPTS[1], GREEDY, (1, 2))
+    rounds += [drafted_first, runner.verify("drafted", [greedy[1], greedy[2], (greedy[3] + 1) % 300])]
     return {
         "logits": torch.cat(logits),
         "streams": torch.cat(streams),

@@ -1,0 +1,165 @@
+"""Batch selection: which requests a step carries, under a token budget, a sequence limit and the target's KV pool.
+
+A request's phase follows from two numbers: its tokens (prompt + generated) and how many of them have KV on the
+target (`kv_length`, mirrored here exactly: the target keeps KV for every computed token and every accepted draft,
+and truncates the rest). `uncomputed = tokens - kv_length`:
+
+    uncomputed > 1, or no token generated yet   prefill: the next chunk of at most the budget's tokens
+    uncomputed == 1 after the first token        decoding: 1 token (the last committed one) plus drafts
+
+A step takes the decoding requests first, oldest first, each with room for its drafts; when the pool cannot hold
+one, the newest running request is preempted (its KV freed on target and draft, its tokens kept) and recomputed
+later from its tokens, as a prefill. The rest of the budget goes to prompt chunks: running prefills, then waiting
+requests in arrival order, admitted only when their first chunk fits with a block of headroom per running request.
+
+Worked example, budget 8 tokens, block size 4, 6 free blocks, 3 draft steps: A decodes (kv 9 of 10 tokens: 1 + 3
+rows -> positions 9..12, blocks 3 -> 4: needs 1), B waits with a 20-token prompt. A takes 4 tokens and 1 block;
+B's first chunk is the remaining 4 tokens (1 block, leaving 4 >= 1 running request of headroom): admitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from orchestrator.output import RequestOutput
+from orchestrator.settings import SchedulerSettings
+from orchestrator.validation import ValidatedRequest
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """The target's KV pool as the scheduler accounts for it."""
+
+    num_blocks: int
+    block_size: int
+
+    def blocks(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    def fits_alone(self, positions: int) -> bool:
+        return self.blocks(positions) <= self.num_blocks
+
+
+@dataclass
+class ActiveRequest:
+    request_id: str
+    params: ValidatedRequest
+    output: RequestOutput
+    replica: str | None  # None: target-only decoding
+    round: int = 0  # the draft proposes from the rows published under this round
+    kv_length: int = 0  # tokens with KV on the target
+    opened: bool = False  # the target holds the request (its tokens), even while preempted
+    # The target must point the request's hidden rows at `replica` and resend every committed row, because the
+    # replica starts it from scratch (it is new to the request, or it dropped the request's state).
+    needs_move: bool = False
+    cancelled: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.params.input_ids) + len(self.output.generated)
+
+    @property
+    def uncomputed(self) -> int:
+        return self.num_tokens - self.kv_length
+
+    @property
+    def decoding(self) -> bool:
+        return self.uncomputed == 1 and bool(self.output.generated)
+
+    @property
+    def wants_speculation(self) -> bool:
+        return not self.params.disable_speculation
+
+    def max_drafts(self, num_steps: int) -> int:
+        """Draft tokens this request's next round may verify: a round yields up to k + 1 tokens, and never more
+        than max_new_tokens."""
+        if self.replica is None or self.needs_move:
+            return 0
+        return max(0, min(num_steps, self.output.remaining - 1))
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    request: ActiveRequest
+    num_tokens: int  # committed tokens to compute
+    max_drafts: int  # room reserved for drafts (decoding requests only)
+
+
+@dataclass
+class StepPlan:
+    decode: list[Scheduled] = field(default_factory=list)  # oldest first
+    chunks: list[Scheduled] = field(default_factory=list)  # running prefills, then admitted requests
+    admitted: list[ActiveRequest] = field(default_factory=list)  # taken from the waiting queue
+    preempted: list[ActiveRequest] = field(default_factory=list)
+
+
+def plan_step(
+    running: Sequence[ActiveRequest],  # oldest first
+    waiting: deque[ActiveRequest],
+    pool: KVPool,
+    settings: SchedulerSettings,
+) -> StepPlan:
+    """Chooses the step; preempted requests are listed, not moved (the scheduler frees and requeues them).
+
+    Decoding requests get room for as many drafts as they may verify; what is proposed can only be fewer.
+    """
+    plan = StepPlan()
+    free = pool.num_blocks - sum(pool.blocks(request.kv_length) for request in running)
+    tokens_left = settings.max_num_batched_tokens
+    victims = list(running)  # the newest is preempted first
+
+    def growth(request: ActiveRequest, new_positions: int) -> int:
+        grown = pool.blocks(request.kv_length + new_positions) - pool.blocks(request.kv_length)
+        # A replay recomputes the request's rows in a scratch sequence as long as its KV, for the step.
+        return grown + (pool.blocks(request.kv_length) if request.needs_move else 0)
+
+    for request in running:
+        if not request.decoding or request in plan.preempted:
+            continue
+        drafts = request.max_drafts(settings.num_steps)
+        if 1 + drafts > tokens_left:
+            break
+        need = growth(request, 1 + drafts)
+        while need > free:
+            victim = victims.pop()
+            plan.preempted.append(victim)
+            free += pool.blocks(victim.kv_length)
+            if victim is request:
+                break
+        if request in plan.preempted:
+            break
+        free -= need
+        tokens_left -= 1 + drafts
+        plan.decode.append(Scheduled(request, 1, drafts))
+
+    prefilling = [r for r in running if not r.decoding and r not in plan.preempted]
+    for request in prefilling:
+        chunk = min(request.uncomputed, tokens_left)
+        if chunk <= 0:
+            break
+        need = growth(request, chunk)
+        if need > free:
+            continue  # it waits for blocks; the decoding requests come first
+        free -= need
+        tokens_left -= chunk
+        plan.chunks.append(Scheduled(request, chunk, 0))
+
+    num_running = len(running) - len(plan.preempted)
+    for request in waiting:
+        if num_running + len(plan.admitted) >= settings.max_num_seqs or tokens_left <= 0:
+            break
+        chunk = min(request.uncomputed, tokens_left)
+        need = growth(request, chunk)
+        if need + num_running + len(plan.admitted) > free:
+            break  # arrival order: no later request overtakes this one
+        free -= need
+        tokens_left -= chunk
+        plan.admitted.append(request)
+        plan.chunks.append(Scheduled(request, chunk, 0))
+    return plan
