@@ -2,7 +2,8 @@
 
 Each child binds a free port and writes its address to a ready file; the launcher passes addresses
 on, prints one `ready` line when Generate is servable, and stops the children (orchestrator, drafts,
-target) on SIGINT or SIGTERM. A child that exits during start-up stops everything with its exit code.
+target) on SIGINT or SIGTERM. A child that exits during start-up stops everything with its exit code. Children
+end with the launcher however it ends: killed, it leaves them SIGTERM from the kernel (tandem.lifetime).
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
 import grpc
 
 from draft_server.settings import DraftSettings, MTPFeedback, MTPMode
+from orchestrator.settings import SchedulerSettings
 from tandem.grpc_util import channel_options
+from tandem.lifetime import start_child
+from tandem.settings import KVCacheSettings
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 from target_server.settings import TargetSettings
 
@@ -42,7 +46,10 @@ class ServeSettings:
     num_steps: int = 5
     aux_layer_convention: str = "auto"
     dtype: str = "float32"
-    max_batch_size: int = 32
+    max_num_seqs: int = SchedulerSettings.max_num_seqs
+    max_num_batched_tokens: int = SchedulerSettings.max_num_batched_tokens
+    max_waiting: int = SchedulerSettings.max_waiting
+    cache: KVCacheSettings = field(default_factory=KVCacheSettings)  # the target's pool, and each replica's
     launcher: str = "process"  # "ray": tandem.ray_launcher
     ray_address: str | None = None  # the Ray cluster to join; None: start a local one
     tp: int = TargetSettings.tp  # the target's tensor-parallel ranks
@@ -90,7 +97,7 @@ class Launcher:
         arguments = ["orchestrator", "--target-address", target_address, "--tokenizer", str(s.target_dir)]
         for address in draft_addresses:
             arguments += ["--draft-address", address]
-        arguments += ["--speculative-num-steps", str(s.num_steps), "--max-batch-size", str(s.max_batch_size)]
+        arguments += self.scheduler_arguments()
         if s.draft_dir is not None:
             arguments += ["--scaler-address", self._start_scaler()]
         orchestrator = self._spawn("orchestrator", arguments, host=s.host, port=s.port)
@@ -124,6 +131,19 @@ class Launcher:
                     process.send_signal(signal.SIGTERM)
                     process.wait(timeout=STOP_TIMEOUT_S)
 
+    def scheduler_arguments(self) -> list[str]:
+        s = self.settings
+        return [
+            "--speculative-num-steps", str(s.num_steps),
+            "--max-num-seqs", str(s.max_num_seqs),
+            "--max-num-batched-tokens", str(s.max_num_batched_tokens),
+            "--max-waiting", str(s.max_waiting),
+        ]  # fmt: skip
+
+    def cache_arguments(self) -> list[str]:
+        cache = self.settings.cache
+        return ["--kv-blocks", str(cache.num_blocks), "--block-size", str(cache.block_size)]
+
     def target_arguments(self) -> list[str]:
         s = self.settings
         return [
@@ -132,6 +152,7 @@ class Launcher:
             "--dtype", s.dtype,
             "--tp", str(s.tp),
             "--threads", str(s.target_threads),
+            *self.cache_arguments(),
         ]  # fmt: skip
 
     def draft_arguments(self, replica_id: str, target_address: str) -> list[str]:
@@ -148,14 +169,16 @@ class Launcher:
             "--threads", str(s.draft_threads),
             "--mtp-feedback", s.mtp_feedback,
             "--mtp-mode", s.mtp_mode,
+            *self.cache_arguments(),
         ]  # fmt: skip
 
     def _spawn(self, name: str, arguments: Sequence[str], host: str = "127.0.0.1", port: int = 0) -> Path:
         ready_file = Path(self._workdir.name) / f"{name}.address"
         command = [sys.executable, "-m", "tandem.cli", *arguments, "--host", host, "--port", str(port)]
         command += ["--ready-file", str(ready_file)]
-        # Children ignore the terminal's SIGINT (own process group); the launcher stops them in order.
-        process = subprocess.Popen(command, start_new_session=True)
+        # Children ignore the terminal's SIGINT (own session); the launcher stops them in order, and should it be
+        # killed instead, they get SIGTERM from the kernel (tandem.lifetime).
+        process = start_child(command, start_new_session=True)
         self.children.append((name, process))
         return ready_file
 
