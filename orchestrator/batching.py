@@ -9,8 +9,9 @@ and truncates the rest). `uncomputed = tokens - kv_length`:
 
 A step takes the decoding requests first, oldest first, each with room for its drafts; when the pool cannot hold
 one, the newest running request is preempted (its KV freed on target and draft, its tokens kept) and recomputed
-later from its tokens, as a prefill. The rest of the budget goes to prompt chunks: running prefills, then waiting
-requests in arrival order, admitted only when their first chunk fits with a block of headroom per running request.
+later from its tokens, as a prefill. The rest of the budget goes to prompt chunks: running prefills (which may preempt
+newer requests not yet in the step), then waiting requests in arrival order, admitted only when their first chunk
+fits with a block of headroom per running request.
 
 Worked example, budget 8 tokens, block size 4, 6 free blocks, 3 draft steps: A decodes (kv 9 of 10 tokens: 1 + 3
 rows -> positions 9..12, blocks 3 -> 4: needs 1), B waits with a 20-token prompt. A takes 4 tokens and 1 block;
@@ -138,16 +139,27 @@ def plan_step(
         tokens_left -= 1 + drafts
         plan.decode.append(Scheduled(request, 1, drafts))
 
-    prefilling = [r for r in running if not r.decoding and r not in plan.preempted]
-    for request in prefilling:
+    scheduled = {id(entry.request) for entry in plan.decode}
+    for index, request in enumerate(running):
+        if request.decoding or request in plan.preempted:
+            continue
         chunk = min(request.uncomputed, tokens_left)
         if chunk <= 0:
             break
         need = growth(request, chunk)
+        # Only a newer request that is not in this step yet may make room, so that the oldest prefill always
+        # progresses (running requests that all prefill and fill the pool would otherwise wait on each other).
+        while need > free:
+            newer = [r for r in running[index + 1 :] if id(r) not in scheduled and r not in plan.preempted]
+            if not newer:
+                break
+            plan.preempted.append(newer[-1])
+            free += pool.blocks(newer[-1].kv_length)
         if need > free:
-            continue  # it waits for blocks; the decoding requests come first
+            continue
         free -= need
         tokens_left -= chunk
+        scheduled.add(id(request))
         plan.chunks.append(Scheduled(request, chunk, 0))
 
     num_running = len(running) - len(plan.preempted)

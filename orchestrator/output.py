@@ -28,7 +28,6 @@ class Stats:
     verify_seconds: float = 0.0
     wire_seconds: float = 0.0
     scheduling_seconds: float = 0.0
-    preemptions: int = 0
 
     def count_round(self, num_drafts: int, accepted: int) -> None:
         self.rounds += 1

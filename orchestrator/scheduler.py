@@ -217,7 +217,6 @@ class Scheduler:
             del self.running[request.request_id]
             request.kv_length = 0
             request.needs_move = False  # the draft starts over from the recomputed rows anyway
-            request.output.stats.preemptions += 1
         await self._release_on_drafts(requests)
         self.waiting.extendleft(requests)  # newest first in `requests`: the oldest ends up at the front
 

@@ -78,3 +78,11 @@ def test_the_token_budget_splits_a_long_prompt(tokenizer: PreTrainedTokenizerBas
     long.kv_length = 24
     plan = plan_step([long], deque(), KVPool(num_blocks=32, block_size=4), SETTINGS)
     assert [(s.request.request_id, s.num_tokens) for s in plan.chunks] == [("long", 6)]  # the final chunk
+
+
+def test_prefills_that_fill_the_pool_preempt_the_newest_for_the_oldest(tokenizer: PreTrainedTokenizerBase) -> None:
+    older, newer = request(tokenizer, "older", prompt=16), request(tokenizer, "newer", prompt=16)
+    older.kv_length = newer.kv_length = 8  # 2 blocks each: the pool of 4 is full, neither can take a chunk
+    plan = plan_step([older, newer], deque(), KVPool(num_blocks=4, block_size=4), SETTINGS)
+    assert plan.preempted == [newer]
+    assert [(s.request.request_id, s.num_tokens) for s in plan.chunks] == [("older", 8)]
