@@ -2,7 +2,7 @@
 
 Targets are built with transformers' own config and model classes and saved with save_pretrained, so their files are
 exactly what transformers writes. EAGLE3 draft heads have no transformers class; they are written by hand in the
-SpecForge / SGLang layout (/work/shared/REFERENCE.md, "EAGLE3 draft checkpoints").
+SpecForge / SGLang layout (the SpecForge / SGLang EAGLE3 checkpoint format).
 
 Every weight is re-drawn from a seeded generator at a scale larger than transformers' default init: default init gives
 logits so close together that a greedy argmax could be decided by float rounding, and parity tests compare argmaxes.

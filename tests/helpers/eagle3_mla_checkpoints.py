@@ -1,6 +1,6 @@
 """Tiny EAGLE3 MLA draft heads (Eagle3DeepseekV2ForCausalLM, the kimi-k2.5-eagle3-mla layout) on disk.
 
-No library writes this layout, so it is written by hand from /work/shared/REFERENCE.md ("EAGLE3 draft checkpoints",
+No library writes this layout, so it is written by hand from the published format ("EAGLE3 draft checkpoints",
 "EAGLE3 with MLA attention"): a DeepSeek-V3 style config.json with one layer, and one safetensors file with
 `layers.0.*` (or `midlayer.*`) names, q_a_proj and kv_a_proj_with_mqa as separate tensors whose input is the 2*hidden
 concat([embedding, hidden]), kv_b_proj, the two latent norms, a dense gated MLP, and the EAGLE3 head's own tensors
