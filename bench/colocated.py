@@ -29,13 +29,15 @@ from orchestrator.backends import (
     StepTask,
 )
 from orchestrator.batching import KVPool
+from orchestrator.ngram import add_ngram_replica
 from orchestrator.output import RequestFailed
 from orchestrator.replicas import ReplicaPool
 from orchestrator.scheduler import Scheduler, TargetFacts
 from orchestrator.service import response_message
-from orchestrator.settings import SchedulerSettings
+from orchestrator.settings import NgramSettings, SchedulerSettings
 from orchestrator.validation import Limits, validate_request
 from tandem.models.registry import load_target
+from tandem.models.tokenizer_digest import tokenizer_digest
 from tandem.parallel.vocab import assemble_shards
 from tandem.settings import KVCacheSettings
 from tandem.wire import orchestrator_pb2
@@ -48,9 +50,10 @@ REPLICA_ID = "colocated"
 class LocalDraft:
     """A DraftBackend over an in-process draft runner; the target hands it rows directly."""
 
-    def __init__(self, runner: ProposalRunner, capture: tuple[int, ...]) -> None:
+    def __init__(self, runner: ProposalRunner, capture: tuple[int, ...], tokens_only: bool) -> None:
         self.runner = runner
         self.capture = capture
+        self.tokens_only = tokens_only  # a standalone draft model: rows of tokens, no features
         self.rows: dict[tuple[str, int], TargetRows] = {}
 
     def deliver(self, rows: CapturedRows, round_number: int) -> None:
@@ -84,6 +87,7 @@ class LocalTarget:
 
     async def step(self, tasks: Sequence[StepTask], preempt: Sequence[str]) -> StepOutcome:
         capture = self.draft.capture if self.draft is not None else ()
+        tokens_only = self.draft is not None and self.draft.tokens_only
         items = [
             StepItem(
                 task.request_id,
@@ -92,6 +96,8 @@ class LocalTarget:
                 None if task.open is None else OpenRequest(task.open.prompt, task.open.sampling),
                 (capture if task.replica is not None else ()) if task.open is not None or task.move else None,
                 replay=task.replay,
+                top_logprobs=task.top_logprobs,
+                tokens_only=tokens_only and task.replica is not None,
             )
             for task in tasks
         ]
@@ -106,8 +112,9 @@ class LocalTarget:
                 continue
             if self.draft is not None and result.captured is not None:
                 self.draft.deliver(result.captured, task.round)
-            streaming = self.draft is not None and bool(self.runner.requests[task.request_id].capture)
-            done.append(StepDone(task.request_id, None, result.accepted, result.new_tokens, streaming))
+            request = self.runner.requests[task.request_id]
+            streaming = self.draft is not None and (bool(request.capture) or request.tokens_only)
+            done.append(StepDone(task.request_id, None, result.accepted, result.new_tokens, streaming, result.logprobs))
         return StepOutcome(done, compute)
 
     async def release(self, request_ids: Sequence[str]) -> None:
@@ -118,8 +125,10 @@ class LocalTarget:
 class ColocatedSettings:
     target_dir: Path
     draft_dir: Path | None
+    ngram: NgramSettings | None = None  # prompt lookup instead of a draft model (draft_dir None)
     dtype: str = "float32"
     num_steps: int = 5
+    adaptive_k: bool = SchedulerSettings.adaptive_k
     cache: KVCacheSettings = field(default_factory=KVCacheSettings)
     default_max_new_tokens: int = 128
 
@@ -142,18 +151,22 @@ class ColocatedEngine:
                 cache=settings.cache,
                 dtype=settings.dtype,
             )
-            prepared = prepare_draft(draft_settings, target_info(target_runner, settings.dtype))
+            info = target_info(target_runner, settings.dtype)
+            info.tokenizer_digest = tokenizer_digest(settings.target_dir)  # as serve_target publishes it
+            prepared = prepare_draft(draft_settings, info)
             # The same shards the target would stream, handed over in memory.
             for name in prepared.missing_tables:
                 table = assemble_shards(target_runner.weight_shards(name), model.config.vocab_size)
                 prepared.fill_table(name, table)
-            draft = LocalDraft(prepared.build_runner(settings.cache), prepared.capture.indices)
+            draft = LocalDraft(prepared.build_runner(settings.cache), prepared.capture.indices, prepared.tokens_only)
             replicas.add(REPLICA_ID, "in-process", draft)
+        if settings.ngram is not None:
+            add_ngram_replica(replicas, settings.ngram)
         self.tokenizer = AutoTokenizer.from_pretrained(str(settings.target_dir))
         eos_ids = set(model.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos_ids.add(int(self.tokenizer.eos_token_id))
-        scheduler_settings = SchedulerSettings(num_steps=settings.num_steps)
+        scheduler_settings = SchedulerSettings(num_steps=settings.num_steps, adaptive_k=settings.adaptive_k)
         target = LocalTarget(target_runner, draft)
         pool = KVPool(target_runner.cache.num_blocks, target_runner.cache.block_size)
         facts = TargetFacts(model.config.vocab_size, pool, MAX_DRAFT_TOKENS)

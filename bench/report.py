@@ -1,17 +1,24 @@
-"""Benchmark results as JSON, a Markdown table and a PNG of acceptance per draft position."""
+"""Benchmark results: a summary JSON of a few KB, a Markdown table, a PNG of acceptance per draft position, and on
+request every request's record in a separate JSON."""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
-import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+
 from bench.harness import RunResult
+from bench.huggingface import Method
 from bench.png import bar_chart
+
+TANDEM_SETUPS = ("split", "colocated")
 
 
 def runs_of(runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int) -> list[RunResult]:
@@ -30,16 +37,35 @@ def rates(runs: Sequence[RunResult], label: str, speculative: bool, concurrency:
     return [round(run.tokens_per_second, 2) for run in runs_of(runs, label, speculative, concurrency)]
 
 
+def _ratio(mine: RunResult | None, theirs: RunResult | None) -> float | None:
+    if mine is None or theirs is None:
+        return None
+    return round(mine.tokens_per_second / theirs.tokens_per_second, 3)
+
+
+def _transformers(runs: Sequence[RunResult], method: Method) -> RunResult | None:
+    return find(runs, method.label, method.speculative, 1)
+
+
+def _tandem_target_only(runs: Sequence[RunResult]) -> RunResult | None:
+    """The reference outputs: the split stack's target-only run at its lowest concurrency (the median one)."""
+    concurrencies = sorted({run.concurrency for run in runs if run.label == "split"})
+    return find(runs, "split", False, concurrencies[0]) if concurrencies else None
+
+
 def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
-    """One row per (setup, concurrency): speculative vs target-only on the same servers, and split vs colocated."""
+    """One row per (Tandem setup, concurrency): speculative vs target-only on the same servers, split vs colocated,
+    and both against transformers (batch 1: the ratios at a higher concurrency compare batched with sequential)."""
+    greedy = _transformers(runs, Method.GREEDY)
+    prompt_lookup = _transformers(runs, Method.PROMPT_LOOKUP)
     rows = []
-    for label in ("split", "colocated"):
-        for concurrency in sorted({run.concurrency for run in runs}):
+    for label in TANDEM_SETUPS:
+        for concurrency in sorted({run.concurrency for run in runs if run.label == label}):
             speculative = find(runs, label, True, concurrency)
             target_only = find(runs, label, False, concurrency)
             if speculative is None:
                 continue
-            colocated = find(runs, "colocated", True, concurrency)
+            per_round = {k: round(v, 3) for k, v in speculative.per_round_milliseconds().items()}
             rows.append(
                 {
                     "setup": label,
@@ -48,49 +74,131 @@ def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
                     "tokens_per_second_runs": rates(runs, label, True, concurrency),
                     "target_only_tokens_per_second_runs": rates(runs, label, False, concurrency),
                     "target_only_tokens_per_second": round(target_only.tokens_per_second, 2) if target_only else None,
-                    "speedup": round(speculative.tokens_per_second / target_only.tokens_per_second, 3)
-                    if target_only
+                    "speedup": _ratio(speculative, target_only),
+                    "split_over_colocated": _ratio(speculative, find(runs, "colocated", True, concurrency))
+                    if label == "split"
                     else None,
-                    "split_over_colocated": round(speculative.tokens_per_second / colocated.tokens_per_second, 3)
-                    if label == "split" and colocated
-                    else None,
+                    "vs_transformers_greedy": _ratio(speculative, greedy),
+                    "vs_transformers_prompt_lookup": _ratio(speculative, prompt_lookup),
+                    "target_only_vs_transformers_greedy": _ratio(target_only, greedy),
                     # Greedy speculative output must be the target's own: prompts whose completions are identical.
                     "identical_outputs": _identical(speculative, target_only) if target_only else None,
                     "mean_acceptance_length": round(speculative.mean_acceptance_length, 3),
                     "acceptance_per_position": [round(a, 3) for a in speculative.acceptance_per_position()],
-                    "per_round_ms": {k: round(v, 3) for k, v in speculative.per_round_milliseconds().items()},
+                    "per_round_ms": per_round,
+                    # Time per round outside target and draft compute: transport, hand-offs and scheduling.
+                    "outside_compute_ms_per_round": round(per_round["wire"] + per_round["scheduling"], 3),
                 }
             )
     return rows
 
 
-def _identical(speculative: RunResult, target_only: RunResult) -> str:
-    mine, theirs = speculative.outputs(), target_only.outputs()
-    same = sum(1 for index, tokens in mine.items() if theirs.get(index) == tokens)
-    return f"{same}/{len(mine)}"
+def transformers_summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
+    """One row per transformers method measured (batch 1, one prompt after another)."""
+    greedy = _transformers(runs, Method.GREEDY)
+    prompt_lookup = _transformers(runs, Method.PROMPT_LOOKUP)
+    reference = _tandem_target_only(runs)
+    rows = []
+    for method in Method:
+        run = _transformers(runs, method)
+        if run is None:
+            continue
+        rows.append(
+            {
+                "setup": method.label,
+                "concurrency": 1,
+                "batch": "1, sequential",
+                "tokens_per_second": round(run.tokens_per_second, 2),
+                "tokens_per_second_runs": rates(runs, method.label, method.speculative, 1),
+                "vs_transformers_greedy": _ratio(run, greedy),
+                "vs_transformers_prompt_lookup": _ratio(run, prompt_lookup),
+                # Prompts whose completion equals Tandem's target-only completion (split stack), token for token.
+                "identical_to_tandem_target_only": _identical(run, reference) if reference else None,
+            }
+        )
+    return rows
 
 
-def markdown(rows: Sequence[dict[str, Any]], settings: dict[str, Any]) -> str:
+def _identical(mine: RunResult, reference: RunResult) -> str:
+    ours, theirs = mine.outputs(), reference.outputs()
+    same = sum(1 for index, tokens in ours.items() if theirs.get(index) == tokens)
+    return f"{same}/{len(ours)}"
+
+
+TABLE_HEADER = (
+    "| setup | concurrency | tok/s | tok/s (target-only) | speedup | vs HF greedy | vs HF prompt-lookup "
+    "| target-only vs HF greedy | split / colocated | identical to target-only | mean acceptance length "
+    "| acceptance per position | per round ms: draft / verify / wire / scheduling | outside compute ms/round |"
+)
+
+
+def _drafts(settings: dict[str, Any]) -> str:
+    """Who drafts: n-gram lookup in the orchestrator (`--draft ngram`), or the draft model's replicas."""
+    ngram = settings.get("ngram")
+    if ngram:
+        return f"n-gram drafts (suffixes of {ngram['max_n']} down to {ngram['min_n']} tokens)"
+    return f"{settings['draft_replicas']} draft replica(s)"
+
+
+def _steps(settings: dict[str, Any]) -> str:
+    if settings.get("adaptive_k", False):
+        return f"k chosen per batch (adaptive, at most {settings['num_steps']})"
+    return f"k = {settings['num_steps']} draft steps"
+
+
+def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, Any]], settings: dict[str, Any]) -> str:
     lines = [
         f"Greedy, {settings['num_prompts']} held-out prompts, {settings['max_new_tokens']} new tokens each, "
-        f"k = {settings['num_steps']} draft steps, {settings['draft_replicas']} draft replica(s), "
+        f"{_steps(settings)}, {_drafts(settings)}, "
         f"{settings.get('dtype', 'float32')}, {_repeats(settings.get('repeats', 1))}; {settings['machine']}.",
         "",
-        "| setup | concurrency | tok/s (speculative) | tok/s (target-only) | speedup | split / colocated "
-        "| identical to target-only | mean acceptance length | acceptance per position "
-        "| per round ms: draft / verify / wire / scheduling |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "tok/s: speculative for Tandem rows. HF: Hugging Face transformers `generate` on the same target checkpoint "
+        "(AutoModelForCausalLM, SDPA, DynamicCache, same dtype and length), batch 1, one prompt after another; "
+        f"prompt-lookup with `prompt_lookup_num_tokens={settings.get('prompt_lookup_num_tokens')}`. Its rows count "
+        "the prompts identical to Tandem's split target-only completions. Outside compute: wire + scheduling.",
+        "",
+        TABLE_HEADER,
+        "|" + "---|" * (TABLE_HEADER.count("|") - 1),
     ]
     for row in rows:
         timing = row["per_round_ms"]
-        acceptance = " ".join(f"{a:.2f}" for a in row["acceptance_per_position"])
-        lines.append(
-            f"| {row['setup']} | {row['concurrency']} | {row['tokens_per_second']} | "
-            f"{row['target_only_tokens_per_second']} | {_x(row['speedup'])} | {_x(row['split_over_colocated'])} | "
-            f"{row['identical_outputs'] or '–'} | {row['mean_acceptance_length']} | {acceptance} | "
-            f"{timing['draft']:.2f} / {timing['verify']:.2f} / {timing['wire']:.2f} / {timing['scheduling']:.2f} |"
-        )
+        cells = [
+            row["setup"],
+            row["concurrency"],
+            row["tokens_per_second"],
+            row["target_only_tokens_per_second"],
+            _x(row["speedup"]),
+            _x(row["vs_transformers_greedy"]),
+            _x(row["vs_transformers_prompt_lookup"]),
+            _x(row["target_only_vs_transformers_greedy"]),
+            _x(row["split_over_colocated"]),
+            row["identical_outputs"] or "–",
+            row["mean_acceptance_length"],
+            " ".join(f"{a:.2f}" for a in row["acceptance_per_position"]),
+            " / ".join(f"{timing[phase]:.2f}" for phase in ("draft", "verify", "wire", "scheduling")),
+            f"{row['outside_compute_ms_per_round']:.2f}",
+        ]
+        lines.append(_table_row(cells))
+    for row in transformers:
+        cells = [
+            row["setup"],
+            "1 (batch 1, sequential)",
+            row["tokens_per_second"],
+            "–",
+            "–",
+            _x(row["vs_transformers_greedy"]),
+            _x(row["vs_transformers_prompt_lookup"]),
+            "–",
+            "–",
+            row["identical_to_tandem_target_only"] or "–",
+            *["–"] * 4,
+        ]
+        lines.append(_table_row(cells))
     return "\n".join(lines) + "\n"
+
+
+def _table_row(cells: Sequence[object]) -> str:
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
 
 
 def _repeats(count: int) -> str:
@@ -102,18 +210,25 @@ def _x(value: float | None) -> str:
 
 
 def write(out_dir: Path, runs: Sequence[RunResult], settings: dict[str, Any]) -> Path:
+    """latest.json (settings, machine, per-row aggregates: no per-request records), latest.md and the PNG."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = {**settings, "machine": f"{platform.machine()}, {_cpu_count()} CPUs, Python {platform.python_version()}"}
+    settings = {**settings, "machine": _machine(), "runtime": _runtime()}
     rows = summary(runs)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    document = {"settings": settings, "summary": rows, "runs": [_run_json(run) for run in runs]}
-    (out_dir / f"bench-{stamp}.json").write_text(json.dumps(document, indent=1) + "\n")
+    transformers = transformers_summary(runs)
+    document = {"settings": settings, "summary": rows, "transformers": transformers}
     (out_dir / "latest.json").write_text(json.dumps(document, indent=1) + "\n")
-    table = markdown(rows, settings)
+    table = markdown(rows, transformers, settings)
     (out_dir / "latest.md").write_text(table)
     series = [row["acceptance_per_position"] for row in rows if row["setup"] == "split"]
     bar_chart(out_dir / "acceptance_per_position.png", series)
     return out_dir / "latest.md"
+
+
+def write_requests(path: Path, runs: Sequence[RunResult], settings: dict[str, Any]) -> None:
+    """Every run with every request's completion and statistics (`tandem bench --save-requests PATH`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {"settings": {**settings, "machine": _machine()}, "runs": [_run_json(run) for run in runs]}
+    path.write_text(json.dumps(document) + "\n")
 
 
 def _run_json(run: RunResult) -> dict[str, Any]:
@@ -128,7 +243,25 @@ def _run_json(run: RunResult) -> dict[str, Any]:
     }
 
 
-def _cpu_count() -> int:
-    import os
+def _machine() -> str:
+    """Architecture, cores this process may use, CPU model, and the versions that set the kernels."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return (
+        f"{platform.machine()}, {cores} CPUs ({_cpu_model()}), Python {platform.python_version()}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}"
+    )
 
-    return len(os.sched_getaffinity(0))
+
+def _runtime() -> dict[str, Any]:
+    """This process's torch threads (colocated engine, transformers) and the OpenMP variables it runs under."""
+    variables = ("GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+    return {"torch_threads": torch.get_num_threads(), **{name: os.environ.get(name) for name in variables}}
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "CPU model unknown"

@@ -5,20 +5,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.settings import NgramSettings, SchedulerSettings
+
 
 @dataclass(frozen=True)
 class BenchSettings:
     target_dir: Path
-    draft_dir: Path
+    draft_dir: Path | None  # None with ngram
+    ngram: NgramSettings | None = None  # `--draft ngram`: prompt lookup in the orchestrator, no draft model
     address: str | None = None  # a running stack; None: start one with `tandem serve`
     num_prompts: int = 32
     max_new_tokens: int = 64
     concurrency: tuple[int, ...] = (1, 8)
     num_steps: int = 5
+    adaptive_k: bool = SchedulerSettings.adaptive_k  # choose k per batch (orchestrator/speculation.py), in both setups
     dtype: str = "float32"  # of target and draft, in both setups
     repeats: int = 1  # runs of each configuration, interleaved across setups and modes; the report takes medians
     draft_replicas: int = 1  # of the split stack started by the benchmark
     target_threads: int = 0  # `tandem serve --target-threads` of that stack (0: its default)
     draft_threads: int = 0  # `tandem serve --draft-threads` of that stack (0: its default)
     colocated: bool = True
-    out_dir: Path = Path("bench/results")
+    transformers: bool = True  # rows for Hugging Face transformers `generate` on the same target (bench.huggingface)
+    prompt_lookup_num_tokens: int = 5  # of the transformers prompt-lookup row
+    out_dir: Path = Path("bench/results")  # latest.md, latest.json (a summary of a few KB) and the PNG
+    save_requests: Path | None = None  # a JSON of every request of every run (token ids, stats); None: not written

@@ -6,6 +6,9 @@
   `num_nextn_predict_layers`): tandem.models.mtp. DeepSeek NextN runs on the DraftRunner, one layer reused at every
   step, fed the target's post-final-norm hidden; chained multi-layer MTP runs on the MTPRunner, fed the target's
   final pre-norm stream.
+- Standalone draft models: a target-format checkpoint WITHOUT MTP layers (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
+  `Gemma3ForCausalLM`, ... with no `num_nextn_predict_layers`): a plain causal LM with the target's vocabulary on the
+  StandaloneRunner, fed the committed tokens only (it subscribes `tokens_only`, no capture indices).
 
 Each kind is prepared the same way: load, check against the target's info (refusing with both values named), say
 which capture indices to subscribe with and which shared tables to pull from the target, then build the runner
@@ -25,12 +28,14 @@ from draft_server.compat import IncompatibleDraft, check_compatibility
 from draft_server.mtp_runner import MTPRunner
 from draft_server.runner import DraftModel, DraftRunner, ProposeInput
 from draft_server.settings import DraftSettings
+from draft_server.standalone_runner import StandaloneRunner
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache
 from tandem.models.aux_layers import CaptureSpec, resolve_capture
 from tandem.models.config import ConfigError, read_hf_config
 from tandem.models.eagle3 import EAGLE3_LAYER_KINDS, load_eagle3
-from tandem.models.mtp import MTP_FAMILIES, NextNDraft, load_mtp
-from tandem.models.registry import target_architecture
+from tandem.models.mtp import NextNDraft, load_mtp
+from tandem.models.registry import TARGET_ARCHITECTURES, load_target, target_architecture
+from tandem.models.tokenizer_digest import TOKENIZER_FILE, tokenizer_digest
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
 
@@ -38,7 +43,7 @@ LOG = logging.getLogger(__name__)
 
 
 class ProposalRunner(Protocol):
-    """What the draft service drives: DraftRunner or MTPRunner."""
+    """What the draft service drives: DraftRunner, MTPRunner or StandaloneRunner."""
 
     @property
     def cache(self) -> PagedKVCache: ...
@@ -74,11 +79,12 @@ def propose_what_fits(
 @dataclass(frozen=True)
 class PreparedDraft:
     architecture: str  # the checkpoint's
-    kind: str  # "eagle3", "nextn" or "chained-mtp"
+    kind: str  # "eagle3", "nextn", "chained-mtp" or "standalone"
     capture: CaptureSpec
     missing_tables: tuple[str, ...]  # shared tables to pull from the target (its GetWeights names)
     fill_table: Callable[[str, torch.Tensor], None]  # (name, [vocab, hidden] table)
     build_runner: Callable[[KVCacheSettings], ProposalRunner]  # once every missing table is filled
+    tokens_only: bool = False  # the draft takes committed tokens and no hidden states (capture.indices is empty)
 
 
 def prepare_draft(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
@@ -92,7 +98,7 @@ def prepare_draft(settings: DraftSettings, info: target_pb2.TargetInfo) -> Prepa
 
 
 def _prepare_eagle3(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
-    model, has_embedding = load_eagle3(settings.model_dir, dtype=getattr(torch, settings.dtype))
+    model, has_embedding = load_eagle3(settings.model_dir, dtype=getattr(torch, settings.dtype), device=settings.device)
     check_compatibility(model.config, info, has_embedding)
     capture = resolve_capture(
         model.config.aux_layer_ids,
@@ -116,7 +122,7 @@ def _prepare_eagle3(settings: DraftSettings, info: target_pb2.TargetInfo) -> Pre
 
 
 def _prepare_mtp(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
-    loaded = load_mtp(settings.model_dir, dtype=getattr(torch, settings.dtype))
+    loaded = load_mtp(settings.model_dir, dtype=getattr(torch, settings.dtype), device=settings.device)
     mtp = loaded.model
     config = mtp.config
     problems = [
@@ -163,9 +169,58 @@ def _prepare_mtp(settings: DraftSettings, info: target_pb2.TargetInfo) -> Prepar
     )
 
 
+def _prepare_standalone(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
+    model = load_target(settings.model_dir, dtype=getattr(torch, settings.dtype), device=settings.device)
+    config = model.config
+    problems = []
+    if config.vocab_size != info.vocab_size:
+        problems.append(
+            f"vocabulary: the draft has vocab_size {config.vocab_size}, the target has vocab_size {info.vocab_size}"
+        )
+    digest = tokenizer_digest(settings.model_dir)
+    if digest and info.tokenizer_digest and digest != info.tokenizer_digest:
+        problems.append(
+            f"tokenizer: the draft's {TOKENIZER_FILE} maps tokens to other ids than the target's (sha256 of the "
+            f"token -> id map: the draft has {digest[:16]}, the target has {info.tokenizer_digest[:16]})"
+        )
+    if problems:
+        raise IncompatibleDraft("standalone draft does not fit the target: " + "; ".join(problems))
+    if not (digest and info.tokenizer_digest):
+        LOG.warning("tokenizer not checked: draft or target directory has no %s; vocab_size matches", TOKENIZER_FILE)
+    LOG.info(
+        "standalone %s draft: %d layers, hidden %d, vocab %d; takes committed tokens only",
+        config.architecture,
+        config.num_layers,
+        config.hidden_size,
+        config.vocab_size,
+    )
+
+    def fill(name: str, table: torch.Tensor) -> None:
+        raise ValueError(f"{name}: a standalone draft has its own tables and pulls none")
+
+    return PreparedDraft(
+        architecture=config.architecture,
+        kind="standalone",
+        capture=CaptureSpec((), "none", None),
+        missing_tables=(),
+        fill_table=fill,
+        build_runner=lambda cache: StandaloneRunner(model, cache),
+        tokens_only=True,
+    )
+
+
+def _prepare_target_format(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
+    """A target-format checkpoint: MTP layers when its config declares them (num_nextn_predict_layers >= 1),
+    otherwise the whole model as a standalone draft."""
+    if int(read_hf_config(settings.model_dir).get("num_nextn_predict_layers") or 0) > 0:
+        return _prepare_mtp(settings, info)
+    return _prepare_standalone(settings, info)
+
+
 DraftFormat = Callable[[DraftSettings, target_pb2.TargetInfo], PreparedDraft]
-# Architecture name -> how to prepare it. MTP layers live in target-format checkpoints, hence the target names.
+# Architecture name -> how to prepare it. MTP layers live in target-format checkpoints, hence the target names, which
+# also name standalone draft models (a target-format checkpoint without MTP layers).
 DRAFT_FORMATS: dict[str, DraftFormat] = {
     **dict.fromkeys(EAGLE3_LAYER_KINDS, _prepare_eagle3),
-    **dict.fromkeys(MTP_FAMILIES, _prepare_mtp),
+    **dict.fromkeys(TARGET_ARCHITECTURES, _prepare_target_format),
 }

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from draft_server.service import DraftSettings, start_draft
+import asyncio
+
+from draft_server.service import DraftService, DraftSettings, start_draft
+from tandem.leases import sweep_interval
+from tandem.service_metrics import ServiceMetrics, ServiceState, serve_metrics
 from tandem.serving import ListenSettings, run_server
 from tandem.wire import draft_pb2_grpc
 
@@ -10,8 +14,14 @@ from tandem.wire import draft_pb2_grpc
 async def serve_draft(settings: DraftSettings, listen: ListenSettings) -> None:
     service, consumer, channel = await start_draft(settings)
     consumer.set_name("hidden-state stream from the target")
+    timeout_s = settings.cache.orphan_timeout_s
+    sweeper = asyncio.create_task(service.sweep(sweep_interval(timeout_s)), name="draft sweep")
+    port = settings.metrics_port
+    metrics_server = serve_metrics(draft_metrics(service), listen.host, port)[0] if port is not None else None
 
     async def on_stop() -> None:
+        if metrics_server is not None:
+            await asyncio.to_thread(metrics_server.shutdown)
         await service.stop()
         await channel.close()
 
@@ -21,5 +31,18 @@ async def serve_draft(settings: DraftSettings, listen: ListenSettings) -> None:
         ["tandem.v1.Draft"],
         listen,
         on_stop=on_stop,
-        background=[consumer],
+        background=[consumer, sweeper],
     )
+
+
+def draft_metrics(service: DraftService) -> ServiceMetrics:
+    """The draft's /metrics (tandem.service_metrics): Propose compute time, KV usage, requests, model-thread queue."""
+    runner = service.runner
+
+    def state() -> ServiceState:
+        cache = runner.cache
+        return ServiceState(cache.num_blocks, cache.num_free_blocks, len(runner.requests), service.model_thread.pending)
+
+    metrics = ServiceMetrics("draft", "propose", state)
+    service.propose_listeners.append(metrics.observe_call)
+    return metrics

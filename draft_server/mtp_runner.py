@@ -224,8 +224,8 @@ class MTPRunner:
         input_ids = torch.tensor([token for item in work for token in item.token_ids], device=device)
         hidden = torch.cat([item.hidden for item in work])
         output = self.model.run_layer(layer, input_ids, hidden, metadata, self.cache)
-        streams = [output.stream[span.query_start : span.query_start + span.query_len] for span in metadata.spans]
-        last_rows = torch.tensor([span.query_start + span.query_len - 1 for span in metadata.spans], device=device)
+        streams = [output.stream[rows] for rows in metadata.page_table.query_slices()]
+        last_rows = metadata.page_table.last_rows()  # [len(work)]
         return streams, output.normed[last_rows]
 
     @property

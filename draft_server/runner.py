@@ -18,7 +18,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, OutOfKVBlocks, PagedKVCache, SequenceKV
+from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.kv_cache import CacheLayout, OutOfKVBlocks, PagedKVCache, SequenceKV
 from tandem.models.eagle3 import DraftStep
 from tandem.settings import KVCacheSettings
 
@@ -42,6 +43,7 @@ class DraftModel(Protocol):
         hidden: torch.Tensor,  # [num_tokens, hidden] projected target features or the previous step's hidden
         metadata: AttentionMetadata,
         cache: PagedKVCache,
+        logit_rows: torch.Tensor | None = None,  # [rows] the rows whose logits are wanted; None: every row
     ) -> DraftStep: ...
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...  # [n] -> [n]
 
@@ -110,10 +112,11 @@ class DraftRunner:
         )
         features = torch.cat([item.rows.features for item in inputs]).to(device=device, dtype=self._dtype)
         input_ids = torch.tensor([t for item in inputs for t in item.rows.next_tokens], device=device)
-        step = self.model(input_ids, self.model.project_features(features), metadata, self.cache)
-        last_rows = torch.tensor([span.query_start + span.query_len - 1 for span in metadata.spans], device=device)
+        last_rows = metadata.page_table.last_rows()  # [num_requests]
+        # Only each request's last row drafts: the LM head runs on those rows alone.
+        step = self.model(input_ids, self.model.project_features(features), metadata, self.cache, last_rows)
         hidden = step.hidden[last_rows]  # [num_requests, hidden]
-        tokens = self.model.to_target_ids(step.logits[last_rows].argmax(dim=-1))  # [num_requests]
+        tokens = self.model.to_target_ids(step.logits.argmax(dim=-1))  # [num_requests]
         proposals: list[list[int]] = [[int(t)] for t in tokens.tolist()]
         active = list(range(len(inputs)))
         for step_index in range(1, max(item.num_steps for item in inputs)):
@@ -122,9 +125,10 @@ class DraftRunner:
             kept = [row for row, i in enumerate(active) if inputs[i].num_steps > step_index]
             if not kept:
                 break
-            active = [active[row] for row in kept]
-            selector = torch.tensor(kept, device=device)
-            hidden, tokens = hidden[selector], tokens[selector]
+            if len(kept) < len(active):
+                active = [active[row] for row in kept]
+                selector = torch.tensor(kept, device=device)
+                hidden, tokens = hidden[selector], tokens[selector]
             metadata = self.cache.plan([(requests[i].kv, 1) for i in active])
             step = self.model(tokens, hidden, metadata, self.cache)
             hidden = step.hidden

@@ -20,7 +20,8 @@ from draft_server.formats import PreparedDraft, ProposalRunner, prepare_draft, p
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows
 from draft_server.settings import DraftSettings
 from draft_server.shared_tables import pull_tables
-from tandem.grpc_util import CallFailed, channel_options, stream_calls, unary_call, wait_for_ready
+from tandem.grpc_util import CallFailed, wait_for_ready
+from tandem.leases import Leases, leased_call, leased_stream
 from tandem.model_thread import ModelThread
 from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire.codec import tensor_from_proto
@@ -39,6 +40,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self._rows: dict[tuple[str, int], tuple[TargetRows, float]] = {}
         self._arrived = asyncio.Condition()
         self.model_thread = model_thread  # every runner call goes through it, one at a time
+        self.leases = Leases(settings.cache.orphan_timeout_s)  # which orchestrator session drafts which request
+        self.propose_listeners: list[Callable[[float], None]] = []  # called with each Propose's compute seconds
 
     async def consume(self, stream: AsyncIterator[target_pb2.HiddenStates]) -> None:
         """Stores the target's rows as they arrive, keyed by (request id, round)."""
@@ -73,24 +76,23 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeResponse:
-        return await unary_call(context, self._propose(request))
+        return await leased_call(self.leases, context, lambda session: self._propose(request, session))
 
     async def ProposeStream(
         self, requests: AsyncIterator[draft_pb2.ProposeRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[draft_pb2.ProposeResponse]:
-        async for response in stream_calls(requests, self._propose, lambda e: draft_pb2.ProposeResponse(error=e)):
+        async for response in leased_stream(
+            self.leases, context, requests, self._propose, lambda error: draft_pb2.ProposeResponse(error=error)
+        ):
             yield response
 
-    async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+    async def _propose(self, request: draft_pb2.ProposeRequest, session: str) -> draft_pb2.ProposeResponse:
         inputs = []
         for item in request.items:
-            rows = await self._take_rows(item.request_id, item.round)
-            if rows is None:
-                raise CallFailed(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"no hidden states from the target for request {item.request_id!r} round {item.round} "
-                    f"within {self.settings.rows_timeout_s} s",
-                )
+            try:
+                rows = await self._take_rows(item.request_id, item.round)
+            except DraftRequestError as error:
+                raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, f"request {item.request_id!r}: {error}") from None
             inputs.append(ProposeInput(item.request_id, rows, item.num_steps or self.settings.num_steps))
         started = time.perf_counter()
         try:
@@ -98,7 +100,11 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         except DraftRequestError as error:
             raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
         response = draft_pb2.ProposeResponse(compute_seconds=time.perf_counter() - started)
+        for listener in self.propose_listeners:
+            listener(response.compute_seconds)
+        now = time.monotonic()
         for item in request.items:
+            self.leases.own(session, item.request_id, now)
             if item.request_id in exhausted:
                 reason = f"draft {self.settings.replica_id}: {exhausted[item.request_id]}"
                 failure = CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, reason).as_proto()
@@ -112,30 +118,63 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     async def Release(
         self, request: draft_pb2.DraftReleaseRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.DraftReleaseResponse:
-        released = set(request.request_ids)
+        await self._release(set(request.request_ids))
+        return draft_pb2.DraftReleaseResponse()
+
+    async def _release(self, released: set[str]) -> None:
         async with self._arrived:
             for key in [key for key in self._rows if key[0] in released]:
                 del self._rows[key]
         await self._run(self.runner.release, list(released))
-        return draft_pb2.DraftReleaseResponse()
+        self.leases.forget(list(released))
+
+    async def sweep(self, interval_s: float) -> None:
+        """Every `interval_s`: drops rows nobody asked for and frees the requests of orchestrators that are gone."""
+        while True:
+            await asyncio.sleep(interval_s)
+            async with self._arrived:
+                self._drop_stale_rows()
+            orphans = self.leases.expired(time.monotonic())
+            if orphans:
+                LOG.warning("freeing %d requests of an orchestrator that went away", len(orphans))
+                await self._release(set(orphans))
 
     async def stop(self) -> None:
         self.model_thread.shutdown()
 
-    async def _take_rows(self, request_id: str, round_number: int) -> TargetRows | None:
+    async def _take_rows(self, request_id: str, round_number: int) -> TargetRows:
+        """The request's rows up to this round: those of rounds it was not asked to draft for (the orchestrator
+        chose k = 0 then) come first. Raises DraftRequestError when they do not join up, CallFailed when the
+        round's rows do not arrive in time."""
         key = (request_id, round_number)
         async with self._arrived:
             self._drop_stale_rows()
             try:
                 await asyncio.wait_for(self._arrived.wait_for(lambda: key in self._rows), self.settings.rows_timeout_s)
             except TimeoutError:
-                return None
-            return self._rows.pop(key)[0]
+                raise CallFailed(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no hidden states from the target for request {request_id!r} round {round_number} "
+                    f"within {self.settings.rows_timeout_s} s",
+                ) from None
+            earlier = sorted(k for k in self._rows if k[0] == request_id and k[1] < round_number)
+            parts = [self._rows.pop(k)[0] for k in (*earlier, key)]
+        rows = parts[0]
+        for later in parts[1:]:
+            # Rows that start where the earlier ones start, or before, restart the request (a recompute after
+            # preemption, a replay): the earlier ones are stale, e.g. rows in flight when the request was released.
+            rows = later if later.start_position <= rows.start_position else rows.followed_by(later)
+        return rows
 
     def _drop_stale_rows(self) -> None:
-        # Rows of a request's last round arrive after it finished; nobody asks for them.
+        """Drops the rows of requests that got none for rows_ttl_s: rows of a request's last round arrive after it
+        finished, and nobody asks for them. A running request that drafts nothing for a while (k = 0) keeps
+        getting rows every round, so its rows stay until it drafts again."""
+        latest: dict[str, float] = {}
+        for (request_id, _), (_, arrived) in self._rows.items():
+            latest[request_id] = max(arrived, latest.get(request_id, arrived))
         oldest = time.monotonic() - self.settings.rows_ttl_s
-        for key in [key for key, (_, arrived) in self._rows.items() if arrived < oldest]:
+        for key in [key for key in self._rows if latest[key[0]] < oldest]:
             del self._rows[key]
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
@@ -146,8 +185,9 @@ async def start_draft(settings: DraftSettings) -> tuple[DraftService, asyncio.Ta
     """Builds the replica against its target; raises IncompatibleDraft / AuxLayerError on a mismatch."""
     # Before any torch work on this thread (tandem.model_thread).
     model_thread = ModelThread("draft-model", settings.threads)
-    await wait_for_ready(settings.target_address, timeout_s=300.0)
-    channel = grpc.aio.insecure_channel(settings.target_address, options=channel_options())
+    security = settings.target_security
+    await wait_for_ready(settings.target_address, timeout_s=300.0, open_channel=security.aio_channel)
+    channel = security.aio_channel(settings.target_address)
     target = target_pb2_grpc.TargetStub(channel)
     info: target_pb2.TargetInfo = await target.GetInfo(target_pb2.TargetInfoRequest())
     LOG.info(
@@ -166,7 +206,11 @@ async def start_draft(settings: DraftSettings) -> tuple[DraftService, asyncio.Ta
     LOG.info("%s draft ready, %d KV blocks", prepared.kind, runner.cache.num_blocks)
     service = DraftService(runner, settings, prepared, model_thread)
     stream = target.SubscribeHidden(
-        target_pb2.SubscribeRequest(replica_id=settings.replica_id, capture_indices=list(prepared.capture.indices))
+        target_pb2.SubscribeRequest(
+            replica_id=settings.replica_id,
+            capture_indices=list(prepared.capture.indices),
+            tokens_only=prepared.tokens_only,
+        )
     )
     consumer = asyncio.create_task(service.consume(stream))
     return service, consumer, channel

@@ -8,6 +8,7 @@ from typing import Literal
 
 from tandem.models.aux_layers import Convention
 from tandem.settings import KVCacheSettings
+from tandem.transport import Insecure, TransportSecurity
 
 # DeepSeek NextN reused for several steps: what a step hands to the next, the layer's shared_head.norm output
 # (SGLang) or its pre-norm stream (vLLM).
@@ -26,9 +27,12 @@ class DraftSettings:
     num_steps: int = 5
     aux_layer_convention: Convention = "auto"
     cache: KVCacheSettings = field(default_factory=KVCacheSettings)
-    dtype: str = "float32"
+    dtype: str = "float32"  # resolved (tandem.devices): the CLI's "auto" is bfloat16 on CUDA, float32 on the CPU
+    device: str = "cpu"  # resolved: "cpu" or "cuda:N"
     threads: int = 0  # intra-op (OpenMP) threads of the model; 0: PyTorch's default (one per core it may use)
     rows_timeout_s: float = 60.0  # how long Propose waits for the target's rows of a round
     rows_ttl_s: float = 120.0  # rows nobody asked for (finished requests) are dropped after this
     mtp_feedback: MTPFeedback = "post_norm"
     mtp_mode: MTPMode = "chain"
+    target_security: TransportSecurity = field(default_factory=Insecure)  # the channel to the target
+    metrics_port: int | None = None  # serve Prometheus /metrics on this port (0: a free one); None: no endpoint

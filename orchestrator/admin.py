@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 import grpc
 
@@ -14,7 +13,6 @@ from orchestrator.scheduler import Scheduler
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 
 LOG = logging.getLogger(__name__)
-DRAIN_POLL_S = 0.1
 
 Connect = Callable[[str], Awaitable[tuple[str, DraftBackend]]]  # address -> (replica id, backend)
 
@@ -28,17 +26,37 @@ def replica_status(replica: Replica, state: str | None = None) -> orchestrator_p
     )
 
 
+def address_allowed(address: str, allowed: Collection[str]) -> bool:
+    """Whether `address` ("host:port") matches an entry of `allowed`: the same "host:port", or "host:*"."""
+    host, _, port = address.rpartition(":")
+    return bool(host and port) and (address in allowed or f"{host}:*" in allowed)
+
+
 class AdminService(orchestrator_pb2_grpc.OrchestratorAdminServicer):
-    def __init__(self, scheduler: Scheduler, connect: Connect, scaler: orchestrator_pb2_grpc.ScalerStub | None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        connect: Connect,
+        scaler: orchestrator_pb2_grpc.ScalerStub | None,
+        max_draft_replicas: int,
+        allowed_addresses: Collection[str],
+    ) -> None:
         self.scheduler = scheduler
         self.connect = connect
         self.scaler = scaler
+        self.max_draft_replicas = max_draft_replicas
+        self.allowed_addresses = frozenset(allowed_addresses)
 
     async def Scale(
         self, request: orchestrator_pb2.ScaleRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.ListReplicasResponse:
         if request.draft_replicas < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"draft_replicas: {request.draft_replicas} < 0")
+        if request.draft_replicas > self.max_draft_replicas:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"draft_replicas: {request.draft_replicas} is above --max-draft-replicas {self.max_draft_replicas}",
+            )
         if self.scaler is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -58,6 +76,11 @@ class AdminService(orchestrator_pb2_grpc.OrchestratorAdminServicer):
     ) -> orchestrator_pb2.ReplicaStatus:
         if not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address: empty")
+        if not address_allowed(request.address, self.allowed_addresses):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"address: {request.address} is not allowed; allow it with --allow-draft-address",
+            )
         try:
             replica_id, backend = await self.connect(request.address)
         except grpc.aio.AioRpcError as error:
@@ -80,11 +103,8 @@ class AdminService(orchestrator_pb2_grpc.OrchestratorAdminServicer):
         if replica is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"replica_id: {request.replica_id!r} is not in the pool")
             raise AssertionError("unreachable")
-        replica.draining = True
         LOG.info("draining draft replica %s (%d requests)", replica.replica_id, replica.outstanding)
-        while replica.outstanding > 0 and self.scheduler.replicas.get(replica.replica_id) is replica:
-            await asyncio.sleep(DRAIN_POLL_S)
-        self.scheduler.replicas.remove(replica.replica_id)
+        await self.scheduler.replicas.drain(replica)
         LOG.info("draft replica %s removed", replica.replica_id)
         return replica_status(replica, state="removed")
 

@@ -1,8 +1,9 @@
 """What the scheduler needs from a target and from a draft replica, as plain dataclasses.
 
 Two implementations: gRPC clients of separate services (orchestrator/grpc_backends.py, what
-`tandem serve` runs) and in-process runners (orchestrator/local_backends.py, the colocated baseline
-that the benchmark compares the split against). The scheduler is the same code for both.
+`tandem serve` runs) and in-process runners (bench/colocated.py, the colocated baseline
+that the benchmark compares the split against). The scheduler is the same code for both. A third DraftBackend
+needs no draft process at all: prompt lookup over the request's own tokens (orchestrator/ngram.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+from tandem.sampling.logprobs import TokenLogprob
 from tandem.sampling.params import SamplingParams
 
 
@@ -53,6 +55,7 @@ class StepTask:
     replica: str | None = None
     move: bool = False
     replay: bool = False
+    top_logprobs: int | None = None  # report the new tokens' logprobs and this many best tokens; None: no logprobs
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class StepDone:
     accepted: int = 0
     new_tokens: list[int] = field(default_factory=list)  # empty for a prompt chunk
     streaming: bool = False  # hidden rows go to the request's replica
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token when the task asked
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,9 @@ class ProposeTask:
     request_id: str
     round: int
     num_steps: int
+    # The request's committed tokens (prompt, then generated), for drafters that read tokens rather than the target's
+    # hidden rows (orchestrator/ngram.py); a draft replica over gRPC has its own copy and ignores them.
+    tokens: Sequence[int] = ()
 
 
 @dataclass(frozen=True)

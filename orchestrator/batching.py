@@ -105,11 +105,13 @@ def plan_step(
     waiting: deque[ActiveRequest],
     pool: KVPool,
     settings: SchedulerSettings,
+    num_steps: int | None = None,  # drafts a decoding request may verify this step; None: settings.num_steps
 ) -> StepPlan:
     """Chooses the step; preempted requests are listed, not moved (the scheduler frees and requeues them).
 
     Decoding requests get room for as many drafts as they may verify; what is proposed can only be fewer.
     """
+    k = settings.num_steps if num_steps is None else num_steps
     plan = StepPlan()
     free = pool.num_blocks - sum(pool.blocks(request.kv_length) for request in running)
     tokens_left = settings.max_num_batched_tokens
@@ -123,7 +125,7 @@ def plan_step(
     for request in running:
         if not request.decoding or request in plan.preempted:
             continue
-        drafts = request.max_drafts(settings.num_steps)
+        drafts = request.max_drafts(k)
         if 1 + drafts > tokens_left:
             break
         need = growth(request, 1 + drafts)

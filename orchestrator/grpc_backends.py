@@ -18,7 +18,9 @@ from orchestrator.backends import (
     StepTask,
 )
 from tandem.grpc_util import STATUS_CODES
+from tandem.leases import session_metadata
 from tandem.wire import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tandem.wire.logprobs import logprobs_from_proto
 
 _KINDS = {
     grpc.StatusCode.INVALID_ARGUMENT: FailureKind.INVALID,
@@ -108,10 +110,16 @@ def _item_failure(what: str, error: common_pb2.CallError) -> BackendError:
 
 
 class GrpcTarget:
-    def __init__(self, stub: target_pb2_grpc.TargetStub, timeout_s: float) -> None:
+    """The target over gRPC. `session` names this orchestrator to the target (tandem.leases): when it goes away,
+    the target frees its requests."""
+
+    def __init__(self, stub: target_pb2_grpc.TargetStub, timeout_s: float, session: str = "") -> None:
         self.stub = stub
         self.timeout_s = timeout_s
-        self._step: CallStream[target_pb2.StepResponse] = CallStream(stub.StepStream, "target step", timeout_s)
+        self.metadata = session_metadata(session) if session else ()
+        self._step: CallStream[target_pb2.StepResponse] = CallStream(
+            lambda: stub.StepStream(metadata=self.metadata), "target step", timeout_s
+        )
 
     async def step(self, tasks: Sequence[StepTask], preempt: Sequence[str]) -> StepOutcome:
         request = target_pb2.StepRequest(items=[_step_item(task) for task in tasks], preempt=preempt)
@@ -123,6 +131,7 @@ class GrpcTarget:
                 result.accepted,
                 list(result.new_tokens),
                 result.streaming,
+                logprobs_from_proto(result.logprobs),
             )
             for result in response.results
         ]
@@ -130,7 +139,9 @@ class GrpcTarget:
 
     async def release(self, request_ids: Sequence[str]) -> None:
         try:
-            await self.stub.Release(target_pb2.ReleaseRequest(request_ids=request_ids), timeout=self.timeout_s)
+            await self.stub.Release(
+                target_pb2.ReleaseRequest(request_ids=request_ids), timeout=self.timeout_s, metadata=self.metadata
+            )
         except grpc.aio.AioRpcError as error:
             raise _backend_error(error, "target release") from None
 
@@ -144,6 +155,8 @@ def _step_item(task: StepTask) -> target_pb2.StepItem:
         draft_replica=task.replica or "",
         set_replica=task.move,
         replay=task.replay,
+        logprobs=task.top_logprobs is not None,
+        top_logprobs=task.top_logprobs or 0,
     )
     if task.open is not None:
         sampling = task.open.sampling
@@ -154,7 +167,9 @@ def _step_item(task: StepTask) -> target_pb2.StepItem:
                     temperature=sampling.temperature,
                     top_p=sampling.top_p,
                     top_k=sampling.top_k,
-                    seed=sampling.seed or 0,
+                    seed=sampling.seed,  # None leaves the optional field unset
+                    min_tokens=sampling.min_tokens,
+                    stop_token_ids=sampling.stop_token_ids,
                 ),
             )
         )
@@ -162,11 +177,14 @@ def _step_item(task: StepTask) -> target_pb2.StepItem:
 
 
 class GrpcDraft:
-    def __init__(self, stub: draft_pb2_grpc.DraftStub, timeout_s: float) -> None:
+    """A draft replica over gRPC; `session` as for GrpcTarget."""
+
+    def __init__(self, stub: draft_pb2_grpc.DraftStub, timeout_s: float, session: str = "") -> None:
         self.stub = stub
         self.timeout_s = timeout_s
+        self.metadata = session_metadata(session) if session else ()
         self._propose: CallStream[draft_pb2.ProposeResponse] = CallStream(
-            stub.ProposeStream, "draft propose", timeout_s
+            lambda: stub.ProposeStream(metadata=self.metadata), "draft propose", timeout_s
         )
 
     async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch:
@@ -178,7 +196,9 @@ class GrpcDraft:
 
     async def release(self, request_ids: Sequence[str]) -> None:
         try:
-            await self.stub.Release(draft_pb2.DraftReleaseRequest(request_ids=request_ids), timeout=self.timeout_s)
+            await self.stub.Release(
+                draft_pb2.DraftReleaseRequest(request_ids=request_ids), timeout=self.timeout_s, metadata=self.metadata
+            )
         except grpc.aio.AioRpcError as error:
             raise _backend_error(error, "draft release") from None
 

@@ -6,9 +6,12 @@ A replica is "serving" (gets new requests), "draining" (keeps its requests, gets
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from orchestrator.backends import DraftBackend
+
+DRAIN_POLL_S = 0.1  # how often a draining replica's outstanding requests are counted
 
 
 @dataclass
@@ -16,6 +19,9 @@ class Replica:
     replica_id: str
     address: str
     backend: DraftBackend
+    # The target streams this replica its requests' hidden rows; False for a drafter that reads only their tokens
+    # (orchestrator/ngram.py), whose requests the target runs without capture.
+    hidden_rows: bool = True
     outstanding: int = 0
     draining: bool = False
     demoted: bool = False
@@ -33,8 +39,8 @@ class ReplicaPool:
     def __init__(self) -> None:
         self._replicas: dict[str, Replica] = {}
 
-    def add(self, replica_id: str, address: str, backend: DraftBackend) -> Replica:
-        replica = Replica(replica_id, address, backend)
+    def add(self, replica_id: str, address: str, backend: DraftBackend, hidden_rows: bool = True) -> Replica:
+        replica = Replica(replica_id, address, backend, hidden_rows)
         self._replicas[replica_id] = replica
         return replica
 
@@ -75,3 +81,17 @@ class ReplicaPool:
 
     def backend(self, replica_id: str) -> DraftBackend:
         return self._replicas[replica_id].backend
+
+    async def drain(self, replica: Replica) -> bool:
+        """Stops assigning to `replica`, waits until its requests finish, then removes it from the pool.
+
+        Returns False when the replica left the pool some other way while it drained (then nothing is removed).
+        Cancelling the wait leaves the replica in the pool, still draining: set `draining` back to serve again.
+        """
+        replica.draining = True
+        while replica.outstanding > 0 and self._replicas.get(replica.replica_id) is replica:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self._replicas.get(replica.replica_id) is not replica:
+            return False
+        del self._replicas[replica.replica_id]
+        return True

@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -40,11 +40,14 @@ from orchestrator.batching import ActiveRequest, KVPool, Scheduled, plan_step
 from orchestrator.output import RequestFailed, RequestOutput
 from orchestrator.replicas import ReplicaPool
 from orchestrator.settings import SchedulerSettings
+from orchestrator.speculation import SpeculationPolicy
 from orchestrator.text import IncrementalDetokenizer, StopStringMatcher
-from orchestrator.validation import InvalidRequest, ValidatedRequest
+from orchestrator.validation import InvalidRequest, ValidatedRequest, with_stop_masking
 
 LOG = logging.getLogger(__name__)
 MAX_REPROBE_S = 30.0
+RELEASE_RETRY_S = 1.0  # how often releases that failed (a peer that did not answer) are tried again
+TARGET = ""  # the key of the target among the places a release may be owed to; replicas go by their ids
 
 
 class QueueFull(Exception):
@@ -85,11 +88,21 @@ class Scheduler:
         self.waiting: deque[ActiveRequest] = deque()
         self.running: dict[str, ActiveRequest] = {}  # in admission order
         self.last_progress = time.monotonic()  # when the loop last finished a step (health)
+        self.target_failure: str | None = None  # why the target's last step or release failed; None once it answers
+        self.replica_failures = 0  # demotions since start (metrics)
+        self.speculation = SpeculationPolicy(settings.num_steps, settings.adaptive_k)
+        self.k_in_use = settings.num_steps  # the last step's k (metrics)
+        # Called with (replica id, seconds) after every Propose call that answered (orchestrator.metrics).
+        self.propose_listeners: list[Callable[[str, float], None]] = []
         self._wake = asyncio.Event()
         self._probes: dict[str, asyncio.Task[None]] = {}
+        # Releases that failed, by where they are owed (TARGET or a replica id): tried again with the next release
+        # there, or after RELEASE_RETRY_S, so that a peer that was slow or stopped for a while gets its KV back.
+        self._owed: dict[str, set[str]] = {}
 
     def submit(self, params: ValidatedRequest) -> ActiveRequest:
         """Queues a request; raises InvalidRequest when it can never fit the KV pool, QueueFull when the queue is."""
+        params = with_stop_masking(params, self.eos_token_ids)
         positions = len(params.input_ids) + params.max_new_tokens
         pool = self.facts.pool
         if not pool.fits_alone(positions):
@@ -110,6 +123,7 @@ class Scheduler:
             ignore_eos=params.ignore_eos,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.input_ids),
             stop=StopStringMatcher(params.stop),
+            stop_token_ids=params.stop_token_ids,
         )
         request = ActiveRequest(uuid.uuid4().hex, params, output, replica)
         self.waiting.append(request)
@@ -130,7 +144,12 @@ class Scheduler:
         while True:
             self.last_progress = time.monotonic()
             if not self.waiting and not self.running:
-                await self._wake.wait()
+                retry = self._owed or self.target_failure is not None
+                try:
+                    await asyncio.wait_for(self._wake.wait(), RELEASE_RETRY_S if retry else None)
+                except TimeoutError:
+                    await self._settle_owed()
+                    continue
             self._wake.clear()
             await self._drop_cancelled()
             self._return_orphans()
@@ -139,11 +158,14 @@ class Scheduler:
 
     async def _step(self) -> None:
         started = time.perf_counter()
-        plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings)
+        speculating = sum(1 for r in self.running.values() if r.decoding and r.replica is not None)
+        self.k_in_use = self.speculation.choose(speculating)
+        plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings, self.k_in_use)
         await self._preempt(plan.preempted)
         for request in plan.admitted:
             self.waiting.remove(request)
             self.running[request.request_id] = request
+            request.output.mark_scheduled()
         if not plan.decode and not plan.chunks:
             if self.running or self.waiting:
                 # Nothing fits until running requests finish; they are all waiting for KV room, which only
@@ -157,10 +179,18 @@ class Scheduler:
             outcome = await self.target.step(tasks, [request.request_id for request in plan.preempted])
         except BackendError as error:
             scheduled = [entry.request for entry in (*plan.decode, *plan.chunks)]
+            if error.kind is FailureKind.UNAVAILABLE:
+                self.target_failure = str(error)
+                # The step may still run on the target once it answers again (a timed-out call): release every
+                # request of it there, opened or not (releasing an id the target does not hold does nothing).
+                for request in scheduled:
+                    request.opened = True
             await self._fail(scheduled, RequestFailed(error.kind, str(error)))
             return
+        self.target_failure = None
         step_call = time.perf_counter() - step_started
         propose_call = step_started - started
+        self.speculation.observe_target(sum(task.num_tokens + len(task.draft_tokens) for task in tasks), step_call)
         decoding = {entry.request.request_id for entry in plan.decode}
         for task, done in zip(tasks, outcome.results, strict=True):
             request = self.running[task.request_id]
@@ -174,11 +204,13 @@ class Scheduler:
             if task.move:
                 request.needs_move = False
             request.kv_length += task.num_tokens + done.accepted
-            if request.replica is not None and not done.streaming:
-                self._replica_failed(request.replica, "not subscribed to the target")
+            rows_to = self._hidden_rows_to(request.replica)  # the request's replica, if it reads hidden rows
+            if rows_to is not None and not done.streaming:
+                self._replica_failed(rows_to, "not subscribed to the target")
             if task.request_id in decoding:
                 stats = request.output.stats
                 stats.count_round(len(task.draft_tokens), done.accepted)
+                self.speculation.observe_round(len(task.draft_tokens), done.accepted)
                 timing = timings.get(request.replica or "")
                 draft_compute = timing.compute_seconds if timing else 0.0
                 stats.draft_seconds += draft_compute
@@ -190,22 +222,31 @@ class Scheduler:
             if done.new_tokens:
                 request.round += 1
                 if not request.cancelled:
-                    request.output.emit(done.new_tokens, self.eos_token_ids)
+                    request.output.emit(done.new_tokens, self.eos_token_ids, done.logprobs)
+        self.speculation.observe_scheduling((time.perf_counter() - started) - propose_call - step_call)
         await self._release_finished([task.request_id for task in tasks])
 
     def _task(self, entry: Scheduled, drafts: list[int]) -> StepTask:
         request = entry.request
         params = request.params
+        rows_to = self._hidden_rows_to(request.replica)
         return StepTask(
             request_id=request.request_id,
             round=request.round + 1,
             num_tokens=entry.num_tokens,
             draft_tokens=drafts,
             open=None if request.opened else OpenTask(params.input_ids, params.sampling),
-            replica=request.replica,
+            replica=rows_to,
             move=request.needs_move,
-            replay=request.needs_move,
+            replay=request.needs_move and rows_to is not None,
+            top_logprobs=params.top_logprobs,
         )
+
+    def _hidden_rows_to(self, replica_id: str | None) -> str | None:
+        """Where the target sends a request's hidden rows: its replica, unless that replica drafts from tokens alone
+        (then the target captures nothing for the request)."""
+        replica = self.replicas.get(replica_id) if replica_id is not None else None
+        return None if replica is not None and not replica.hidden_rows else replica_id
 
     async def _preempt(self, requests: Sequence[ActiveRequest]) -> None:
         """Frees the KV of preempted requests on their drafts now (the target frees it with the step) and queues
@@ -226,7 +267,8 @@ class Scheduler:
         for entry in decode:
             request = entry.request
             if entry.max_drafts > 0 and request.replica is not None:
-                task = ProposeTask(request.request_id, request.round, entry.max_drafts)
+                tokens = (*request.params.input_ids, *request.output.generated)
+                task = ProposeTask(request.request_id, request.round, entry.max_drafts, tokens)
                 by_replica.setdefault(request.replica, []).append(task)
         replies = await asyncio.gather(
             *(self._timed_propose(replica, tasks) for replica, tasks in by_replica.items()), return_exceptions=True
@@ -247,6 +289,9 @@ class Scheduler:
                 self.running[request_id].needs_move = True  # the replica dropped its state
             drafts.update(batch.drafts)
             timings[replica] = ReplicaTiming(call_seconds, batch.compute_seconds)
+            for listener in self.propose_listeners:
+                listener(replica, call_seconds)
+            self.speculation.observe_propose(len(tasks), max(task.num_steps for task in tasks), call_seconds)
         return drafts, timings
 
     def _check_proposals(self, tasks: Sequence[ProposeTask], batch: ProposedBatch) -> str:
@@ -281,6 +326,7 @@ class Scheduler:
         if replica is None or replica.demoted:
             return
         self.replicas.demote(replica_id)
+        self.replica_failures += 1
         moved = [r for r in (*self.running.values(), *self.waiting) if r.replica == replica_id]
         LOG.warning("draft replica %s demoted (%s): moving its %d requests", replica_id, reason, len(moved))
         for request in moved:
@@ -341,13 +387,8 @@ class Scheduler:
             return
         for request in done:
             del self.running[request.request_id]
-        calls = []
         opened = [r.request_id for r in done if r.opened]
-        if opened:
-            calls.append(self.target.release(opened))
-        for outcome in await asyncio.gather(*calls, self._release_on_drafts(done), return_exceptions=True):
-            if isinstance(outcome, BaseException):
-                LOG.warning("release failed: %s", outcome)
+        await asyncio.gather(self._release_on(TARGET, opened), self._release_on_drafts(done))
         for request in done:
             if request.replica is not None:
                 self.replicas.release(request.replica)
@@ -357,10 +398,42 @@ class Scheduler:
         for request in requests:
             if request.replica is not None and self.replicas.get(request.replica) is not None:
                 by_replica.setdefault(request.replica, []).append(request.request_id)
-        calls = [self.replicas.backend(replica).release(ids) for replica, ids in by_replica.items()]
-        for outcome in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(outcome, BaseException):
-                LOG.warning("draft release failed: %s", outcome)
+        await asyncio.gather(*(self._release_on(replica, ids) for replica, ids in by_replica.items()))
+
+    async def _release_on(self, where: str, request_ids: Sequence[str], probe: bool = False) -> None:
+        """Releases requests on the target (TARGET) or a replica, with what is still owed there; what fails is
+        owed again. Releases owed to a replica that left the pool are dropped with it. With `probe`, a release of
+        nothing still goes out: it answers once the peer's model thread does."""
+        replica = self.replicas.get(where)
+        backend = self.target if where == TARGET else replica.backend if replica is not None else None
+        owed = [*self._owed.pop(where, ()), *request_ids]
+        if backend is None or not (owed or probe):
+            return
+        try:
+            await backend.release(owed)
+        except BackendError as error:
+            LOG.warning("release of %d requests failed, will retry: %s", len(owed), error)
+            self._owed[where] = set(owed)
+            if where == TARGET:
+                self.target_failure = str(error)
+            return
+        if where == TARGET:
+            self.target_failure = None
+
+    def unhealthy(self, now: float) -> str | None:
+        """Why the orchestrator cannot serve now (grpc.health.v1 reports NOT_SERVING), or None when it can: the
+        target failed its last call, or the loop has work and made no step for `settings.stall_s`."""
+        if self.target_failure is not None:
+            return f"the target does not answer: {self.target_failure}"
+        stalled = now - self.last_progress
+        if (self.running or self.waiting) and stalled > self.settings.stall_s:
+            return f"no step for {stalled:.0f} s with {len(self.running)} running, {len(self.waiting)} waiting"
+        return None
+
+    async def _settle_owed(self) -> None:
+        """Retries owed releases; after a target failure, probes the target until it answers again."""
+        places = set(self._owed) | ({TARGET} if self.target_failure is not None else set())
+        await asyncio.gather(*(self._release_on(where, (), probe=where == TARGET) for where in places))
 
     async def _fail(self, requests: Sequence[ActiveRequest], failure: RequestFailed) -> None:
         LOG.error("%d requests failed: %s", len(requests), failure)

@@ -1,10 +1,12 @@
-"""The public Orchestrator service: validates, tokenizes, hands requests to the scheduler, streams."""
+"""The public Orchestrator service (gRPC Generate, a front end of orchestrator.generation) and its start-up."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 from transformers import AutoTokenizer
@@ -12,16 +14,24 @@ from transformers import AutoTokenizer
 from orchestrator.admin import AdminService
 from orchestrator.backends import DraftBackend, FailureKind
 from orchestrator.batching import KVPool
+from orchestrator.discovery import DnsResolver, DraftDiscovery
+from orchestrator.generation import Generation
 from orchestrator.grpc_backends import GrpcDraft, GrpcTarget
+from orchestrator.metrics import Metrics
+from orchestrator.ngram import add_ngram_replica, check_one_draft_kind
 from orchestrator.output import Output, RequestFailed
 from orchestrator.replicas import ReplicaPool
 from orchestrator.scheduler import QueueFull, Scheduler, TargetFacts
 from orchestrator.settings import OrchestratorSettings
-from orchestrator.validation import InvalidRequest, Limits, check_bounds, validate_request
-from tandem.grpc_util import channel_options, wait_for_ready
+from orchestrator.validation import InvalidRequest, Limits, client_request_id
+from tandem.grpc_util import wait_for_ready
+from tandem.transport import TransportSecurity
 from tandem.wire import draft_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
+from tandem.wire.logprobs import logprobs_to_proto
 
 LOG = logging.getLogger(__name__)
+
+REQUEST_ID_METADATA = "x-request-id"  # the client's id for its request, echoed in the initial metadata
 
 STATUS_OF_FAILURE = {
     FailureKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -32,7 +42,10 @@ STATUS_OF_FAILURE = {
 
 def response_message(output: Output) -> orchestrator_pb2.GenerateResponse:
     response = orchestrator_pb2.GenerateResponse(
-        token_ids=output.token_ids, text=output.text, finish_reason=output.finish_reason
+        token_ids=output.token_ids,
+        text=output.text,
+        finish_reason=output.finish_reason,
+        logprobs=logprobs_to_proto(output.logprobs),
     )
     if output.stats is not None:
         stats = output.stats
@@ -54,77 +67,110 @@ def response_message(output: Output) -> orchestrator_pb2.GenerateResponse:
 
 
 class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, scheduler: Scheduler, limits: Limits) -> None:
-        self.scheduler = scheduler
-        self.limits = limits
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
 
     async def Generate(
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
+        # A client that goes away cancels this coroutine: aclosing cancels the request, freeing its KV everywhere.
         try:
-            check_bounds(request, self.limits)
-            # Tokenizing a long prompt takes a while: off the event loop, which keeps streaming to other clients.
-            params = await asyncio.to_thread(validate_request, request, self.scheduler.tokenizer, self.limits)
-            active = self.scheduler.submit(params)
+            given = dict(context.invocation_metadata() or ()).get(REQUEST_ID_METADATA)
+            client_id = client_request_id(given if isinstance(given, str) else None)
+            await context.send_initial_metadata(((REQUEST_ID_METADATA, client_id),))
+            async with aclosing(self.generation.stream(request, client_id)) as outputs:
+                async for output in outputs:
+                    yield response_message(output)
         except InvalidRequest as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-            return
         except QueueFull as error:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-            return
-        try:
-            while True:
-                output = await active.output.messages.get()
-                if isinstance(output, RequestFailed):
-                    await context.abort(STATUS_OF_FAILURE[output.kind], str(output))
-                    return
-                yield response_message(output)
-                if output.finish_reason:
-                    return
-        finally:
-            # Reached on cancellation too (the client went away): free the request's KV everywhere.
-            self.scheduler.cancel(active)
+        except RequestFailed as failure:
+            await context.abort(STATUS_OF_FAILURE[failure.kind], str(failure))
 
 
-async def connect_replica(address: str, call_timeout_s: float, timeout_s: float = 30.0) -> tuple[str, DraftBackend]:
-    """Connects to a draft replica and returns its id (from GetInfo) and a backend for it."""
-    channel = grpc.aio.insecure_channel(address, options=channel_options())
+async def connect_replica(
+    address: str,
+    call_timeout_s: float,
+    timeout_s: float = 30.0,
+    session: str = "",
+    *,
+    security: TransportSecurity,
+) -> tuple[str, DraftBackend]:
+    """Connects to a draft replica and returns its id (from GetInfo) and a backend for it; `session` names this
+    orchestrator to the replica (tandem.leases)."""
+    channel = security.aio_channel(address)
     stub = draft_pb2_grpc.DraftStub(channel)
-    draft: draft_pb2.DraftInfo = await stub.GetInfo(
-        draft_pb2.DraftInfoRequest(), wait_for_ready=True, timeout=timeout_s
-    )
+    try:
+        draft: draft_pb2.DraftInfo = await stub.GetInfo(
+            draft_pb2.DraftInfoRequest(), wait_for_ready=True, timeout=timeout_s
+        )
+    except BaseException:
+        await channel.close()  # draft discovery retries an address that does not answer: no channel piles up
+        raise
     LOG.info("draft replica %s at %s: %s, %d steps", draft.replica_id, address, draft.architecture, draft.num_steps)
-    return draft.replica_id, GrpcDraft(stub, call_timeout_s)
+    return draft.replica_id, GrpcDraft(stub, call_timeout_s, session)
 
 
 async def start_orchestrator(
     settings: OrchestratorSettings,
-) -> tuple[OrchestratorService, AdminService, asyncio.Task[None]]:
-    await wait_for_ready(settings.target_address, timeout_s=600.0)
-    target_channel = grpc.aio.insecure_channel(settings.target_address, options=channel_options())
+) -> tuple[OrchestratorService, AdminService, list[asyncio.Task[None]]]:
+    """Connects to the target and the given drafts; returns the services and the essential background tasks."""
+    check_one_draft_kind(settings)
+    security = settings.internal_security
+    await wait_for_ready(settings.target_address, timeout_s=600.0, open_channel=security.aio_channel)
+    target_channel = security.aio_channel(settings.target_address)
     target_stub = target_pb2_grpc.TargetStub(target_channel)
     info: target_pb2.TargetInfo = await target_stub.GetInfo(target_pb2.TargetInfoRequest())
     replicas = ReplicaPool()
     draft_timeout_s = settings.scheduler.draft_timeout_s
+    # New at every start: the target and drafts free the requests of an earlier run of this orchestrator.
+    session = uuid.uuid4().hex
     for address in settings.draft_addresses:
-        replica_id, backend = await connect_replica(address, draft_timeout_s, timeout_s=600.0)
+        replica_id, backend = await connect_replica(
+            address, draft_timeout_s, timeout_s=600.0, session=session, security=security
+        )
         replicas.add(replica_id, address, backend)
+    if settings.ngram is not None:
+        add_ngram_replica(replicas, settings.ngram)
     tokenizer = AutoTokenizer.from_pretrained(str(settings.tokenizer_dir))
     eos_ids = set(info.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
     facts = TargetFacts(info.vocab_size, KVPool(info.kv_blocks_total, info.kv_block_size), info.max_draft_tokens)
-    target = GrpcTarget(target_stub, settings.scheduler.target_timeout_s)
+    target = GrpcTarget(target_stub, settings.scheduler.target_timeout_s, session)
     scheduler = Scheduler(target, replicas, tokenizer, eos_ids, settings.scheduler, facts)
     limits = Limits(
         vocab_size=info.vocab_size,
         max_context=info.max_context,
         default_max_new_tokens=settings.default_max_new_tokens,
     )
-    loop_task = asyncio.create_task(scheduler.run())
+    metrics = Metrics(scheduler, settings.model_name)
+    background = [
+        asyncio.create_task(scheduler.run(), name="scheduler loop"),
+        asyncio.create_task(metrics.watch_acceptance(), name="acceptance watch"),
+    ]
+    if settings.draft_discovery is not None:
+        found_by = settings.draft_discovery
+        discovery = DraftDiscovery(
+            found_by,
+            DnsResolver(),
+            lambda address: connect_replica(
+                address, draft_timeout_s, found_by.connect_timeout_s, session, security=security
+            ),
+            replicas,
+            scheduler.wake,
+        )
+        background.append(asyncio.create_task(discovery.run(), name="draft discovery"))
     scaler = None
     if settings.scaler_address:
-        scaler_channel = grpc.aio.insecure_channel(settings.scaler_address, options=channel_options())
+        scaler_channel = security.aio_channel(settings.scaler_address)
         scaler = orchestrator_pb2_grpc.ScalerStub(scaler_channel)
-    admin = AdminService(scheduler, lambda address: connect_replica(address, draft_timeout_s), scaler)
-    return OrchestratorService(scheduler, limits), admin, loop_task
+    admin = AdminService(
+        scheduler,
+        lambda address: connect_replica(address, draft_timeout_s, session=session, security=security),
+        scaler,
+        max_draft_replicas=settings.admin.max_draft_replicas,
+        allowed_addresses=(*settings.admin.allowed_draft_addresses, *settings.draft_addresses),
+    )
+    return OrchestratorService(Generation(scheduler, limits, metrics)), admin, background

@@ -1,22 +1,32 @@
 """Checking a public GenerateRequest and converting it to our own frozen dataclass, at the edge of the orchestrator.
 
 Proto3 cannot tell an unset scalar from zero, so zero means "the default" where zero is not a useful value:
-top_p 0 means 1.0 (no nucleus filtering), max_new_tokens 0 means the server default, seed 0 means no seed.
+top_p 0 means 1.0 (no nucleus filtering), max_new_tokens 0 means the server default. `seed` has presence (proto3
+`optional`): unset means no seed, and 0 is a seed like any other.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
+from tandem.sampling.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling.params import SamplingParams
 from tandem.wire import orchestrator_pb2
+
+MAX_CLIENT_REQUEST_ID = 128  # characters of a client's request id
 
 
 class InvalidRequest(ValueError):
     """A request the server refuses; the message names the field and why, e.g. "top_p: must be in (0, 1], got 1.5"."""
+
+    @property
+    def field(self) -> str:
+        """The field the message names (its text before the first colon), e.g. "top_p" or "stop[1]"."""
+        return str(self).split(":", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,8 @@ class ValidatedRequest:
     stop: tuple[str, ...]  # non-empty strings
     ignore_eos: bool
     disable_speculation: bool
+    stop_token_ids: frozenset[int] = frozenset()  # any of these ends the request ("stop"), ignore_eos or not
+    top_logprobs: int | None = None  # with logprobs: how many best tokens per position; None: no logprobs
 
 
 def check_bounds(request: orchestrator_pb2.GenerateRequest, limits: Limits) -> None:
@@ -81,6 +93,11 @@ def validate_request(
     if request.max_new_tokens < 0:
         raise InvalidRequest(f"max_new_tokens: must be >= 0 (0 means the server default), got {request.max_new_tokens}")
 
+    for index, token_id in enumerate(request.stop_token_ids):
+        if not 0 <= token_id < limits.vocab_size:
+            raise InvalidRequest(
+                f"stop_token_ids[{index}]: {token_id} is outside the vocabulary of {limits.vocab_size} tokens"
+            )
     input_ids = _prompt_ids(request, tokenizer, limits.vocab_size)
     prompt_length = len(input_ids)
     if prompt_length >= limits.max_context:
@@ -98,6 +115,8 @@ def validate_request(
         )
     else:
         max_new_tokens = request.max_new_tokens
+    if not 0 <= request.min_tokens <= max_new_tokens:
+        raise InvalidRequest(f"min_tokens: must be in [0, max_new_tokens = {max_new_tokens}], got {request.min_tokens}")
 
     return ValidatedRequest(
         input_ids=input_ids,
@@ -106,7 +125,41 @@ def validate_request(
         stop=stop,
         ignore_eos=request.ignore_eos,
         disable_speculation=request.disable_speculation,
+        stop_token_ids=frozenset(request.stop_token_ids),
+        top_logprobs=_top_logprobs(request),
     )
+
+
+def _top_logprobs(request: orchestrator_pb2.GenerateRequest) -> int | None:
+    if not request.logprobs:
+        if request.top_logprobs:
+            raise InvalidRequest(f"top_logprobs: {request.top_logprobs} needs logprobs set")
+        return None
+    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+    return request.top_logprobs
+
+
+def with_stop_masking(params: ValidatedRequest, eos_token_ids: frozenset[int]) -> ValidatedRequest:
+    """The request with the ids its target must mask until min_tokens: every id that would end it (EOS unless
+    ignore_eos, and its stop_token_ids)."""
+    if params.sampling.min_tokens == 0:
+        return params
+    ending = params.stop_token_ids | (frozenset() if params.ignore_eos else eos_token_ids)
+    return replace(params, sampling=replace(params.sampling, stop_token_ids=tuple(sorted(ending))))
+
+
+def client_request_id(value: str | None) -> str:
+    """The id a client gave its request (HTTP header X-Request-Id, gRPC metadata x-request-id), or a new uuid when it
+    gave none; it names the request in logs and answers, beside the internal id. Printable ASCII without spaces."""
+    if value is None:
+        return uuid.uuid4().hex
+    if not 0 < len(value) <= MAX_CLIENT_REQUEST_ID or not all("!" <= char <= "~" for char in value):
+        raise InvalidRequest(
+            f"x-request-id: must be 1 to {MAX_CLIENT_REQUEST_ID} printable ASCII characters without spaces, "
+            f"got {value[:MAX_CLIENT_REQUEST_ID]!r}"
+        )
+    return value
 
 
 def _validate_sampling(request: orchestrator_pb2.GenerateRequest) -> SamplingParams:
@@ -123,7 +176,8 @@ def _validate_sampling(request: orchestrator_pb2.GenerateRequest) -> SamplingPar
         temperature=temperature,
         top_p=top_p,
         top_k=request.top_k,
-        seed=None if request.seed == 0 else request.seed,
+        seed=request.seed if request.HasField("seed") else None,
+        min_tokens=max(0, request.min_tokens),
     )
 
 

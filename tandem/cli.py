@@ -11,19 +11,54 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.load_settings import LoadSettings
 from bench.settings import BenchSettings
 from draft_server.settings import MTP_FEEDBACKS, MTP_MODES, DraftSettings
-from orchestrator.settings import OrchestratorSettings, SchedulerSettings
+from orchestrator.settings import (
+    AdminSettings,
+    DiscoverySettings,
+    HttpSettings,
+    NgramSettings,
+    OrchestratorSettings,
+    SchedulerSettings,
+    parse_host_port,
+)
+from tandem.cli_devices import add_device_options, placement_of
+from tandem.cli_security import (
+    add_admin_options,
+    add_admin_token_options,
+    add_api_key_options,
+    add_tls_options,
+    admin_settings_of,
+    admin_token_of,
+    api_key_of,
+    client_security_of,
+    internal_security_of,
+    public_security_of,
+)
+from tandem.devices import DTYPES
 from tandem.errors import StartupError
 from tandem.launcher import ServeSettings, serve
 from tandem.models.aux_layers import CONVENTIONS
+from tandem.serve_security import ServeSecurity
 from tandem.serving import ListenSettings, configure_logging
-from tandem.settings import DEMO_DRAFT, DEMO_DRAFTS, DEMO_TARGET, KVCacheSettings, apply_service_environment
+from tandem.settings import (
+    DEMO_CHAT_TEMPLATE,
+    DEMO_DRAFT,
+    DEMO_DRAFTS,
+    DEMO_TARGET,
+    KVCacheSettings,
+    apply_service_environment,
+    parse_size,
+)
+from tandem.transport import Insecure, TransportSecurity
 from target_server.settings import TargetSettings
 
-DTYPES = ("float32", "bfloat16", "float16")
 LAUNCHERS = ("process", "ray")
-SERVICE_COMMANDS = ("serve", "target", "draft", "orchestrator")
+# The commands that get the services' OpenMP environment: the services, and `bench`, whose colocated engine and
+# transformers rows compute beside them and are compared with them under the same runtime settings.
+SERVICE_ENVIRONMENT_COMMANDS = ("serve", "target", "draft", "orchestrator", "bench")
+NGRAM = "ngram"  # --draft ngram: prompt-lookup drafting in the orchestrator, no draft model (orchestrator/ngram.py)
 
 
 def _add_listen(parser: argparse.ArgumentParser, default_port: int = ListenSettings.port) -> None:
@@ -32,8 +67,17 @@ def _add_listen(parser: argparse.ArgumentParser, default_port: int = ListenSetti
     parser.add_argument("--ready-file", type=Path, help="write the bound host:port here once serving")
 
 
-def _listen(args: argparse.Namespace) -> ListenSettings:
-    return ListenSettings(host=args.host, port=args.port, ready_file=args.ready_file)
+def _add_metrics_port(parser: argparse.ArgumentParser, whose: str) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help=f"serve {whose} Prometheus /metrics on this port, on --host (0: a free one; unset: none)",
+    )
+
+
+def _listen(args: argparse.Namespace, security: TransportSecurity) -> ListenSettings:
+    return ListenSettings(host=args.host, port=args.port, ready_file=args.ready_file, security=security)
 
 
 def _model_dir(given: Path | None, demo: Path, flag: str) -> Path:
@@ -80,6 +124,37 @@ def _draft_dir(given: str) -> Path:
     return DEMO_DRAFTS[name]
 
 
+def _draft(given: str) -> Path | str:
+    """`--draft`: a draft directory or `demo:<name>` (_draft_dir), or NGRAM (a directory of that name: ./ngram)."""
+    return NGRAM if given == NGRAM else _draft_dir(given)
+
+
+def _add_ngram_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ngram-max",
+        type=_positive,
+        help=f"--draft ngram: the longest suffix looked up, tried first (default {NgramSettings.max_n})",
+    )
+    parser.add_argument(
+        "--ngram-min",
+        type=_positive,
+        help=f"--draft ngram: the shortest suffix looked up (default {NgramSettings.min_n})",
+    )
+
+
+def _ngram(args: argparse.Namespace) -> NgramSettings | None:
+    """The n-gram drafter's settings for `--draft ngram`; None for any other draft."""
+    given = {name: value for name, value in (("max_n", args.ngram_max), ("min_n", args.ngram_min)) if value is not None}
+    if args.draft != NGRAM:
+        if given:
+            raise SystemExit("tandem: --ngram-max and --ngram-min apply to --draft ngram only")
+        return None
+    try:
+        return NgramSettings(**given)
+    except ValueError as error:
+        raise SystemExit(f"tandem: {error}") from None
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -87,7 +162,35 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be a number of seconds above 0")
+    return value
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    try:
+        return parse_host_port(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _discovery(args: argparse.Namespace) -> DiscoverySettings | None:
+    if args.draft_dns is None:
+        return None
+    host, port = args.draft_dns
+    return DiscoverySettings(host=host, port=port, interval_s=args.draft_dns_interval)
+
+
 def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--adaptive-k",
+        action=argparse.BooleanOptionalAction,
+        default=SchedulerSettings.adaptive_k,
+        help="choose k (0 included) per batch from measured round costs and acceptance, at most "
+        "--speculative-num-steps; --no-adaptive-k always drafts --speculative-num-steps tokens",
+    )
     parser.add_argument(
         "--max-num-seqs", type=_positive, default=SchedulerSettings.max_num_seqs, help="requests running at once"
     )
@@ -102,15 +205,140 @@ def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _add_cache_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--kv-blocks", type=_positive, default=KVCacheSettings.num_blocks, help="KV blocks preallocated in the pool"
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument(
+        "--kv-blocks",
+        type=_positive,
+        default=KVCacheSettings.num_blocks,
+        help=f"KV blocks preallocated in the pool (default {KVCacheSettings.num_blocks})",
+    )
+    pool.add_argument(
+        "--kv-cache-memory",
+        type=_size,
+        default=KVCacheSettings.memory_bytes,
+        help="size the KV pool by memory instead of blocks, e.g. 512MiB or 4GiB (per process: target rank, draft)",
     )
     parser.add_argument("--block-size", type=_positive, default=KVCacheSettings.block_size, help="tokens per KV block")
+    parser.add_argument(
+        "--orphan-timeout",
+        type=float,
+        default=KVCacheSettings.orphan_timeout_s,
+        help="seconds after which the requests of an orchestrator that went away are freed",
+    )
 
 
-def _cache(args: argparse.Namespace) -> KVCacheSettings:
-    return KVCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size)
+def _cache(args: argparse.Namespace, attention_backend: str | None = None) -> KVCacheSettings:
+    return KVCacheSettings(
+        num_blocks=args.kv_blocks,
+        block_size=args.block_size,
+        memory_bytes=args.kv_cache_memory,
+        orphan_timeout_s=args.orphan_timeout,
+        attention_backend=attention_backend,
+    )
+
+
+def _serve_security(args: argparse.Namespace) -> ServeSecurity:
+    security = ServeSecurity(
+        api_key=api_key_of(args),
+        admin_port=args.admin_port,
+        admin_token=admin_token_of(args),
+        max_draft_replicas=args.max_draft_replicas,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        internal_tls=args.internal_tls,
+    )
+    try:
+        security.check()
+    except ValueError as error:
+        raise SystemExit(f"tandem: {error}") from None
+    if args.draft_replicas > security.max_draft_replicas:
+        raise SystemExit(f"tandem: --draft-replicas {args.draft_replicas} is above --max-draft-replicas")
+    uses_tls = security.internal_tls or security.tls_cert is not None
+    if args.launcher == "ray" and uses_tls:
+        raise SystemExit("tandem: TLS is not available with --launcher ray yet; use --launcher process")
+    return security
+
+
+def _add_http_options(parser: argparse.ArgumentParser, serve: bool) -> None:
+    """The orchestrator's OpenAI-compatible HTTP API and /metrics: on by default for serve, off for orchestrator."""
+    http = parser.add_mutually_exclusive_group()
+    if serve:
+        http.add_argument(
+            "--http-port",
+            type=int,
+            default=ServeSettings.http_port,
+            help="port of the OpenAI-compatible HTTP API and /metrics (default: a free port, printed)",
+        )
+        http.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    else:
+        http.add_argument(
+            "--http-port", type=int, help="serve the OpenAI-compatible HTTP API and /metrics here (0: free)"
+        )
+        parser.add_argument("--http-ready-file", type=Path, help="write the HTTP API's URL here once it listens")
+    parser.add_argument(
+        "--chat-template",
+        type=Path,
+        help="Jinja chat template for /v1/chat/completions when the tokenizer has none (demo target: bundled)",
+    )
+    parser.add_argument("--served-model-name", help="the model's name in the HTTP API and metrics (default: its dir)")
+
+
+def _add_load_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    load = commands.add_parser("bench-load", help="load test: many concurrent streams, a KV pool smaller than them")
+    load.add_argument("--target", type=Path, help="target directory (default: the demo target)")
+    load.add_argument("--draft", type=_draft, help="draft directory or demo:<name> (default: demo:eagle3)")
+    load.add_argument("--streams", type=int, default=LoadSettings.streams, help="streams opened at once")
+    for flag, default, what in (
+        ("--prompt-tokens", LoadSettings.prompt_tokens, "prompt length"),
+        ("--max-new-tokens", LoadSettings.new_tokens, "token budget"),
+    ):
+        load.add_argument(
+            flag, type=int, nargs=2, metavar=("MIN", "MAX"), default=list(default), help=f"each stream's {what}"
+        )
+    load.add_argument("--kv-blocks", type=int, default=LoadSettings.kv_blocks, help="KV pool of target and draft")
+    load.add_argument(
+        "--timeout", type=float, default=LoadSettings.timeout_s, help="seconds for all streams to finish (then fail)"
+    )
+    load.add_argument("--output-dir", type=Path, default=LoadSettings.out_dir, help="for latest.json and latest.md")
+
+
+def _bench_load(args: argparse.Namespace) -> int:
+    """Runs the load test; exits non-zero on a timeout, a failed stream or KV blocks missing at the end."""
+    from bench.load import LoadTimeout, run_load
+
+    if args.draft == NGRAM:
+        # The load test checks every draft replica's KV pool; the n-gram drafter has none and no address.
+        raise SystemExit("tandem bench-load: --draft ngram is not supported; give a draft directory or demo:<name>")
+    settings = LoadSettings(
+        target_dir=_model_dir(args.target, DEMO_TARGET, "--target"),
+        draft_dir=_model_dir(args.draft, DEMO_DRAFT, "--draft"),
+        streams=args.streams,
+        prompt_tokens=(args.prompt_tokens[0], args.prompt_tokens[1]),
+        new_tokens=(args.max_new_tokens[0], args.max_new_tokens[1]),
+        kv_blocks=args.kv_blocks,
+        timeout_s=args.timeout,
+        out_dir=args.output_dir,
+    )
+    try:
+        report, run = run_load(settings)
+    except (ValueError, LoadTimeout) as error:
+        raise SystemExit(f"tandem bench-load: {error}") from None
+    print(report.read_text())
+    failures = [f"{count} streams failed with {code}" for code, count in sorted(run.errors.items())]
+    failures += [] if run.kv_back else ["KV blocks did not all come back"]
+    if failures:
+        print(f"tandem bench-load: {'; '.join(failures)} (see {report})", file=sys.stderr)
+        return 1
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,16 +351,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_parser.add_argument(
         "--draft",
-        type=_draft_dir,
-        help="draft directory, or demo:eagle3 | demo:eagle3-mla | demo:mtp; default: demo:eagle3 with the demo "
-        "target, else none",
+        type=_draft,
+        help="draft directory, or demo:eagle3 | demo:eagle3-mla | demo:mtp, or ngram (prompt lookup, no draft "
+        "model); default: demo:eagle3 with the demo target, else none",
     )
+    _add_ngram_options(serve_parser)
     serve_parser.add_argument("--host", default=ServeSettings.host)
     serve_parser.add_argument("--port", type=int, default=ServeSettings.port)
     serve_parser.add_argument("--speculative-num-steps", type=int, default=ServeSettings.num_steps)
     serve_parser.add_argument("--draft-replicas", type=int, default=ServeSettings.draft_replicas)
     serve_parser.add_argument("--aux-layer-convention", choices=CONVENTIONS, default=ServeSettings.aux_layer_convention)
-    serve_parser.add_argument("--dtype", choices=DTYPES, default=ServeSettings.dtype)
+    add_device_options(serve_parser, "the target and each draft replica")
     _add_scheduler_options(serve_parser)
     _add_cache_options(serve_parser)
     serve_parser.add_argument(
@@ -143,15 +372,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_threads(serve_parser, "each target rank's", "0: the cores, over --tp", "--target-threads")
     _add_threads(serve_parser, "each draft replica's", "0: the cores", "--draft-threads")
     _add_mtp_options(serve_parser)
+    _add_http_options(serve_parser, serve=True)
+    add_api_key_options(serve_parser, "key that Generate calls must carry as 'authorization: Bearer KEY'")
+    add_admin_options(serve_parser, with_listen=False)
+    add_tls_options(serve_parser, "of every service and the public port (needs all three --tls-* flags)")
+    serve_parser.add_argument(
+        "--internal-tls",
+        action="store_true",
+        help="encrypt the services' own traffic with a throwaway CA (mutual TLS); the public port stays plaintext",
+    )
 
     target_parser = commands.add_parser("target", help="run the target service")
     target_parser.add_argument("--model", type=Path, required=True)
-    target_parser.add_argument("--dtype", choices=DTYPES, default=TargetSettings.dtype)
+    add_device_options(target_parser, "the target (rank r of --tp: GPU N + r)")
     target_parser.add_argument("--max-context", type=int, default=TargetSettings.max_context)
     _add_cache_options(target_parser)
     target_parser.add_argument("--tp", type=int, default=TargetSettings.tp, help="tensor-parallel ranks")
     _add_threads(target_parser, "each rank's", "0: the cores this process may use, over --tp")
     _add_listen(target_parser)
+    _add_metrics_port(target_parser, "the target's")
+    add_tls_options(target_parser, "of this service")
 
     draft_parser = commands.add_parser("draft", help="run one draft replica")
     draft_parser.add_argument("--model", type=Path, required=True)
@@ -159,15 +399,32 @@ def build_parser() -> argparse.ArgumentParser:
     draft_parser.add_argument("--replica-id", default=f"draft-{socket.gethostname()}-{os.getpid()}")
     draft_parser.add_argument("--speculative-num-steps", type=int, default=DraftSettings.num_steps)
     draft_parser.add_argument("--aux-layer-convention", choices=CONVENTIONS, default=DraftSettings.aux_layer_convention)
-    draft_parser.add_argument("--dtype", choices=DTYPES, default=DraftSettings.dtype)
+    add_device_options(draft_parser, "the draft model")
     _add_cache_options(draft_parser)
     _add_threads(draft_parser, "the draft model's", "0: the cores this process may use")
     _add_mtp_options(draft_parser)
     _add_listen(draft_parser)
+    _add_metrics_port(draft_parser, "the draft's")
+    add_tls_options(draft_parser, "of this service, also presented to the target")
 
     orchestrator_parser = commands.add_parser("orchestrator", help="run the public orchestrator service")
     orchestrator_parser.add_argument("--target-address", required=True)
     orchestrator_parser.add_argument("--draft-address", action="append", default=[], help="repeat per replica")
+    orchestrator_parser.add_argument(
+        "--draft", choices=[NGRAM], help="ngram: draft here by prompt lookup, with no draft replicas"
+    )
+    _add_ngram_options(orchestrator_parser)
+    orchestrator_parser.add_argument(
+        "--draft-dns",
+        type=_host_port,
+        help="HOST:PORT: follow the addresses HOST resolves to as draft replicas (a Kubernetes headless Service)",
+    )
+    orchestrator_parser.add_argument(
+        "--draft-dns-interval",
+        type=_positive_seconds,
+        default=DiscoverySettings.interval_s,
+        help="seconds between resolutions of --draft-dns",
+    )
     orchestrator_parser.add_argument("--tokenizer", type=Path, required=True, help="directory with tokenizer files")
     orchestrator_parser.add_argument("--speculative-num-steps", type=int, default=SchedulerSettings.num_steps)
     _add_scheduler_options(orchestrator_parser)
@@ -180,30 +437,65 @@ def build_parser() -> argparse.ArgumentParser:
     orchestrator_parser.add_argument(
         "--default-max-new-tokens", type=int, default=OrchestratorSettings.default_max_new_tokens
     )
+    orchestrator_parser.add_argument(
+        "--max-request-bytes",
+        type=_size,
+        default=OrchestratorSettings.max_request_bytes,
+        help="largest Generate request message accepted, e.g. 4MiB (larger: RESOURCE_EXHAUSTED)",
+    )
     orchestrator_parser.add_argument("--scaler-address", help="the launcher that starts and stops draft replicas")
+    _add_http_options(orchestrator_parser, serve=False)
     _add_listen(orchestrator_parser, default_port=ServeSettings.port)
+    add_api_key_options(orchestrator_parser, "key that Generate calls must carry as 'authorization: Bearer KEY'")
+    add_admin_options(orchestrator_parser, with_listen=True)
+    add_tls_options(orchestrator_parser, "of the public port, and presented to target and drafts")
+    orchestrator_parser.add_argument(
+        "--public-plaintext",
+        action="store_true",
+        help="serve the public and admin ports without TLS even with --tls-cert (certificates only the stack trusts)",
+    )
 
     bench_parser = commands.add_parser("bench", help="benchmark speculative vs target-only vs colocated")
     bench_parser.add_argument("--target", type=Path, help="target directory (default: the demo target)")
-    bench_parser.add_argument("--draft", type=_draft_dir, help="draft directory or demo:<name> (default: demo:eagle3)")
+    bench_parser.add_argument(
+        "--draft", type=_draft, help="draft directory, demo:<name> or ngram (default: demo:eagle3)"
+    )
+    _add_ngram_options(bench_parser)
     bench_parser.add_argument("--address", help="a running stack to measure (default: start one)")
     bench_parser.add_argument("--num-prompts", type=int, default=BenchSettings.num_prompts)
     bench_parser.add_argument("--max-new-tokens", type=int, default=BenchSettings.max_new_tokens)
     bench_parser.add_argument("--concurrency", type=int, nargs="+", default=list(BenchSettings.concurrency))
     bench_parser.add_argument("--speculative-num-steps", type=int, default=BenchSettings.num_steps)
+    bench_parser.add_argument(
+        "--adaptive-k",
+        action=argparse.BooleanOptionalAction,
+        default=BenchSettings.adaptive_k,
+        help="as on tandem serve; --no-adaptive-k measures a fixed k (both setups)",
+    )
     bench_parser.add_argument("--draft-replicas", type=int, default=BenchSettings.draft_replicas)
     bench_parser.add_argument("--dtype", choices=DTYPES, default=BenchSettings.dtype, help="of target and draft")
-    _add_threads(bench_parser, "the started stack's target", "0: tandem serve's default", "--target-threads")
+    _add_threads(
+        bench_parser, "the target (started stack, colocated, transformers)", "0: their default", "--target-threads"
+    )
     _add_threads(bench_parser, "the started stack's draft", "0: tandem serve's default", "--draft-threads")
     bench_parser.add_argument(
         "--repeats", type=int, default=BenchSettings.repeats, help="runs of each configuration; medians are reported"
     )
     bench_parser.add_argument("--no-colocated", action="store_true", help="skip the one-process baseline")
+    bench_parser.add_argument(
+        "--no-transformers", action="store_true", help="skip the Hugging Face transformers rows (greedy, prompt lookup)"
+    )
+    bench_parser.add_argument(
+        "--save-requests", type=Path, help="also write every request's tokens and statistics to this JSON file"
+    )
     bench_parser.add_argument("--out", type=Path, default=BenchSettings.out_dir)
+    _add_load_parser(commands)
 
     scale_parser = commands.add_parser("scale", help="change the number of draft replicas of a running stack")
     scale_parser.add_argument("--draft-replicas", type=int, required=True)
-    scale_parser.add_argument("--address", default=f"127.0.0.1:{ServeSettings.port}")
+    scale_parser.add_argument("--address", default=f"127.0.0.1:{AdminSettings.port}", help="the admin port")
+    add_admin_token_options(scale_parser, "the orchestrator's admin token")
+    add_tls_options(scale_parser, "presented to the admin port (it asks for none)")
 
     generate_parser = commands.add_parser("generate", help="stream a completion from a running Tandem")
     generate_parser.add_argument("prompt")
@@ -212,37 +504,55 @@ def build_parser() -> argparse.ArgumentParser:
     generate_parser.add_argument("--temperature", type=float, default=0.0)
     generate_parser.add_argument("--top-p", type=float, default=0.0, help="0: no nucleus filtering")
     generate_parser.add_argument("--top-k", type=int, default=0)
-    generate_parser.add_argument("--seed", type=int, default=0)
+    generate_parser.add_argument("--seed", type=int, help="seed of sampling (0 is a seed); default: not seeded")
     generate_parser.add_argument("--stop", action="append", default=[])
     generate_parser.add_argument("--ignore-eos", action="store_true")
     generate_parser.add_argument("--no-speculation", action="store_true")
+    add_api_key_options(generate_parser, "the orchestrator's API key")
+    add_tls_options(generate_parser, "presented to the orchestrator (it asks for none)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in SERVICE_COMMANDS:
+    if args.command in SERVICE_ENVIRONMENT_COMMANDS:
         apply_service_environment()
     if args.command == "serve":
         # No --target: the demo pair (with the demo head unless --draft names another). A --target of
         # your own gets no draft unless --draft is given: the demo head only fits the demo target.
         target_dir = _model_dir(args.target, DEMO_TARGET, "--target")
-        draft_dir = args.draft if args.target is not None else _model_dir(args.draft, DEMO_DRAFT, "--draft")
+        ngram = _ngram(args)
+        if ngram is not None:
+            draft_dir = None
+            if args.draft_replicas != ServeSettings.draft_replicas:
+                raise SystemExit("tandem: --draft ngram drafts in the orchestrator and starts no --draft-replicas")
+        else:
+            draft_dir = args.draft if args.target is not None else _model_dir(args.draft, DEMO_DRAFT, "--draft")
         if args.ray_address is not None and args.launcher != "ray":
             raise SystemExit("tandem: --ray-address needs --launcher ray")
+        try:
+            placement = placement_of(args, ranks=args.tp)
+            if args.launcher == "ray" and placement.device != "cpu":
+                raise StartupError(f"--launcher ray: places services on CPUs only for now, not {placement.device}")
+        except StartupError as error:
+            print(f"tandem serve cannot start: {error}", file=sys.stderr)
+            return 2
         settings = ServeSettings(
             target_dir=target_dir,
             draft_dir=draft_dir,
+            ngram=ngram,
             draft_replicas=args.draft_replicas,
             host=args.host,
             port=args.port,
             num_steps=args.speculative_num_steps,
             aux_layer_convention=args.aux_layer_convention,
-            dtype=args.dtype,
+            dtype=placement.dtype,
+            device=placement.device,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting,
-            cache=_cache(args),
+            adaptive_k=args.adaptive_k,
+            cache=_cache(args, placement.attention_backend),
             launcher=args.launcher,
             ray_address=args.ray_address,
             tp=args.tp,
@@ -250,6 +560,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             draft_threads=args.draft_threads,
             mtp_feedback=args.mtp_feedback,
             mtp_mode=args.mtp_mode,
+            security=_serve_security(args),
+            http_port=None if args.no_http else args.http_port,
+            chat_template=args.chat_template or (DEMO_CHAT_TEMPLATE if args.target is None else None),
+            served_model_name=args.served_model_name,
         )
         if settings.launcher == "ray":
             from tandem.ray_launcher import serve_on_ray  # imports ray: only on this path
@@ -261,24 +575,32 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.repeats < 1:
             raise SystemExit(f"tandem: --repeats must be at least 1, got {args.repeats}")
+        if args.draft == NGRAM and args.draft_replicas != BenchSettings.draft_replicas:
+            raise SystemExit("tandem: --draft ngram drafts in the orchestrator and starts no --draft-replicas")
         bench = BenchSettings(
             target_dir=_model_dir(args.target, DEMO_TARGET, "--target"),
-            draft_dir=_model_dir(args.draft, DEMO_DRAFT, "--draft"),
+            draft_dir=None if args.draft == NGRAM else _model_dir(args.draft, DEMO_DRAFT, "--draft"),
+            ngram=_ngram(args),
             address=args.address,
             num_prompts=args.num_prompts,
             max_new_tokens=args.max_new_tokens,
             concurrency=tuple(args.concurrency),
             num_steps=args.speculative_num_steps,
+            adaptive_k=args.adaptive_k,
             draft_replicas=args.draft_replicas,
             dtype=args.dtype,
             target_threads=args.target_threads,
             draft_threads=args.draft_threads,
             repeats=args.repeats,
             colocated=not args.no_colocated,
+            transformers=not args.no_transformers,
             out_dir=args.out,
+            save_requests=args.save_requests,
         )
         print(run_benchmark(bench).read_text())
         return 0
+    if args.command == "bench-load":
+        return _bench_load(args)
     if args.command == "generate":
         from tandem.client import generate
 
@@ -286,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "scale":
         from tandem.client import scale
 
-        return scale(args.address, args.draft_replicas)
+        return scale(args.address, args.draft_replicas, client_security_of(args), admin_token_of(args))
     configure_logging(args.command)
     try:
         run_service(args)
@@ -301,31 +623,38 @@ def run_service(args: argparse.Namespace) -> None:
     if args.command == "target":
         from target_server.main import serve_target
 
+        placement = placement_of(args, ranks=args.tp)
         target = TargetSettings(
             model_dir=args.model,
-            dtype=args.dtype,
+            dtype=placement.dtype,
+            device=placement.device,
             max_context=args.max_context,
-            cache=_cache(args),
+            cache=_cache(args, placement.attention_backend),
             tp=args.tp,
             threads=args.threads,
+            metrics_port=args.metrics_port,
         )
-        asyncio.run(serve_target(target, _listen(args)))
+        asyncio.run(serve_target(target, _listen(args, internal_security_of(args))))
     elif args.command == "draft":
         from draft_server.main import serve_draft
 
+        placement = placement_of(args)
         draft = DraftSettings(
             model_dir=args.model,
             target_address=args.target_address,
             replica_id=args.replica_id,
             num_steps=args.speculative_num_steps,
             aux_layer_convention=args.aux_layer_convention,
-            cache=_cache(args),
-            dtype=args.dtype,
+            cache=_cache(args, placement.attention_backend),
+            dtype=placement.dtype,
+            device=placement.device,
             threads=args.threads,
             mtp_feedback=args.mtp_feedback,
             mtp_mode=args.mtp_mode,
+            target_security=internal_security_of(args),
+            metrics_port=args.metrics_port,
         )
-        asyncio.run(serve_draft(draft, _listen(args)))
+        asyncio.run(serve_draft(draft, _listen(args, internal_security_of(args))))
     elif args.command == "orchestrator":
         from orchestrator.main import serve_orchestrator
 
@@ -338,13 +667,23 @@ def run_service(args: argparse.Namespace) -> None:
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_waiting=args.max_waiting,
+                adaptive_k=args.adaptive_k,
                 target_timeout_s=args.target_timeout,
                 draft_timeout_s=args.draft_timeout,
             ),
             default_max_new_tokens=args.default_max_new_tokens,
+            max_request_bytes=args.max_request_bytes,
             scaler_address=args.scaler_address,
+            api_key=api_key_of(args),
+            admin=admin_settings_of(args),
+            internal_security=internal_security_of(args),
+            draft_discovery=_discovery(args),
+            http=HttpSettings(port=args.http_port, ready_file=args.http_ready_file, chat_template=args.chat_template),
+            served_model_name=args.served_model_name,
+            ngram=_ngram(args),
         )
-        asyncio.run(serve_orchestrator(orchestrator, _listen(args)))
+        public = Insecure() if args.public_plaintext else public_security_of(args)
+        asyncio.run(serve_orchestrator(orchestrator, _listen(args, public)))
 
 
 if __name__ == "__main__":

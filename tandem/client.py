@@ -7,16 +7,19 @@ import sys
 
 import grpc
 
-from tandem.grpc_util import channel_options
+from tandem.auth import bearer_metadata
+from tandem.cli_security import api_key_of, client_security_of
+from tandem.transport import TransportSecurity
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 
 
-def scale(address: str, draft_replicas: int) -> int:
-    """Asks the orchestrator (and through it the launcher) to run `draft_replicas` replicas."""
-    with grpc.insecure_channel(address, options=channel_options()) as channel:
+def scale(address: str, draft_replicas: int, security: TransportSecurity, admin_token: str | None) -> int:
+    """Asks the orchestrator's admin port (and through it the launcher) to run `draft_replicas` replicas."""
+    with security.channel(address) as channel:
         admin = orchestrator_pb2_grpc.OrchestratorAdminStub(channel)
+        request = orchestrator_pb2.ScaleRequest(draft_replicas=draft_replicas)
         try:
-            response = admin.Scale(orchestrator_pb2.ScaleRequest(draft_replicas=draft_replicas), timeout=3600)
+            response = admin.Scale(request, timeout=3600, metadata=bearer_metadata(admin_token))
         except grpc.RpcError as error:
             print(f"tandem scale: {error.code().name}: {error.details()}", file=sys.stderr)
             return 1
@@ -37,10 +40,11 @@ def generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         disable_speculation=args.no_speculation,
     )
-    with grpc.insecure_channel(args.address, options=channel_options()) as channel:
+    metadata = bearer_metadata(api_key_of(args))
+    with client_security_of(args).channel(args.address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         try:
-            for response in stub.Generate(request, wait_for_ready=True, timeout=3600):
+            for response in stub.Generate(request, wait_for_ready=True, timeout=3600, metadata=metadata):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 if response.finish_reason:

@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.malformed import MalformedRequests
 from tandem.wire import common_pb2
 
 T = TypeVar("T")
@@ -50,9 +51,18 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
-def create_server(options: Sequence[tuple[str, int]] | None = None) -> grpc.aio.Server:
-    """A grpc.aio server with `options`, channel_options() when None. Add ports and services, then start it."""
-    return grpc.aio.server(options=channel_options() if options is None else list(options))
+def create_server(
+    options: Sequence[tuple[str, int]] | None = None, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+) -> grpc.aio.Server:
+    """A grpc.aio server with `options`, channel_options() when None. Add ports and services, then start it.
+
+    Every server answers a request message that does not parse with INVALID_ARGUMENT (tandem.malformed), before
+    the other `interceptors` run.
+    """
+    return grpc.aio.server(
+        options=channel_options() if options is None else list(options),
+        interceptors=[MalformedRequests(), *interceptors],
+    )
 
 
 async def add_standard_services(
@@ -73,8 +83,13 @@ async def add_standard_services(
     return health_servicer
 
 
-async def wait_for_ready(address: str, timeout_s: float, service: str = "") -> None:
+async def wait_for_ready(
+    address: str, timeout_s: float, open_channel: Callable[[str], grpc.aio.Channel], service: str = ""
+) -> None:
     """Polls grpc.health.v1 Check at `address` until `service` ("" for the whole server) reports SERVING.
+
+    `open_channel` is the caller's transport security's (`security.aio_channel`), so that the check goes the way
+    the caller's calls will.
 
     Raises TimeoutError naming the address and the last answer when that does not happen within timeout_s.
     Errors other than "not reachable yet" (UNAVAILABLE), "service not registered yet" (NOT_FOUND) and the
@@ -84,7 +99,7 @@ async def wait_for_ready(address: str, timeout_s: float, service: str = "") -> N
     deadline = loop.time() + timeout_s
     last_answer = "no answer"
     request = health_pb2.HealthCheckRequest(service=service)
-    async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
+    async with open_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while (remaining := deadline - loop.time()) > 0:
             try:

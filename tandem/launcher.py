@@ -9,6 +9,7 @@ end with the launcher however it ends: killed, it leaves them SIGTERM from the k
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +26,10 @@ from types import FrameType
 import grpc
 
 from draft_server.settings import DraftSettings, MTPFeedback, MTPMode
-from orchestrator.settings import SchedulerSettings
+from orchestrator.settings import NgramSettings, SchedulerSettings
 from tandem.grpc_util import channel_options
 from tandem.lifetime import start_child
+from tandem.serve_security import ServeSecurity, StackSecurity, without_secrets
 from tandem.settings import KVCacheSettings
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 from target_server.settings import TargetSettings
@@ -39,16 +41,19 @@ STOP_TIMEOUT_S = 15.0
 @dataclass(frozen=True)
 class ServeSettings:
     target_dir: Path
-    draft_dir: Path | None
+    draft_dir: Path | None  # None: no draft process (target-only, or ngram)
+    ngram: NgramSettings | None = None  # --draft ngram: the orchestrator drafts by prompt lookup (draft_dir is None)
     draft_replicas: int = 1
     host: str = "127.0.0.1"
     port: int = 50051
     num_steps: int = 5
     aux_layer_convention: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "float32"  # resolved, as device (tandem.devices)
+    device: str = "cpu"  # target rank 0's and every draft replica's: "cpu" or "cuda:N"
     max_num_seqs: int = SchedulerSettings.max_num_seqs
     max_num_batched_tokens: int = SchedulerSettings.max_num_batched_tokens
     max_waiting: int = SchedulerSettings.max_waiting
+    adaptive_k: bool = SchedulerSettings.adaptive_k
     cache: KVCacheSettings = field(default_factory=KVCacheSettings)  # the target's pool, and each replica's
     launcher: str = "process"  # "ray": tandem.ray_launcher
     ray_address: str | None = None  # the Ray cluster to join; None: start a local one
@@ -57,6 +62,17 @@ class ServeSettings:
     draft_threads: int = DraftSettings.threads  # intra-op threads of each draft replica (0: the cores)
     mtp_feedback: MTPFeedback = DraftSettings.mtp_feedback  # see draft_server.settings
     mtp_mode: MTPMode = DraftSettings.mtp_mode
+    security: ServeSecurity = field(default_factory=ServeSecurity)  # API key, admin port, TLS
+    http_port: int | None = 0  # the orchestrator's OpenAI-compatible HTTP API and /metrics; 0: a free port; None: off
+    chat_template: Path | None = None  # for /v1/chat/completions when the tokenizer has none
+    served_model_name: str | None = None  # None: the target directory's name
+
+
+def ngram_arguments(ngram: NgramSettings | None) -> list[str]:
+    """The flags that give `tandem serve` or `tandem orchestrator` these n-gram settings (none: no n-gram drafting)."""
+    if ngram is None:
+        return []
+    return ["--draft", "ngram", "--ngram-max", str(ngram.max_n), "--ngram-min", str(ngram.min_n)]
 
 
 class ChildFailed(RuntimeError):
@@ -79,11 +95,15 @@ class Launcher:
         self._scale_lock = threading.Lock()
         self._target_address = ""
         self._orchestrator_address = ""
+        self.admin_address = ""
+        self.http_url = ""  # the orchestrator's HTTP API, once started with one
         self._scaler: grpc.Server | None = None
+        self._security: StackSecurity | None = None
 
     def start(self) -> str:
         """Starts target, draft and orchestrator in order; returns the public address."""
         s = self.settings
+        self._security = StackSecurity.prepare(s.security, Path(self._workdir.name))
         target = self._spawn("target", self.target_arguments())
         target_address = self._wait_ready("target", target)
         self._target_address = target_address
@@ -100,33 +120,57 @@ class Launcher:
         arguments += self.scheduler_arguments()
         if s.draft_dir is not None:
             arguments += ["--scaler-address", self._start_scaler()]
-        orchestrator = self._spawn("orchestrator", arguments, host=s.host, port=s.port)
+        admin_ready_file = Path(self._workdir.name) / "orchestrator-admin.address"
+        arguments += [*self._security.orchestrator_arguments(), "--admin-ready-file", str(admin_ready_file)]
+        arguments += self._tls_arguments()
+        http_ready_file = Path(self._workdir.name) / "orchestrator-http.url"
+        arguments += self.http_arguments(http_ready_file)
+        environment = self._security.orchestrator_environment()
+        orchestrator = self._spawn("orchestrator", arguments, host=s.host, port=s.port, environment=environment)
         self._orchestrator_address = self._wait_ready("orchestrator", orchestrator)
+        self.admin_address = admin_ready_file.read_text().strip()  # written before the public port's file
+        if s.http_port is not None:
+            self.http_url = http_ready_file.read_text().strip()  # written before the public port's file too
         return self._orchestrator_address
+
+    def http_arguments(self, ready_file: Path) -> list[str]:
+        s = self.settings
+        arguments = []
+        if s.http_port is not None:
+            arguments += ["--http-port", str(s.http_port), "--http-ready-file", str(ready_file)]
+        if s.chat_template is not None:
+            arguments += ["--chat-template", str(s.chat_template)]
+        if s.served_model_name is not None:
+            arguments += ["--served-model-name", s.served_model_name]
+        return arguments
 
     def _start_scaler(self) -> str:
         """A Scaler service in this process: the orchestrator forwards OrchestratorAdmin.Scale to it."""
         self._scaler = grpc.server(ThreadPoolExecutor(max_workers=2), options=channel_options())
         orchestrator_pb2_grpc.add_ScalerServicer_to_server(LauncherScaler(self), self._scaler)
-        port = self._scaler.add_insecure_port("127.0.0.1:0")
+        assert self._security is not None
+        port = self._security.internal().add_port(self._scaler, "127.0.0.1:0")
         self._scaler.start()
         return f"127.0.0.1:{port}"
 
     def scale(self, count: int) -> None:
         """Starts or stops draft replicas until `count` run; new ones join the orchestrator, removed ones drain."""
+        assert self._security is not None
+        bound = self.settings.security.max_draft_replicas
+        if count > bound:
+            raise ValueError(f"draft_replicas: {count} is above --max-draft-replicas {bound}")
         with self._scale_lock:
             running = [(name, p) for name, p in list(self.children) if name.startswith("draft-") and p.poll() is None]
-            host, _, port = self._orchestrator_address.rpartition(":")
-            local = f"127.0.0.1:{port}" if host in ("0.0.0.0", "::", "[::]") else self._orchestrator_address
-            with grpc.insecure_channel(local, options=channel_options()) as channel:
+            metadata = self._security.admin_metadata()
+            with self._security.admin_client().channel(self.admin_address) as channel:
                 admin = orchestrator_pb2_grpc.OrchestratorAdminStub(channel)
                 for _ in range(count - len(running)):
                     replica = f"draft-{next(self._replica_ids)}"
                     ready_file = self._spawn(replica, self.draft_arguments(replica, self._target_address))
                     address = self._wait_ready(replica, ready_file)
-                    admin.AddReplica(orchestrator_pb2.AddReplicaRequest(address=address))
+                    admin.AddReplica(orchestrator_pb2.AddReplicaRequest(address=address), metadata=metadata)
                 for name, process in reversed(running[count:]):
-                    admin.RemoveReplica(orchestrator_pb2.RemoveReplicaRequest(replica_id=name))
+                    admin.RemoveReplica(orchestrator_pb2.RemoveReplicaRequest(replica_id=name), metadata=metadata)
                     self.children.remove((name, process))  # a planned stop, not a death to report
                     process.send_signal(signal.SIGTERM)
                     process.wait(timeout=STOP_TIMEOUT_S)
@@ -138,11 +182,24 @@ class Launcher:
             "--max-num-seqs", str(s.max_num_seqs),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
             "--max-waiting", str(s.max_waiting),
+            *([] if s.adaptive_k else ["--no-adaptive-k"]),
+            *ngram_arguments(s.ngram),
         ]  # fmt: skip
 
     def cache_arguments(self) -> list[str]:
         cache = self.settings.cache
-        return ["--kv-blocks", str(cache.num_blocks), "--block-size", str(cache.block_size)]
+        pool = (
+            ["--kv-cache-memory", str(cache.memory_bytes)]
+            if cache.memory_bytes
+            else ["--kv-blocks", str(cache.num_blocks)]
+        )
+        backend = ["--attention-backend", cache.attention_backend] if cache.attention_backend else []
+        return [
+            *pool,
+            "--block-size", str(cache.block_size),
+            "--orphan-timeout", str(cache.orphan_timeout_s),
+            *backend,
+        ]  # fmt: skip
 
     def target_arguments(self) -> list[str]:
         s = self.settings
@@ -150,9 +207,11 @@ class Launcher:
             "target",
             "--model", str(s.target_dir),
             "--dtype", s.dtype,
+            "--device", s.device,
             "--tp", str(s.tp),
             "--threads", str(s.target_threads),
             *self.cache_arguments(),
+            *self._tls_arguments(),
         ]  # fmt: skip
 
     def draft_arguments(self, replica_id: str, target_address: str) -> list[str]:
@@ -166,19 +225,32 @@ class Launcher:
             "--speculative-num-steps", str(s.num_steps),
             "--aux-layer-convention", s.aux_layer_convention,
             "--dtype", s.dtype,
+            "--device", s.device,
             "--threads", str(s.draft_threads),
             "--mtp-feedback", s.mtp_feedback,
             "--mtp-mode", s.mtp_mode,
             *self.cache_arguments(),
+            *self._tls_arguments(),
         ]  # fmt: skip
 
-    def _spawn(self, name: str, arguments: Sequence[str], host: str = "127.0.0.1", port: int = 0) -> Path:
+    def _tls_arguments(self) -> list[str]:
+        return [] if self._security is None else self._security.tls_arguments()
+
+    def _spawn(
+        self,
+        name: str,
+        arguments: Sequence[str],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        environment: Mapping[str, str] | None = None,
+    ) -> Path:
         ready_file = Path(self._workdir.name) / f"{name}.address"
         command = [sys.executable, "-m", "tandem.cli", *arguments, "--host", host, "--port", str(port)]
         command += ["--ready-file", str(ready_file)]
         # Children ignore the terminal's SIGINT (own session); the launcher stops them in order, and should it be
         # killed instead, they get SIGTERM from the kernel (tandem.lifetime).
-        process = start_child(command, start_new_session=True)
+        environment = without_secrets(os.environ) if environment is None else environment
+        process = start_child(command, start_new_session=True, env=environment)
         self.children.append((name, process))
         return ready_file
 
@@ -243,16 +315,23 @@ class LauncherScaler(orchestrator_pb2_grpc.ScalerServicer):
     ) -> orchestrator_pb2.ScaleResponse:
         try:
             self.launcher.scale(request.draft_replicas)
+        except ValueError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except (ChildFailed, TimeoutError, grpc.RpcError) as error:
             context.abort(grpc.StatusCode.INTERNAL, f"scaling to {request.draft_replicas} replicas failed: {error}")
         return orchestrator_pb2.ScaleResponse()
 
 
-def ready_line(settings: ServeSettings, address: str, units: str) -> str:
-    """The one line `tandem serve` prints when Generate is servable (tools wait for it: READY_LINE)."""
-    mode = "speculative" if settings.draft_dir is not None else "target-only"
-    replicas = f", {settings.draft_replicas} draft replicas" if settings.draft_dir is not None else ""
-    return f"tandem ready: Generate on {address} ({mode}{replicas}, {units})"
+def ready_line(settings: ServeSettings, address: str, units: str, admin_address: str | None = None) -> str:
+    """The one line `tandem serve` prints when Generate is servable (tools wait for it: READY_LINE, ADMIN)."""
+    if settings.ngram is not None:
+        mode = "speculative, n-gram drafts in the orchestrator"
+    elif settings.draft_dir is not None:
+        mode = f"speculative, {settings.draft_replicas} draft replicas"
+    else:
+        mode = "target-only"
+    admin = f", admin on {admin_address}" if admin_address else ""
+    return f"tandem ready: Generate on {address} ({mode}, {units}{admin})"
 
 
 def serve(settings: ServeSettings) -> int:
@@ -261,7 +340,10 @@ def serve(settings: ServeSettings) -> int:
     signal.signal(signal.SIGTERM, launcher.request_stop)
     try:
         address = launcher.start()
-        print(ready_line(settings, address, f"{len(launcher.children)} processes"), flush=True)
+        line = ready_line(settings, address, f"{len(launcher.children)} processes", launcher.admin_address)
+        if launcher.http_url:
+            print(http_line(launcher.http_url), flush=True)  # before the ready line, which tools wait for
+        print(line, flush=True)
         return launcher.wait()
     except ChildFailed as error:
         print(f"tandem serve: {error}", file=sys.stderr, flush=True)
@@ -272,7 +354,13 @@ def serve(settings: ServeSettings) -> int:
         launcher.stop()
 
 
+def http_line(url: str) -> str:
+    return f"tandem HTTP API: {url}/v1 (OpenAI-compatible), metrics on {url}/metrics"
+
+
 READY_LINE = re.compile(r"tandem ready: Generate on (\S+)")
+HTTP_LINE = re.compile(r"tandem HTTP API: (\S+)/v1 ")
+ADMIN = re.compile(r"admin on ([^\s,)]+)")
 
 
 class ServeProcess:
@@ -287,6 +375,10 @@ class ServeProcess:
         self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
         self.address = self._wait_ready(ready_timeout_s)
+        ready = next(line for line in self.log if READY_LINE.search(line))
+        self.admin_address = match.group(1) if (match := ADMIN.search(ready)) else None
+        # The HTTP API's URL ("" without one), printed before the ready line.
+        self.http_url = next((found.group(1) for line in self.log if (found := HTTP_LINE.search(line))), "")
 
     def _pump(self) -> None:
         assert self.process.stdout is not None

@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import NoReturn
 
@@ -36,11 +36,15 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 ON_LINUX = sys.platform.startswith("linux")  # where PR_SET_PDEATHSIG exists
 
 
-def start_child(command: Sequence[str], start_new_session: bool = False) -> subprocess.Popen[bytes]:
-    """Starts `command` as a child process that gets SIGTERM when this process ends (see the module docstring)."""
+def start_child(
+    command: Sequence[str], start_new_session: bool = False, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Starts `command` as a child process that gets SIGTERM when this process ends (see the module docstring).
+
+    `env`: the child's whole environment (None: this process's)."""
     if ON_LINUX:
         command = [sys.executable, "-m", __name__, str(os.getpid()), *command]
-    return FORKING_THREAD.popen(command, start_new_session)
+    return FORKING_THREAD.popen(command, start_new_session, env)
 
 
 class ForkingThread:
@@ -54,13 +58,15 @@ class ForkingThread:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def popen(self, command: Sequence[str], start_new_session: bool) -> subprocess.Popen[bytes]:
+    def popen(
+        self, command: Sequence[str], start_new_session: bool, env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         """subprocess.Popen(command) forked on this thread."""
         result: Future[subprocess.Popen[bytes]] = Future()
 
         def fork() -> None:
             try:
-                result.set_result(subprocess.Popen(command, start_new_session=start_new_session))
+                result.set_result(subprocess.Popen(command, start_new_session=start_new_session, env=env))
             except BaseException as error:  # raised on the caller's thread instead
                 result.set_exception(error)
 

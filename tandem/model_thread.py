@@ -54,13 +54,18 @@ class ModelThread:
         )
         self._executor.submit(lambda: None).result()  # the initializer has run before the creator is confined
         use_intra_op_threads(1)
+        self.pending = 0  # calls from the event loop that wait for the model thread or run on it (metrics)
 
     def call(self, function: Callable[..., T], *args: Any) -> T:
         """Runs function on the model thread and waits (blocking): for start-up, before the event loop serves."""
         return self._executor.submit(function, *args).result()
 
     async def run(self, function: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+        self.pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+        finally:
+            self.pending -= 1
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -31,7 +31,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from draft_server.settings import DraftSettings
-from orchestrator.settings import OrchestratorSettings, SchedulerSettings
+from orchestrator.settings import AdminSettings, OrchestratorSettings, SchedulerSettings
 from tandem.errors import StartupError
 from tandem.launcher import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, ServeSettings, ready_line
 from tandem.models.aux_layers import Convention
@@ -327,7 +327,16 @@ class RayLauncher:
                 max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens,
                 max_waiting=s.max_waiting,
+                adaptive_k=s.adaptive_k,
             ),
+            api_key=s.security.api_key,
+            # On loopback of this machine (the orchestrator runs here); Scale answers FAILED_PRECONDITION on Ray.
+            admin=AdminSettings(
+                port=s.security.admin_port,
+                token=s.security.admin_token,
+                max_draft_replicas=s.security.max_draft_replicas,
+            ),
+            ngram=s.ngram,  # drafts in the orchestrator's actor: no draft replica is reserved or started for it
         )
         # --host/--port name an address of the machine running `tandem serve`, so the orchestrator runs here.
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)

@@ -31,9 +31,44 @@ DEMO_TARGET = DEMO_DIR / "target"
 DEMO_DRAFT = DEMO_DIR / "eagle3"
 # The demo heads for the demo target, selectable as `--draft demo:<name>`.
 DEMO_DRAFTS = {name: DEMO_DIR / name for name in ("eagle3", "eagle3-mla", "mtp")}
+# The demo target is a code model without a chat template; `tandem serve` gives it this one for /v1/chat/completions.
+DEMO_CHAT_TEMPLATE = DEMO_DIR / "chat_template.jinja"
 
 
 @dataclass(frozen=True)
 class KVCacheSettings:
-    num_blocks: int = 1024  # blocks preallocated in the pool
+    num_blocks: int = 1024  # blocks preallocated in the pool, unless memory_bytes sizes it
     block_size: int = 16  # tokens per block
+    memory_bytes: int = 0  # > 0: the pool holds as many blocks as fit in this many bytes (num_blocks is ignored)
+    # A service frees the requests of an orchestrator that holds no stream to it and made no call for this long
+    # (tandem.leases): an orchestrator that died, or restarted under a new session id.
+    orphan_timeout_s: float = 30.0
+    # The pool's attention backend by name ("torch", "flashinfer"; tandem.layers.attention_backend); None: the
+    # default for the cache's device and dtype. The CLI resolves its "auto" before building these settings.
+    attention_backend: str | None = None
+
+    def blocks_for(self, bytes_per_block: int) -> int:
+        """The pool's size in blocks, for a cache where one block takes `bytes_per_block` bytes."""
+        if self.memory_bytes <= 0:
+            return self.num_blocks
+        blocks = self.memory_bytes // bytes_per_block
+        if blocks < 1:
+            raise ValueError(
+                f"--kv-cache-memory: {self.memory_bytes} bytes do not hold one KV block ({bytes_per_block} bytes)"
+            )
+        return blocks
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as "512MiB", "2GiB", "1.5G" or "1048576" (K/M/G are powers of 1024, as Ki/Mi/Gi)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    cleaned = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = cleaned[-1:] if cleaned[-1:] in units else ""
+    number = cleaned.removesuffix(unit) if unit else cleaned
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (e.g. 512MiB, 2GiB, 1048576)") from None
+    if value <= 0:
+        raise ValueError(f"{text!r}: a size must be positive")
+    return int(value)

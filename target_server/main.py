@@ -12,9 +12,13 @@ import time
 
 import torch
 
+from tandem.devices import rank_device
 from tandem.errors import StartupError
+from tandem.leases import sweep_interval
 from tandem.model_thread import ModelThread
 from tandem.models.registry import check_tensor_parallel, load_target
+from tandem.models.tokenizer_digest import tokenizer_digest
+from tandem.service_metrics import ServiceMetrics, ServiceState, serve_metrics
 from tandem.serving import ListenSettings, run_server
 from tandem.wire import target_pb2, target_pb2_grpc
 from target_server.ranks import RankDriver, start_ranks
@@ -48,10 +52,13 @@ def start_target(settings: TargetSettings) -> TargetRunner:
         raise StartupError(f"tp: {settings.tp} (must be >= 1)")
     if settings.tp > 1:
         check_tensor_parallel(settings.model_dir, settings.tp)  # refuses an unfit tp before any rank starts
-    ranks = start_ranks(settings, torch.device("cpu"))  # the target computes on the CPU (load_target's default)
+    device = rank_device(settings.device, 0)
+    ranks = start_ranks(settings, torch.device(device))
     try:
-        LOG.info("rank 0/%d: loading target from %s (%s)", settings.tp, settings.model_dir, settings.dtype)
-        model = load_target(settings.model_dir, dtype=getattr(torch, settings.dtype), group=ranks.group)
+        LOG.info(
+            "rank 0/%d: loading target from %s (%s on %s)", settings.tp, settings.model_dir, settings.dtype, device
+        )
+        model = load_target(settings.model_dir, dtype=getattr(torch, settings.dtype), device=device, group=ranks.group)
         ranks.wait_until_loaded()
     except BaseException:
         ranks.abort()
@@ -75,13 +82,28 @@ async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None
     model_thread = ModelThread("target-model", settings.threads)
     runner = await model_thread.run(start_target, settings)
     ranks = runner.ranks
-    service = TargetService(runner, target_info(runner, settings.dtype), model_thread)
+    cache = runner.cache
+    LOG.info(
+        "KV cache: %d blocks of %d tokens, %.1f MiB per rank",
+        cache.num_blocks,
+        cache.block_size,
+        (cache.keys.nbytes + cache.values.nbytes) / 2**20,
+    )
+    timeout_s = settings.cache.orphan_timeout_s
+    info = target_info(runner, settings.dtype)
+    info.tokenizer_digest = tokenizer_digest(settings.model_dir)  # what standalone drafts check their own against
+    service = TargetService(runner, info, model_thread, timeout_s)
+    port = settings.metrics_port
+    metrics_server = serve_metrics(target_metrics(service), listen.host, port)[0] if port is not None else None
 
     async def stop() -> None:
+        if metrics_server is not None:
+            await asyncio.to_thread(metrics_server.shutdown)
         await service.stop()
         await asyncio.to_thread(ranks.stop)  # waits for a forward pass in flight, then stops the other ranks
 
     watch = [asyncio.create_task(watch_ranks(ranks), name="target ranks")] if ranks.processes else []
+    watch.append(asyncio.create_task(service.sweep_orphans(sweep_interval(timeout_s)), name="orphan sweep"))
     await run_server(
         "target",
         lambda server: target_pb2_grpc.add_TargetServicer_to_server(service, server),
@@ -90,6 +112,19 @@ async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None
         on_stop=stop,
         background=watch,
     )
+
+
+def target_metrics(service: TargetService) -> ServiceMetrics:
+    """The target's /metrics (tandem.service_metrics): step compute time, KV usage, requests, model-thread queue."""
+    runner = service.runner
+
+    def state() -> ServiceState:
+        cache = runner.cache
+        return ServiceState(cache.num_blocks, cache.num_free_blocks, len(runner.requests), service.model_thread.pending)
+
+    metrics = ServiceMetrics("target", "step", state)
+    service.step_listeners.append(metrics.observe_call)
+    return metrics
 
 
 async def watch_ranks(ranks: RankDriver) -> None:

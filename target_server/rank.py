@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.devices import rank_device
 from tandem.errors import StartupError
 from tandem.models.registry import load_target
 from tandem.parallel.group import barrier, join_group, leave_group, share_cpu_threads
@@ -33,11 +34,20 @@ def run_rank(settings: TargetSettings, rank: int) -> None:
     """Serves as rank `rank` of settings.tp until rank 0 stops it; raises RuntimeError when rank 0 is lost."""
     assert settings.rendezvous is not None, "ranks other than 0 join rank 0's rendezvous"
     started = time.perf_counter()
-    group = join_group(rank, settings.tp, settings.rendezvous, torch.device("cpu"))
-    share_cpu_threads(group, settings.threads)
+    device = rank_device(settings.device, rank)
+    group = join_group(rank, settings.tp, settings.rendezvous, torch.device(device))
+    if device == "cpu":
+        share_cpu_threads(group, settings.threads)
     try:
-        LOG.info("rank %d/%d: loading its shard of %s (%s)", rank, settings.tp, settings.model_dir, settings.dtype)
-        model = load_target(settings.model_dir, dtype=getattr(torch, settings.dtype), group=group)
+        LOG.info(
+            "rank %d/%d: loading its shard of %s (%s on %s)",
+            rank,
+            settings.tp,
+            settings.model_dir,
+            settings.dtype,
+            device,
+        )
+        model = load_target(settings.model_dir, dtype=getattr(torch, settings.dtype), device=device, group=group)
         cache = build_cache(model, settings.cache)
         LOG.info("rank %d/%d: loaded in %.1f s", rank, settings.tp, time.perf_counter() - started)
         barrier(group)
@@ -65,8 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # No defaults: rank 0 passes every value from its own TargetSettings.
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--dtype", required=True)
+    parser.add_argument("--device", required=True, help="rank 0's device; this rank's is tandem.devices.rank_device")
+    parser.add_argument("--attention-backend", help="the KV cache's attention backend; none: its device's default")
     parser.add_argument("--kv-blocks", type=int, required=True)
     parser.add_argument("--block-size", type=int, required=True)
+    parser.add_argument("--kv-cache-memory", type=int, required=True)
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--rank", type=int, required=True)
@@ -77,7 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = TargetSettings(
         model_dir=args.model,
         dtype=args.dtype,
-        cache=KVCacheSettings(num_blocks=args.kv_blocks, block_size=args.block_size),
+        device=args.device,
+        cache=KVCacheSettings(
+            num_blocks=args.kv_blocks,
+            block_size=args.block_size,
+            memory_bytes=args.kv_cache_memory,
+            attention_backend=args.attention_backend,
+        ),
         tp=args.tp,
         threads=args.threads,
         rendezvous=args.rendezvous,

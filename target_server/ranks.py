@@ -167,7 +167,7 @@ def follow(model: TargetModel, cache: PagedKVCache, group: ParallelGroup) -> Non
             return
         assert payload is not None
         if command == Command.FORWARD:
-            run_step(model, cache, decode_step(payload, cache.device))
+            run_step(model, cache, decode_step(payload, cache))
         elif command == Command.WEIGHT_SHARDS:
             module = shared_table(model, SHARED_TABLES[int(payload[0])])
             assert isinstance(module, (VocabParallelEmbedding, ParallelLMHead))
@@ -219,8 +219,11 @@ def spawn_rank(settings: TargetSettings, rank: int, rendezvous: str) -> subproce
         sys.executable, "-m", "target_server.rank",
         "--model", str(settings.model_dir),
         "--dtype", settings.dtype,
+        "--device", settings.device,
+        *(["--attention-backend", cache.attention_backend] if cache.attention_backend else []),
         "--kv-blocks", str(cache.num_blocks),
         "--block-size", str(cache.block_size),
+        "--kv-cache-memory", str(cache.memory_bytes),
         "--tp", str(settings.tp),
         "--threads", str(settings.threads),
         "--rank", str(rank),

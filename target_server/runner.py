@@ -31,12 +31,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.devices import pinned_host_copies
 from tandem.layers.kv_cache import OutOfKVBlocks, SequenceKV
 from tandem.models.registry import TargetModel
 from tandem.models.stack import TargetOutput
 from tandem.parallel.group import SINGLE_PROCESS
+from tandem.sampling.batched import verify_items
+from tandem.sampling.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from tandem.sampling.params import SamplingParams
-from tandem.sampling.verify import make_generator, verify
+from tandem.sampling.scored_rows import mask_stop_tokens, token_logprobs
+from tandem.sampling.verify import VerifyOutcome, make_generator, verify
 from tandem.settings import KVCacheSettings
 from target_server.ranks import RankDriver, build_cache
 from target_server.step import ForwardStep
@@ -64,6 +68,8 @@ class TargetRequest:
     generator: torch.Generator
     capture: tuple[int, ...]  # capture indices streamed to the request's draft; () for target-only
     kv: SequenceKV = field(default_factory=SequenceKV)
+    prompt_length: int = 0  # tokens[prompt_length:] are the request's new tokens
+    tokens_only: bool = False  # the draft takes committed tokens only (rows with zero-width features)
 
 
 @dataclass(frozen=True)
@@ -71,9 +77,9 @@ class CapturedRows:
     """Aux features of committed positions [start_position, start_position + n) and their next tokens."""
 
     request_id: str
-    start_position: int
+    start_position: int  # -1 for token-only rows from scratch (position -1 has no feature; its next token is x[0])
     next_tokens: list[int]  # n tokens
-    features: torch.Tensor  # [n, len(capture) * hidden]
+    features: torch.Tensor  # [n, len(capture) * hidden]; [n, 0] for a token-only draft
 
 
 @dataclass(frozen=True)
@@ -91,9 +97,11 @@ class StepItem:
     draft_tokens: Sequence[int] = ()  # only when the item reaches the last committed token
     open: OpenRequest | None = None  # on the request's first item
     capture: tuple[int, ...] | None = None  # a new capture set (open, or a move to another draft); None: unchanged
+    tokens_only: bool = False  # with a new capture set (then ()): the draft takes committed tokens only
     # Recompute the aux rows of every position the request's KV holds, for a draft that starts from scratch; the
     # request's own KV is not rewritten (a recomputed KV could differ in the last bits, and with it the outputs).
     replay: bool = False
+    top_logprobs: int | None = None  # report each new token's logprob and this many best tokens; None: no logprobs
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,7 @@ class ItemResult:
     accepted: int = 0  # draft tokens accepted
     new_tokens: list[int] = field(default_factory=list)  # accepted drafts + correction/bonus; [] for a prompt chunk
     captured: CapturedRows | None = None  # replayed rows, then the rows this item committed
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token when the item asked
 
 
 @dataclass
@@ -114,11 +123,12 @@ class _Planned:
     request: TargetRequest
     start_length: int  # kv.length before the step
     opened: bool
-    previous_capture: tuple[int, ...]
+    previous_stream: tuple[tuple[int, ...], bool]  # the request's (capture, tokens_only) before the item
     scratch: SequenceKV | None  # the replay's sequence
     rows: slice = field(default_factory=lambda: slice(0))  # the item's rows in the packed batch
     scratch_rows: slice = field(default_factory=lambda: slice(0))  # the replay's rows
     logit_start: int = 0  # the item's first row among the scored rows
+    outcome: VerifyOutcome | None = None  # decided with the step's batch on the device (_verify_batched)
 
     @property
     def reaches_end(self) -> bool:
@@ -140,12 +150,14 @@ class TargetRunner:
         cache: KVCacheSettings,
         max_context: int,
         ranks: RankDriver | None = None,
+        batched_verify: bool | None = None,  # None: on CUDA (see _verify_batched); the CPU verifies item by item
     ) -> None:
         self.model = model
         self.max_context = max_context
         self.ranks = ranks if ranks is not None else RankDriver(SINGLE_PROCESS)
         self.cache = build_cache(model, cache)
         self.requests: dict[str, TargetRequest] = {}
+        self.batched_verify = self.device.type == "cuda" if batched_verify is None else batched_verify
 
     @property
     def device(self) -> torch.device:
@@ -181,6 +193,8 @@ class TargetRunner:
             for _, entry in planned:
                 self._undo(entry)
             raise
+        if logits is not None and self.batched_verify:
+            self._verify_batched([entry for _, entry in planned if entry.has_work], logits)
         for index, entry in planned:
             if output is None or logits is None or not entry.has_work:
                 # Nothing to compute: the item only changed where the request's rows go (a move to no draft).
@@ -232,7 +246,9 @@ class TargetRunner:
                 raise RequestError(f"prompt: {len(prompt)} tokens, the context holds {self.max_context}")
             self._check_ids("prompt", prompt)
             sampling = item.open.sampling
-            request = TargetRequest(item.request_id, prompt, sampling, make_generator(sampling), ())
+            self._check_ids("sampling.stop_token_ids", sampling.stop_token_ids)
+            generator = make_generator(sampling)
+            request = TargetRequest(item.request_id, prompt, sampling, generator, (), prompt_length=len(prompt))
         else:
             found = self.requests.get(item.request_id)
             if found is None:
@@ -250,6 +266,9 @@ class TargetRunner:
         if len(drafts) > MAX_DRAFT_TOKENS:
             raise RequestError(f"draft_tokens: {len(drafts)}, at most {MAX_DRAFT_TOKENS} per item")
         self._check_ids("draft_tokens", drafts)
+        top = item.top_logprobs
+        if top is not None and not 0 <= top <= min(MAX_TOP_LOGPROBS, self.model.config.vocab_size):
+            raise RequestError(f"top_logprobs: {top}, at most {MAX_TOP_LOGPROBS}")
         if len(request.tokens) + len(drafts) > self.max_context:
             raise RequestError(
                 f"draft_tokens: request {item.request_id!r} would reach {len(request.tokens) + len(drafts)} "
@@ -268,10 +287,10 @@ class TargetRunner:
             self.cache.reserve(scratch, start)
         if opened:
             self.requests[item.request_id] = request
-        previous_capture = request.capture
+        previous_stream = (request.capture, request.tokens_only)
         if item.capture is not None:
-            request.capture = item.capture
-        return _Planned(item, request, start, opened, previous_capture, scratch)
+            request.capture, request.tokens_only = item.capture, item.tokens_only
+        return _Planned(item, request, start, opened, previous_stream, scratch)
 
     def _check_ids(self, name: str, tokens: Sequence[int]) -> None:
         vocab_size = self.model.config.vocab_size
@@ -310,18 +329,47 @@ class TargetRunner:
         for entry in planned:  # release the replays' scratch sequences: their rows are in `output`
             if entry.scratch is not None:
                 self.cache.release(entry.scratch)
-        return output, logits.cpu()  # logits [len(logit_rows), vocab]
+        if output.captured and self.device.type == "cuda":  # rows go on the wire from the host: one copy a step
+            indices = list(output.captured)
+            host = pinned_host_copies([output.captured[index] for index in indices])
+            output = TargetOutput(output.normed, dict(zip(indices, host, strict=True)))
+        return output, logits  # logits [len(logit_rows), vocab], on the device: acceptance is decided there
+
+    def _verify_batched(self, planned: Sequence[_Planned], logits: torch.Tensor) -> None:
+        """Decides, in one batch on the logits' device (tandem.sampling.batched), every item that needs no request's
+        own generator: greedy ones and sampled ones without a seed. Seeded ones keep their CPU generator (_commit),
+        so that a seed gives the same tokens on every device."""
+        chosen = [
+            entry
+            for entry in planned
+            if entry.reaches_end and (entry.request.sampling.is_greedy or entry.request.sampling.seed is None)
+        ]
+        if not chosen:
+            return
+        scored = []
+        for entry in chosen:
+            rows = logits[entry.logit_start : entry.logit_start + 1 + len(entry.item.draft_tokens)]  # [1 + k, vocab]
+            generated = len(entry.request.tokens) - entry.request.prompt_length
+            scored.append(mask_stop_tokens(rows, entry.request.sampling, generated))
+        drafts = [list(entry.item.draft_tokens) for entry in chosen]
+        outcomes = verify_items(scored, drafts, [entry.request.sampling for entry in chosen])
+        for entry, outcome in zip(chosen, outcomes, strict=True):
+            entry.outcome = outcome
 
     def _commit(self, entry: _Planned, output: TargetOutput, logits: torch.Tensor) -> ItemResult:
         """Acceptance and KV commit of one item after the forward pass; a failure here undoes this item only."""
         request, item = entry.request, entry.item
         try:
-            accepted, new_tokens = 0, []
+            accepted, new_tokens, logprobs = 0, [], []
             if entry.reaches_end:
                 drafts = list(item.draft_tokens)
                 scored = logits[entry.logit_start : entry.logit_start + 1 + len(drafts)]  # [1 + k, vocab]
-                outcome = verify(scored, drafts, request.sampling, request.generator)
+                generated = len(request.tokens) - request.prompt_length
+                masked = mask_stop_tokens(scored, request.sampling, generated)
+                outcome = entry.outcome or verify(masked, drafts, request.sampling, request.generator)
                 accepted, new_tokens = outcome.accepted, outcome.tokens
+                if item.top_logprobs is not None:
+                    logprobs = token_logprobs(scored, new_tokens, item.top_logprobs)
         except (ValueError, RuntimeError) as error:
             self._undo(entry)
             return ItemResult(item.request_id, ItemStatus.INVALID, f"sampling: {error}")
@@ -331,13 +379,13 @@ class TargetRunner:
         self.cache.truncate(request.kv, start + computed)
         request.tokens.extend(new_tokens)
         captured = self._captured(entry, output, start + computed)
-        return ItemResult(item.request_id, ItemStatus.OK, "", accepted, new_tokens, captured)
+        return ItemResult(item.request_id, ItemStatus.OK, "", accepted, new_tokens, captured, logprobs)
 
     def _undo(self, entry: _Planned) -> None:
         """Returns what an item reserved: its KV back to the start length (an item that opened the request: all)."""
         if entry.scratch is not None:
             self.cache.release(entry.scratch)
-        entry.request.capture = entry.previous_capture
+        entry.request.capture, entry.request.tokens_only = entry.previous_stream
         if entry.opened:
             self.requests.pop(entry.item.request_id, None)
             self.cache.release(entry.request.kv)
@@ -347,9 +395,14 @@ class TargetRunner:
     def _captured(self, entry: _Planned, output: TargetOutput, end: int) -> CapturedRows | None:
         """Rows of positions [first, end) for the request's draft: the replayed ones, then the committed ones."""
         request = entry.request
+        start = entry.start_length
+        if request.tokens_only:
+            # A token-only draft needs x[0] too: rows from scratch start at position -1, which pairs with x[0].
+            first = -1 if start == 0 or entry.item.replay else start
+            empty = torch.empty((end - first, 0), device=self.device)  # [end - first, 0]
+            return CapturedRows(request.request_id, first, request.tokens[first + 1 : end + 1], empty)
         if not request.capture:
             return None
-        start = entry.start_length
         parts = [entry.scratch_rows] if entry.scratch is not None else []
         parts.append(slice(entry.rows.start, entry.rows.start + end - start))
         features = torch.cat(

@@ -15,11 +15,13 @@ from typing import Any, TypeVar
 
 import grpc
 
-from tandem.grpc_util import CallFailed, stream_calls, unary_call
+from tandem.grpc_util import CallFailed
+from tandem.leases import Leases, leased_call, leased_stream
 from tandem.model_thread import ModelThread
 from tandem.sampling.params import SamplingParams
 from tandem.wire import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire.codec import DEFAULT_CHUNK_BYTES, ShardOf, iter_weight_chunks, tensor_to_proto
+from tandem.wire.logprobs import logprobs_to_proto
 from target_server.ranks import SHARED_TABLES
 from target_server.runner import (
     MAX_DRAFT_TOKENS,
@@ -45,6 +47,7 @@ class Subscriber:
     """A draft replica's hidden-state stream."""
 
     capture: tuple[int, ...]
+    tokens_only: bool  # a token-only draft: rows carry the committed tokens and no features
     queue: asyncio.Queue[target_pb2.HiddenStates | None] = field(default_factory=asyncio.Queue)
 
 
@@ -53,17 +56,23 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         temperature=message.temperature,
         top_p=message.top_p or 1.0,
         top_k=message.top_k,
-        seed=message.seed or None,
+        seed=message.seed if message.HasField("seed") else None,
+        min_tokens=message.min_tokens,
+        stop_token_ids=tuple(message.stop_token_ids),
     )
 
 
 class TargetService(target_pb2_grpc.TargetServicer):
-    def __init__(self, runner: TargetRunner, info: target_pb2.TargetInfo, model_thread: ModelThread) -> None:
+    def __init__(
+        self, runner: TargetRunner, info: target_pb2.TargetInfo, model_thread: ModelThread, orphan_timeout_s: float
+    ) -> None:
         self.runner = runner
         self.info = info
         self.subscribers: dict[str, Subscriber] = {}
         self.replica_of: dict[str, str] = {}  # request id -> replica id, for requests that stream hidden states
         self.model_thread = model_thread  # every runner call goes through it, one at a time
+        self.leases = Leases(orphan_timeout_s)  # which orchestrator session opened which request
+        self.step_listeners: list[Callable[[float], None]] = []  # called with each step's compute seconds (metrics)
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
         return await self.model_thread.run(function, *args)
@@ -81,15 +90,17 @@ class TargetService(target_pb2_grpc.TargetServicer):
         return info
 
     async def Step(self, request: target_pb2.StepRequest, context: grpc.aio.ServicerContext) -> target_pb2.StepResponse:
-        return await unary_call(context, self._step(request))
+        return await leased_call(self.leases, context, lambda session: self._step(request, session))
 
     async def StepStream(
         self, requests: AsyncIterator[target_pb2.StepRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[target_pb2.StepResponse]:
-        async for response in stream_calls(requests, self._step, lambda e: target_pb2.StepResponse(error=e)):
+        async for response in leased_stream(
+            self.leases, context, requests, self._step, lambda error: target_pb2.StepResponse(error=error)
+        ):
             yield response
 
-    async def _step(self, request: target_pb2.StepRequest) -> target_pb2.StepResponse:
+    async def _step(self, request: target_pb2.StepRequest, session: str) -> target_pb2.StepResponse:
         items: list[StepItem | None] = []
         refused: dict[int, target_pb2.StepResult] = {}
         for index, message in enumerate(request.items):
@@ -108,13 +119,18 @@ class TargetService(target_pb2_grpc.TargetServicer):
             LOG.exception("step of %d items failed", len(request.items))
             raise CallFailed(grpc.StatusCode.INTERNAL, f"target step failed: {error!r}") from None
         compute_seconds = time.perf_counter() - started
+        for listener in self.step_listeners:
+            listener(compute_seconds)
         answers = iter(results)
         response = target_pb2.StepResponse(compute_seconds=compute_seconds)
+        now = time.monotonic()
         for index, (message, item) in enumerate(zip(request.items, items, strict=True)):
             if item is None:
                 response.results.append(refused[index])
                 continue
             result = next(answers)
+            if result.status is ItemStatus.OK and item.open is not None:
+                self.leases.own(session, item.request_id, now)
             response.results.append(self._result(message, item, result))
         response.kv_blocks_free = self.runner.cache.num_free_blocks
         return response
@@ -125,14 +141,17 @@ class TargetService(target_pb2_grpc.TargetServicer):
         if message.HasField("open"):
             sampling = sampling_from_proto(message.open.sampling)
             open_request = OpenRequest(list(message.open.prompt), sampling)
-        capture = self._capture(message.draft_replica) if open_request is not None or message.set_replica else None
+        sets_replica = open_request is not None or message.set_replica
+        subscriber = self._subscriber(message.draft_replica) if sets_replica else None
         return StepItem(
             message.request_id,
             message.num_tokens,
             list(message.draft_tokens),
             open_request,
-            capture,
+            (subscriber.capture if subscriber is not None else ()) if sets_replica else None,
             replay=message.replay,
+            tokens_only=subscriber is not None and subscriber.tokens_only,
+            top_logprobs=message.top_logprobs if message.logprobs else None,
         )
 
     def _result(self, message: target_pb2.StepItem, item: StepItem, result: ItemResult) -> target_pb2.StepResult:
@@ -144,7 +163,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
             )
         if item.capture is not None:
             self.replica_of.pop(message.request_id, None)
-            if item.capture:
+            if item.capture or item.tokens_only:
                 self.replica_of[message.request_id] = message.draft_replica
         replica = self.replica_of.get(message.request_id)
         subscriber = self.subscribers.get(replica) if replica else None
@@ -155,30 +174,48 @@ class TargetService(target_pb2_grpc.TargetServicer):
             accepted=result.accepted,
             new_tokens=result.new_tokens,
             streaming=subscriber is not None,
+            logprobs=logprobs_to_proto(result.logprobs),
         )
 
-    def _capture(self, replica: str) -> tuple[int, ...]:
-        """The capture indices of a subscribed replica; () for none or an unknown (e.g. dead) replica."""
+    def _subscriber(self, replica: str) -> Subscriber | None:
+        """A subscribed replica's stream; None for none or an unknown (e.g. dead) replica: target-only."""
         subscriber = self.subscribers.get(replica) if replica else None
         if replica and subscriber is None:
             LOG.warning("draft replica %r is not subscribed: its request goes on target-only", replica)
-        return subscriber.capture if subscriber is not None else ()
+        return subscriber
 
     async def Release(
         self, request: target_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.ReleaseResponse:
-        await self._run(self.runner.release, list(request.request_ids))
-        for request_id in request.request_ids:
-            self.replica_of.pop(request_id, None)
+        await self._release(list(request.request_ids))
         return target_pb2.ReleaseResponse()
+
+    async def _release(self, request_ids: list[str]) -> None:
+        await self._run(self.runner.release, request_ids)
+        self.leases.forget(request_ids)
+        for request_id in request_ids:
+            self.replica_of.pop(request_id, None)
+
+    async def sweep_orphans(self, interval_s: float) -> None:
+        """Frees, every `interval_s`, the requests of orchestrator sessions that are gone (tandem.leases)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            orphans = self.leases.expired(time.monotonic())
+            if orphans:
+                LOG.warning("freeing %d requests of an orchestrator that went away", len(orphans))
+                await self._release(orphans)
 
     async def SubscribeHidden(
         self, request: target_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[target_pb2.HiddenStates]:
         num_layers = self.runner.model.config.num_layers
         capture = tuple(request.capture_indices)
-        if not capture:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "capture_indices: empty")
+        if request.tokens_only and capture:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"capture_indices: {list(capture)}, a tokens_only draft takes none"
+            )
+        if not capture and not request.tokens_only:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "capture_indices: empty (and not tokens_only)")
         for index in capture:
             # num_layers + 1 is the final norm's output (see tandem.models.stack.run_layers).
             if not 0 <= index <= num_layers + 1:
@@ -188,9 +225,10 @@ class TargetService(target_pb2_grpc.TargetServicer):
                 )
         if request.replica_id in self.subscribers:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"replica_id: {request.replica_id!r} is subscribed")
-        subscriber = Subscriber(capture)
+        subscriber = Subscriber(capture, request.tokens_only)
         self.subscribers[request.replica_id] = subscriber
-        LOG.info("draft replica %s subscribed, capture indices %s", request.replica_id, list(capture))
+        what = "tokens only" if request.tokens_only else f"capture indices {list(capture)}"
+        LOG.info("draft replica %s subscribed, %s", request.replica_id, what)
         try:
             while (message := await subscriber.queue.get()) is not None:
                 yield message

@@ -3,13 +3,16 @@
 Rank 0 plans a step (block tables and slots come from its KV-cache bookkeeping only); with tensor parallelism it
 broadcasts the step and every rank runs `run_step` on its own KV-cache shard with the same slots.
 
-Wire form: one int64 tensor, a header of four counts followed by the fields in a fixed order:
-    [num_tokens, num_spans, num_capture, num_logit_rows, capture (num_capture),
+Wire form: one int64 tensor, a header of six numbers followed by the fields in a fixed order:
+    [num_tokens, batch, num_capture, num_logit_rows, num_pages, page_size, capture (num_capture),
      input_ids (num_tokens), positions (num_tokens), write_slots (num_tokens), logit_rows (num_logit_rows),
-     (query_start, query_len, context_len) per span, the context_slots of every span one after the other]
-Example: one sequence with KV for positions 0..4 (slots 8..12) verifying 2 tokens t, d at positions 5, 6 (slots 13,
-14), capture (2,), logits of both rows:
-    [2, 1, 1, 2,  2,  t, d,  5, 6,  13, 14,  0, 1,  0, 2, 7,  8, 9, 10, 11, 12, 13, 14]
+     qo_indptr (batch + 1), kv_indptr (batch + 1), kv_page_indices (num_pages), kv_last_page_len (batch),
+     has_mask (batch: 1 for a sequence with a custom mask), the masks of those sequences (query_len ** 2 each, 0/1)]
+The page table is tandem.layers.page_table's; every rank plans it with its own cache's attention backend.
+Example (page size 4): one sequence with KV for positions 0..4 in pages [2, 3] (slots 8..12) verifying 2 tokens t, d
+at positions 5, 6 (slots 13, 14), capture (2,), logits of both rows:
+    [2, 1, 1, 2, 2, 4,  2,  t, d,  5, 6,  13, 14,  0, 1,  0, 2,  0, 2,  2, 3,  3,  0]
+The same tokens as a tree, d a child of t (parents [-1, 0]), end in has_mask 1 and the mask: [..., 3,  1,  1, 0, 1, 1].
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.layers.kv_cache import AttentionMetadata, PagedKVCache, SequenceSpan
+from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.kv_cache import PagedKVCache
+from tandem.layers.page_table import HOST, PageTable
 from tandem.models.registry import TargetModel
 from tandem.models.stack import TargetOutput
 
-HEADER = 4
+HEADER = 6
 
 
 @dataclass(frozen=True)
@@ -47,33 +52,55 @@ def run_step(
 
 
 def encode_step(step: ForwardStep) -> torch.Tensor:  # -> [payload] int64 on the CPU
-    metadata = step.metadata
-    spans = metadata.spans
-    counts = [len(step.input_ids), len(spans), len(step.capture), len(step.logit_rows)]
-    span_fields = [value for span in spans for value in (span.query_start, span.query_len, span.context_len)]
+    table = step.metadata.page_table
+    masks = [mask for mask in table.custom_masks if mask is not None]
+    header = [len(step.input_ids), table.batch_size, len(step.capture), len(step.logit_rows)]
+    header += [len(table.kv_page_indices), table.page_size, *step.capture]
+    has_mask = [mask is not None for mask in table.custom_masks]
     parts = [
-        torch.tensor(counts + list(step.capture), dtype=torch.long),
+        torch.tensor(header, dtype=torch.long, device=HOST),
         step.input_ids.cpu(),
-        metadata.positions.cpu(),
-        metadata.write_slots.cpu(),
+        table.positions.cpu(),
+        table.write_slots.cpu(),
         step.logit_rows.cpu(),
-        torch.tensor(span_fields, dtype=torch.long),
-        *(span.context_slots.cpu() for span in spans),
+        table.qo_indptr,
+        table.kv_indptr,
+        table.kv_page_indices,
+        table.kv_last_page_len,
+        torch.tensor(has_mask, dtype=torch.long, device=HOST),
+        *(mask.flatten().cpu() for mask in masks),
     ]
     return torch.cat([part.long() for part in parts])
 
 
-def decode_step(payload: torch.Tensor, device: torch.device) -> ForwardStep:  # payload: [n] int64, from encode_step
-    num_tokens, num_spans, num_capture, num_logit_rows = payload[:HEADER].tolist()
+def decode_step(payload: torch.Tensor, cache: PagedKVCache) -> ForwardStep:  # payload: [n] int64, from encode_step
+    """The step encode_step sent, planned by this rank's cache (its device and attention backend)."""
+    num_tokens, batch, num_capture, num_logit_rows, num_pages, page_size = payload[:HEADER].tolist()
     capture = tuple(payload[HEADER : HEADER + num_capture].tolist())
     fields = payload[HEADER + num_capture :]
-    sizes = [num_tokens, num_tokens, num_tokens, num_logit_rows, 3 * num_spans]
-    input_ids, positions, write_slots, logit_rows, span_fields, slots = fields.split([*sizes, len(fields) - sum(sizes)])
-    spans = []
+    sizes = [num_tokens, num_tokens, num_tokens, num_logit_rows, batch + 1, batch + 1, num_pages, batch, batch]
+    input_ids, positions, write_slots, logit_rows, qo_indptr, kv_indptr, pages, last_page_len, has_mask, masks = (
+        fields.split([*sizes, len(fields) - sum(sizes)])
+    )
+    query_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
+    custom_masks: list[torch.Tensor | None] = []
     offset = 0
-    for query_start, query_len, context_len in span_fields.view(num_spans, 3).tolist():
-        # Context slots stay on the CPU, where PagedKVCache.plan leaves them on rank 0.
-        spans.append(SequenceSpan(query_start, query_len, context_len, slots[offset : offset + context_len]))
-        offset += context_len
-    metadata = AttentionMetadata(tuple(spans), write_slots.to(device), positions.to(device))
+    for query_len, flagged in zip(query_lens, has_mask.tolist(), strict=True):
+        if not flagged:
+            custom_masks.append(None)
+            continue
+        custom_masks.append(masks[offset : offset + query_len * query_len].view(query_len, query_len).bool())
+        offset += query_len * query_len
+    device = cache.device
+    table = PageTable(
+        page_size=page_size,
+        qo_indptr=qo_indptr.int(),
+        kv_indptr=kv_indptr.int(),
+        kv_page_indices=pages.int(),
+        kv_last_page_len=last_page_len.int(),
+        positions=positions.to(device),
+        write_slots=write_slots.to(device),
+        custom_masks=tuple(custom_masks),
+    )
+    metadata = AttentionMetadata.planned(table, cache.backend)
     return ForwardStep(input_ids.to(device), metadata, capture, logit_rows.to(device))

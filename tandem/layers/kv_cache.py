@@ -2,7 +2,10 @@
 
 A position p of a sequence lives in slot `block_ids[p // block_size] * block_size + p % block_size`
 of the flat pool. Example with block_size 4 and block_ids [7, 2]: position 5 -> block 2, offset 1
--> slot 9. Rolling back rejected draft tokens is a `truncate`; finished requests `release` their blocks.
+-> slot 9. Rolling back rejected draft tokens is a `truncate`; keeping the accepted path of a tree is a `keep`;
+finished requests `release` their blocks. The blocks are FlashInfer's pages: one layer's pool viewed as
+[num_blocks, block_size, kv_heads, dim] is its "NHD" paged layout, and `plan` builds each step's page table
+(tandem.layers.page_table) and has the cache's attention backend plan it (tandem.layers.attention_backend).
 
 What a slot holds is the model's `CacheLayout`: a key row and a value row per KV head (multi-head attention), or
 one compressed row and no values (MLA).
@@ -10,10 +13,13 @@ one compressed row and no values (MLA).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from tandem.layers.attention_backend import AttentionBackend, AttentionMetadata, backend_named, default_backend
+from tandem.layers.page_table import HOST, PlanEntry, build_page_table, check_tree
 from tandem.settings import KVCacheSettings
 
 
@@ -41,42 +47,24 @@ class CacheLayout:
     value_dim: int
 
 
-@dataclass(frozen=True)
-class SequenceSpan:
-    """One sequence's share of a packed forward pass.
-
-    Its query tokens are rows [query_start, query_start + query_len) of the packed batch and sit at
-    positions [context_len - query_len, context_len); they attend to KV positions [0, context_len).
-    """
-
-    query_start: int
-    query_len: int
-    context_len: int
-    context_slots: torch.Tensor  # [context_len] pool slot of every visible position
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    spans: tuple[SequenceSpan, ...]
-    write_slots: torch.Tensor  # [num_tokens] pool slot where each new token's KV is written
-    positions: torch.Tensor  # [num_tokens]
-
-
 class PagedKVCache:
     @classmethod
     def for_layout(
         cls, num_layers: int, layout: CacheLayout, settings: KVCacheSettings, dtype: torch.dtype, device: torch.device
     ) -> PagedKVCache:
         """The pool `settings` asks for, shaped by what one token leaves in one layer (`layout`)."""
+        row_width = layout.num_kv_heads * (layout.key_dim + layout.value_dim)
+        bytes_per_block = num_layers * settings.block_size * row_width * dtype.itemsize
         return cls(
             num_layers,
-            settings.num_blocks,
+            settings.blocks_for(bytes_per_block),
             settings.block_size,
             layout.num_kv_heads,
             layout.key_dim,
             dtype,
             device,
             value_dim=layout.value_dim,
+            backend=backend_named(settings.attention_backend, torch.device(device), dtype),
         )
 
     def __init__(
@@ -89,6 +77,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         value_dim: int | None = None,  # width of a value row; None: head_dim; 0: no values (MLA, see CacheLayout)
+        backend: AttentionBackend | None = None,  # None: the default backend for the device
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -99,6 +88,7 @@ class PagedKVCache:
         self.values = torch.zeros((num_layers, num_slots, num_kv_heads, value_width), dtype=dtype, device=device)
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self.device = torch.device(device)
+        self.backend = backend if backend is not None else default_backend(self.device, dtype)
 
     @property
     def num_free_blocks(self) -> int:
@@ -125,35 +115,67 @@ class PagedKVCache:
     def release(self, sequence: SequenceKV) -> None:
         self.truncate(sequence, 0)
 
-    def slots(self, sequence: SequenceKV, start: int, end: int) -> torch.Tensor:  # -> [end - start]
-        positions = torch.arange(start, end)
-        table = torch.tensor(sequence.block_ids, dtype=torch.long)
+    def slots(self, sequence: SequenceKV, start: int, end: int) -> torch.Tensor:  # -> [end - start] on the host
+        positions = torch.arange(start, end, device=HOST)
+        table = torch.tensor(sequence.block_ids, dtype=torch.long, device=HOST)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def plan(self, sequences: list[tuple[SequenceKV, int]]) -> AttentionMetadata:
+    def plan(
+        self,
+        sequences: Sequence[tuple[SequenceKV, int]],
+        parents: Sequence[Sequence[int] | None] | None = None,  # per sequence: its new tokens' tree, None: a chain
+    ) -> AttentionMetadata:
         """Plans one packed forward: each (sequence, num_new) appends num_new tokens at sequence.length.
 
-        Reserves blocks for all sequences first (all or nothing), then advances their lengths.
+        A sequence with parents gets a tree of new tokens (tandem.layers.page_table.tree_mask: parents[i] is -1 or
+        an earlier index); each token sees the context and its ancestors. Reserves blocks for all sequences first
+        (all or nothing, after the trees are checked), then advances their lengths.
         """
+        trees = list(parents) if parents is not None else [None] * len(sequences)
+        if len(trees) != len(sequences):
+            raise ValueError(f"parents: {len(trees)} entries for {len(sequences)} sequences")
+        for index, ((_, num_new), tree) in enumerate(zip(sequences, trees, strict=True)):
+            if tree is not None:
+                check_tree(tree, num_new, f"parents[{index}]")
         total_needed = sum(self.blocks_needed(seq, seq.length + num_new) for seq, num_new in sequences)
         if total_needed > len(self._free_blocks):
             raise OutOfKVBlocks(f"KV cache: need {total_needed} more blocks, {len(self._free_blocks)} free")
-        spans = []
-        write_slots = []
-        positions = []
-        query_start = 0
+        entries = []
+        for (sequence, num_new), tree in zip(sequences, trees, strict=True):
+            self.reserve(sequence, sequence.length + num_new)
+            entries.append(PlanEntry(sequence.block_ids, sequence.length, num_new, tree))
+        page_table = build_page_table(entries, self.block_size, self.device)
         for sequence, num_new in sequences:
-            start = sequence.length
-            end = start + num_new
-            self.reserve(sequence, end)
-            context_slots = self.slots(sequence, 0, end)
-            spans.append(SequenceSpan(query_start, num_new, end, context_slots))
-            write_slots.append(context_slots[start:])
-            positions.append(torch.arange(start, end))
-            sequence.length = end
-            query_start += num_new
-        return AttentionMetadata(
-            spans=tuple(spans),
-            write_slots=torch.cat(write_slots).to(self.device),
-            positions=torch.cat(positions).to(self.device),
-        )
+            sequence.length += num_new
+        return AttentionMetadata.planned(page_table, self.backend)
+
+    def keep(self, sequence: SequenceKV, positions: Sequence[int]) -> None:
+        """Keeps the KV of `positions` (increasing, all below sequence.length) and of every position before the
+        first of them, moved down to consecutive positions; forgets the rest (their blocks return to the pool).
+
+        This is how a tree verification keeps its accepted path. Example: length 10, keep [6, 8, 9] -> positions
+        0..6 stay where they are, 8 moves to 7 and 9 to 8; the length becomes 9.
+        """
+        if not positions:
+            raise ValueError("keep: no positions given; truncate forgets everything after a length")
+        for index, position in enumerate(positions):
+            lowest = positions[index - 1] + 1 if index > 0 else 0
+            if not lowest <= position < sequence.length:
+                raise ValueError(
+                    f"keep: positions[{index}] is {position}; positions must increase and lie below the "
+                    f"sequence's length {sequence.length}"
+                )
+        first = positions[0]
+        moved = [(target, source) for target, source in enumerate(positions, start=first) if target != source]
+        if moved:
+            targets = self._slots_of(sequence, [target for target, _ in moved])
+            sources = self._slots_of(sequence, [source for _, source in moved])
+            # Gathered before written: a source of one row may be the target of another.
+            self.keys[:, targets] = self.keys[:, sources]
+            self.values[:, targets] = self.values[:, sources]
+        self.truncate(sequence, first + len(positions))
+
+    def _slots_of(self, sequence: SequenceKV, positions: Sequence[int]) -> torch.Tensor:  # -> [len(positions)]
+        """The pool slots of `positions`, on the cache's device."""
+        slots = [sequence.block_ids[p // self.block_size] * self.block_size + p % self.block_size for p in positions]
+        return torch.tensor(slots, dtype=torch.long, device=self.device)

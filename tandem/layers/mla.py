@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tandem.layers.attention import _attend
-from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache
+from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.kv_cache import CacheLayout, PagedKVCache
 from tandem.layers.linear import PackedLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
@@ -117,8 +117,12 @@ class MultiHeadLatentAttention(nn.Module):
         key_up, value_up = up_projection.split([config.qk_nope_head_dim, config.v_head_dim], dim=1)
         query_latent = torch.einsum("thn,hnc->thc", query_nope, key_up)  # [num_tokens, heads, kv_lora_rank]
         rows = torch.cat((latent[:, None, :], key_rope), dim=-1)  # [num_tokens, 1, kv_lora_rank + rope]
-        attended = latent_attention(
-            torch.cat((query_latent, query_rope), dim=-1), rows, cache, self.layer_index, metadata, config
+        attended = metadata.attention.attend_latent(
+            torch.cat((query_latent, query_rope), dim=-1),
+            rows,
+            cache.keys[self.layer_index],  # [slots, 1, kv_lora_rank + rope]: MLA keeps no values
+            config.kv_lora_rank,
+            config.softmax_scale,
         )  # [num_tokens, heads, kv_lora_rank]
         output = torch.einsum("thc,hvc->thv", attended, value_up)  # [num_tokens, heads, v_head_dim]
         return self.o_proj(output.reshape(num_tokens, config.num_heads * config.v_head_dim))
@@ -143,33 +147,3 @@ class MultiHeadLatentAttention(nn.Module):
             query_latent = self.q_a_proj(hidden)
         assert self.q_a_layernorm is not None and self.q_b_proj is not None
         return self.q_b_proj(self.q_a_layernorm(query_latent)), kv
-
-
-def latent_attention(
-    query: torch.Tensor,  # [num_tokens, heads, kv_lora_rank + rope], the nope part absorbed into the latent space
-    rows: torch.Tensor,  # [num_tokens, 1, kv_lora_rank + rope] this step's cache rows
-    cache: PagedKVCache,
-    layer_index: int,
-    metadata: AttentionMetadata,
-    config: MLAConfig,
-) -> torch.Tensor:  # -> [num_tokens, heads, kv_lora_rank] attention-weighted sum of latents
-    """Writes the new rows into the cache, then attends each sequence to its visible context of rows."""
-    layer_rows = cache.keys[layer_index]  # [slots, 1, kv_lora_rank + rope]
-    layer_rows.index_copy_(0, metadata.write_slots, rows.to(layer_rows.dtype))
-    output = query.new_empty(query.shape[0], query.shape[1], config.kv_lora_rank)
-    for span in metadata.spans:
-        span_tokens = slice(span.query_start, span.query_start + span.query_len)
-        if span.context_len == span.query_len:
-            # Fresh sequence (prefill from position 0): its context is exactly this step's rows.
-            context = rows[span_tokens]
-        else:
-            context = layer_rows.index_select(0, span.context_slots).to(query.dtype)
-        output[span_tokens] = _attend(
-            query[span_tokens],
-            context,
-            context[..., : config.kv_lora_rank],
-            span.context_len - span.query_len,
-            scaling=config.softmax_scale,
-            sliding_window=None,
-        )
-    return output

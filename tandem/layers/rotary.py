@@ -99,6 +99,9 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inverse_frequencies(head_dim, rope)  # [head_dim // 2]
         self.attention_factor = rope_attention_factor(rope)
         self.interleaved = interleaved
+        # Every layer of a forward pass rotates at the same positions (one tensor, the step's): cos and sin are
+        # computed by the first layer and reused by the others.
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
 
     def forward(
         self,
@@ -106,16 +109,24 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._cos_sin(positions)
+        if self.interleaved:
+            return _rotate_interleaved(query, cos, sin), _rotate_interleaved(key, cos, sin)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    def _cos_sin(
+        self, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # -> [num_tokens, 1, head_dim] each (head_dim // 2 interleaved)
+        if self._last is not None and self._last[0] is positions:
+            return self._last[1], self._last[2]
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
-        if self.interleaved:
-            angles = freqs[:, None, :]  # [num_tokens, 1, head_dim // 2]
-            cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
-            return _rotate_interleaved(query, cos, sin), _rotate_interleaved(key, cos, sin)
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
+        angles = freqs if self.interleaved else torch.cat((freqs, freqs), dim=-1)
+        angles = angles[:, None, :]
         cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        self._last = (positions, cos, sin)
+        return cos, sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

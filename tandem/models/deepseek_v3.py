@@ -32,7 +32,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache
+from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.kv_cache import CacheLayout, PagedKVCache
 from tandem.layers.mla import MLAConfig, MultiHeadLatentAttention
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import MixtureOfExperts, MoEConfig

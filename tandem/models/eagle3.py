@@ -26,7 +26,8 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from torch import nn
 
-from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache
+from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.kv_cache import CacheLayout, PagedKVCache
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ConfigError, FamilyTraits, ModelConfig, read_hf_config
@@ -180,7 +181,7 @@ class Eagle3Config:
 @dataclass(frozen=True)
 class DraftStep:
     hidden: torch.Tensor  # [num_tokens, hidden] carried to the next step
-    logits: torch.Tensor  # [num_tokens, draft_vocab] float32
+    logits: torch.Tensor  # [num_tokens, draft_vocab] float32, or [rows, draft_vocab] for the logit_rows asked
 
 
 class Eagle3Draft(nn.Module):
@@ -219,12 +220,13 @@ class Eagle3Draft(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden] projected target features or the previous draft hidden
         metadata: AttentionMetadata,
         cache: PagedKVCache,  # laid out as config.cache_layout
+        logit_rows: torch.Tensor | None = None,  # [rows] the rows whose logits are wanted; None: every row
     ) -> DraftStep:
         embedded = self.layer.input_layernorm(self.embed_tokens(input_ids))
         attention_input = torch.cat([embedded, self.hidden_norm(hidden)], dim=-1)  # [num_tokens, 2 * hidden]
         stream = self.layer(hidden, metadata, cache, attention_input=attention_input)
         normed = self.norm(stream)
-        logits = self.lm_head(normed).float()
+        logits = self.lm_head(normed if logit_rows is None else normed[logit_rows]).float()
         return DraftStep(hidden=normed if self.config.norm_output else stream, logits=logits)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [n] draft ids -> [n] target ids

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from tandem.layers.attention import Attention
-from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache
+from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.kv_cache import CacheLayout, PagedKVCache
 from tandem.layers.mlp import ACTIVATIONS, GatedMLP
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding

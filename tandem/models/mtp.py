@@ -42,7 +42,8 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 import torch
 from torch import nn
 
-from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache
+from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.kv_cache import CacheLayout, PagedKVCache
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import TARGET_FAMILIES, ConfigError, ModelConfig, read_hf_config
@@ -285,10 +286,12 @@ class NextNDraft(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden] target post-norm hidden, or the previous step's feedback
         metadata: AttentionMetadata,
         cache: PagedKVCache,
+        logit_rows: torch.Tensor | None = None,  # [rows] the rows whose logits are wanted; None: every row
     ) -> DraftStep:
         output = self.mtp.run_layer(0, input_ids, hidden, metadata, cache)
         carried = output.normed if self.feedback == "post_norm" else output.stream
-        return DraftStep(hidden=carried, logits=self.mtp.compute_logits(output.normed))
+        normed = output.normed if logit_rows is None else output.normed[logit_rows]
+        return DraftStep(hidden=carried, logits=self.mtp.compute_logits(normed))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n]; the vocabulary is the target's
         return draft_ids

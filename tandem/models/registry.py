@@ -22,7 +22,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from tandem.layers.kv_cache import AttentionMetadata, CacheLayout, PagedKVCache
+from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.kv_cache import CacheLayout, PagedKVCache
 from tandem.models import aux_layers, gemma3
 from tandem.models.config import TARGET_FAMILIES, ConfigError, ModelConfig, read_hf_config
 from tandem.models.deepseek_v3 import CHECKPOINT_NAMES as DEEPSEEK_V3_NAMES

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tandem.layers.kv_cache import AttentionMetadata, PagedKVCache
+from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.kv_cache import PagedKVCache
 
 
 @dataclass(frozen=True)

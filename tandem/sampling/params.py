@@ -16,6 +16,10 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set of most likely tokens whose mass reaches top_p; in (0, 1]
     top_k: int = 0  # keep the top_k most likely tokens; 0 => disabled
     seed: int | None = None  # None => nondeterministic
+    # Until min_tokens new tokens exist, the ids that would end the request (EOS unless ignored, stop token ids) are
+    # masked out of every distribution the target samples or verifies from, greedy included.
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0.0:
@@ -24,6 +28,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     @property
     def is_greedy(self) -> bool:

@@ -123,8 +123,8 @@ def verify_sampled(
     num_drafts = len(draft_tokens)
     _check_shapes(target_logits, num_drafts, draft_probs)
     probs = target_probs(target_logits.cpu(), params)  # [k + 1, vocab]
-    drafts = torch.tensor(list(draft_tokens), dtype=torch.long)  # [k]
-    rows = torch.arange(num_drafts)  # [k]
+    drafts = torch.tensor(list(draft_tokens), dtype=torch.long, device=probs.device)  # [k]
+    rows = torch.arange(num_drafts, device=probs.device)  # [k]
     target_mass = probs[rows, drafts]  # [k], p(x_i)
     draft_rows = None if draft_probs is None else draft_probs.to("cpu", torch.float32)  # [k, vocab]
     if draft_rows is None:
@@ -136,7 +136,7 @@ def verify_sampled(
         accept_probs = (target_mass / draft_mass).clamp(max=1.0)
 
     # Uniforms lie in [0, 1), so a draft with p(x) == 0 is always rejected and one with p(x) >= q(x) always kept.
-    accepts = torch.rand(num_drafts, generator=generator) < accept_probs  # [k]
+    accepts = torch.rand(num_drafts, generator=generator, device=probs.device) < accept_probs  # [k]
     # Only the leading run of acceptances counts: cumprod turns [1, 1, 0, 1] into [1, 1, 0, 0], which sums to 2.
     accepted = int(accepts.int().cumprod(dim=0).sum())
 

@@ -12,7 +12,7 @@ class TargetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "max_context", "dtype", "eos_token_ids", "tp_size", "running_requests", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "max_draft_tokens")
+    __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "max_context", "dtype", "eos_token_ids", "tp_size", "running_requests", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "max_draft_tokens", "tokenizer_digest")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class TargetInfo(_message.Message):
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     hidden_size: int
     vocab_size: int
@@ -39,7 +40,8 @@ class TargetInfo(_message.Message):
     kv_blocks_free: int
     kv_block_size: int
     max_draft_tokens: int
-    def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
+    tokenizer_digest: str
+    def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
     __slots__ = ("prompt", "sampling")
@@ -50,7 +52,7 @@ class OpenRequest(_message.Message):
     def __init__(self, prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StepItem(_message.Message):
-    __slots__ = ("request_id", "round", "open", "num_tokens", "draft_tokens", "draft_replica", "set_replica", "replay")
+    __slots__ = ("request_id", "round", "open", "num_tokens", "draft_tokens", "draft_replica", "set_replica", "replay", "logprobs", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +61,8 @@ class StepItem(_message.Message):
     DRAFT_REPLICA_FIELD_NUMBER: _ClassVar[int]
     SET_REPLICA_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     open: OpenRequest
@@ -67,7 +71,9 @@ class StepItem(_message.Message):
     draft_replica: str
     set_replica: bool
     replay: bool
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., open: _Optional[_Union[OpenRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_replica: _Optional[str] = ..., set_replica: _Optional[bool] = ..., replay: _Optional[bool] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., open: _Optional[_Union[OpenRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_replica: _Optional[str] = ..., set_replica: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("items", "preempt")
@@ -78,18 +84,20 @@ class StepRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., preempt: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("request_id", "error", "accepted", "new_tokens", "streaming")
+    __slots__ = ("request_id", "error", "accepted", "new_tokens", "streaming", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STREAMING_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     error: _common_pb2.CallError
     accepted: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     streaming: bool
-    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., accepted: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., streaming: _Optional[bool] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., accepted: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., streaming: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("results", "compute_seconds", "kv_blocks_free", "error")
@@ -114,12 +122,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("replica_id", "capture_indices")
+    __slots__ = ("replica_id", "capture_indices", "tokens_only")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_ONLY_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     capture_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, replica_id: _Optional[str] = ..., capture_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    tokens_only: bool
+    def __init__(self, replica_id: _Optional[str] = ..., capture_indices: _Optional[_Iterable[int]] = ..., tokens_only: _Optional[bool] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
     __slots__ = ("request_id", "round", "start_position", "next_tokens", "features")

@@ -107,8 +107,7 @@ def run_chunks(
         with torch.no_grad():
             output = model(input_ids, metadata, cache, capture)
             step_logits = model.compute_logits(output.normed)
-        for index, span in zip(active, metadata.spans, strict=True):
-            rows = slice(span.query_start, span.query_start + span.query_len)
+        for index, rows in zip(active, metadata.page_table.query_slices(), strict=True):
             logits[index].append(step_logits[rows])
             for capture_index in capture:
                 captured[index][capture_index].append(output.captured[capture_index][rows])

@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from tandem.grpc_util import channel_options
 from tandem.launcher import ServeProcess
-from tandem.wire import draft_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
+from tandem.wire import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
 
 READY_TIMEOUT_S = 180.0
 READY_LINE = re.compile(r"tandem ready: Generate on (\S+)")
@@ -30,8 +41,13 @@ Stack = ServeProcess
 
 @contextmanager
 def serve(target: Path, draft: Path | None, *extra: str) -> Iterator[ServeProcess]:
-    """`tandem serve` on a free port; yields once the ready line is printed, stops it afterwards."""
-    arguments = ["--target", str(target), "--port", "0", *extra]
+    """`tandem serve` on free ports (public and admin); yields once the ready line is printed, stops it afterwards.
+
+    k is fixed (--no-adaptive-k) unless `extra` says otherwise: the tests' random drafts are rarely accepted, so the
+    adaptive choice would soon stop drafting, and the tests are about what drafting does.
+    """
+    fixed_k = [] if any(option.endswith("adaptive-k") for option in extra) else ["--no-adaptive-k"]
+    arguments = ["--target", str(target), "--port", "0", "--admin-port", "0", *fixed_k, *extra]
     if draft is not None:
         arguments += ["--draft", str(draft)]
     stack = ServeProcess(arguments, ready_timeout_s=READY_TIMEOUT_S)
@@ -55,6 +71,7 @@ class Completion:
     finish_reason: str
     stats: orchestrator_pb2.GenerateStats
     messages: int
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # when the request asked for them
 
 
 def generate(address: str, **fields: object) -> Completion:
@@ -62,12 +79,14 @@ def generate(address: str, **fields: object) -> Completion:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         token_ids: list[int] = []
         text = []
+        logprobs: list[common_pb2.TokenLogprob] = []
         stream = stub.Generate(orchestrator_pb2.GenerateRequest(**fields), timeout=300)  # type: ignore[arg-type]
         for count, response in enumerate(stream, start=1):
             token_ids.extend(response.token_ids)
             text.append(response.text)
+            logprobs.extend(response.logprobs)
             if response.finish_reason:
-                return Completion(token_ids, "".join(text), response.finish_reason, response.stats, count)
+                return Completion(token_ids, "".join(text), response.finish_reason, response.stats, count, logprobs)
     raise AssertionError("stream ended without a finish_reason")
 
 
@@ -116,3 +135,44 @@ def target_process(model: Path, tp: int, ready_file: Path) -> Iterator[TargetPro
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+@dataclass
+class Service:
+    name: str
+    address: str
+    process: subprocess.Popen[str]
+    log: list[str]
+
+
+@contextmanager
+def service(name: str, arguments: list[str], workdir: Path) -> Iterator[Service]:
+    """One command (a `tandem` service or a test helper module) in its own process, given `--ready-file`; yields
+    once the file exists. Its output is collected in `log`; a process a test stopped (SIGSTOP) is resumed and
+    terminated at the end."""
+    ready_file = workdir / f"{name}.address"
+    ready_file.unlink(missing_ok=True)
+    command = [*arguments, "--ready-file", str(ready_file)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    assert process.stdout is not None
+    stdout = process.stdout
+    threading.Thread(target=lambda: log.extend(iter(stdout.readline, "")), daemon=True).start()
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready_file.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                process.wait()
+                raise RuntimeError(f"{name} did not start:\n{''.join(log)}")
+            time.sleep(0.1)
+        yield Service(name, ready_file.read_text().strip(), process, log)
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)  # a test may have stopped it
+            process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
+from tandem.settings import SERVICE_ENVIRONMENT
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
 from tests.integration.stack import run_to_exit
 
@@ -19,18 +21,32 @@ def long_context_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, P
     return target, draft
 
 
-def test_bench_writes_the_report_with_medians_and_identical_outputs(
+def test_bench_writes_the_report_with_medians_transformers_rows_and_identical_outputs(
     tmp_path: Path, long_context_pair: tuple[Path, Path]
 ) -> None:
     target, draft = long_context_pair
     out = tmp_path / "results"
+    requests = tmp_path / "requests.json"
     arguments = ["bench", "--target", str(target), "--draft", str(draft), "--out", str(out)]
-    arguments += ["--num-prompts", "2", "--max-new-tokens", "8", "--concurrency", "1", "2", "--repeats", "2"]
+    # A fixed k: the random draft would soon be asked for nothing (adaptive k), and the report's per-position
+    # acceptance is what is checked here.
+    arguments += ["--no-adaptive-k", "--num-prompts", "2", "--max-new-tokens", "8", "--concurrency", "1", "2"]
+    arguments += ["--repeats", "2"]
+    arguments += ["--save-requests", str(requests)]
     finished = run_to_exit(arguments, timeout_s=600)
     assert finished.returncode == 0, finished.stdout
 
+    # The summary holds aggregates only: it stays small whatever the prompt count and token budget.
+    assert (out / "latest.json").stat().st_size < 16 * 1024
+    assert sorted(path.name for path in out.iterdir()) == ["acceptance_per_position.png", "latest.json", "latest.md"]
     document = json.loads((out / "latest.json").read_text())
+    assert set(document) == {"settings", "summary", "transformers"}
     assert document["settings"]["repeats"] == 2
+    assert "CPUs" in document["settings"]["machine"] and "transformers" in document["settings"]["machine"]
+    # The benchmark process (colocated engine, transformers) runs under the services' OpenMP environment.
+    runtime = document["settings"]["runtime"]
+    assert runtime["GOMP_SPINCOUNT"] == os.environ.get("GOMP_SPINCOUNT", SERVICE_ENVIRONMENT["GOMP_SPINCOUNT"])
+    assert runtime["torch_threads"] >= 1
     rows = {(row["setup"], row["concurrency"]): row for row in document["summary"]}
     assert set(rows) == {("split", 1), ("split", 2), ("colocated", 1), ("colocated", 2)}
     for (setup, _), row in rows.items():
@@ -41,17 +57,67 @@ def test_bench_writes_the_report_with_medians_and_identical_outputs(
         assert row["speedup"] > 0
         assert (row["split_over_colocated"] is not None) == (setup == "split")
         assert 1.0 <= row["mean_acceptance_length"] <= 6.0
-    # 2 setups x 2 concurrencies x 2 repeats x (speculative, target-only), each over both prompts, 8 tokens each.
-    assert len(document["runs"]) == 16
-    for run in document["runs"]:
+        assert len(row["acceptance_per_position"]) == 5
+        timing = row["per_round_ms"]
+        assert row["outside_compute_ms_per_round"] == pytest.approx(timing["wire"] + timing["scheduling"], abs=2e-3)
+        assert row["vs_transformers_greedy"] > 0 and row["vs_transformers_prompt_lookup"] > 0
+        assert row["target_only_vs_transformers_greedy"] > 0
+
+    hf = {row["setup"]: row for row in document["transformers"]}
+    assert set(hf) == {"transformers greedy", "transformers prompt-lookup"}
+    for row in hf.values():
+        assert row["concurrency"] == 1 and row["batch"] == "1, sequential"
+        # Batch 1 in every repeat at each of the two concurrencies: interleaved with Tandem's runs.
+        assert len(row["tokens_per_second_runs"]) == 4
+        assert row["tokens_per_second"] in row["tokens_per_second_runs"]
+        # transformers' greedy completions (and prompt lookup's, lossless) are Tandem's target-only ones.
+        assert row["identical_to_tandem_target_only"] == "2/2"
+    assert hf["transformers greedy"]["vs_transformers_greedy"] == 1.0
+    assert hf["transformers prompt-lookup"]["vs_transformers_prompt_lookup"] == 1.0
+    split = rows[("split", 1)]
+    greedy_rate = hf["transformers greedy"]["tokens_per_second"]
+    assert split["vs_transformers_greedy"] == pytest.approx(split["tokens_per_second"] / greedy_rate, rel=1e-2)
+
+    # Per-request records only where asked: 2 setups x 2 concurrencies x 2 repeats x (speculative, target-only),
+    # and 2 transformers methods x 2 concurrencies x 2 repeats, each over both prompts, 8 tokens each.
+    detail = json.loads(requests.read_text())
+    assert len(detail["runs"]) == 16 + 8
+    assert sum(run["label"].startswith("transformers") for run in detail["runs"]) == 8
+    for run in detail["runs"]:
         assert sorted(request["prompt_index"] for request in run["requests"]) == [0, 1]
         assert all(len(request["token_ids"]) == 8 for request in run["requests"])
 
     table = (out / "latest.md").read_text()
     assert "median of 2 runs each" in table
+    assert "| vs HF greedy | vs HF prompt-lookup |" in table and "| outside compute ms/round |" in table
     assert table.count("| split |") == 2 and table.count("| colocated |") == 2
+    assert "| transformers greedy | 1 (batch 1, sequential) |" in table
+    assert "| transformers prompt-lookup | 1 (batch 1, sequential) |" in table
+    header, rule = [line for line in table.splitlines() if line.startswith("|")][:2]
+    assert header.count("|") == rule.count("|")
     assert (out / "acceptance_per_position.png").read_bytes().startswith(b"\x89PNG")
     assert finished.stdout.strip().endswith(table.strip().splitlines()[-1])
+
+
+def test_bench_without_transformers_has_no_transformers_rows_or_ratios(
+    tmp_path: Path, long_context_pair: tuple[Path, Path]
+) -> None:
+    target, draft = long_context_pair
+    out = tmp_path / "results"
+    arguments = ["bench", "--target", str(target), "--draft", str(draft), "--out", str(out), "--no-transformers"]
+    arguments += ["--no-colocated", "--num-prompts", "1", "--max-new-tokens", "4", "--concurrency", "1"]
+    finished = run_to_exit(arguments, timeout_s=600)
+    assert finished.returncode == 0, finished.stdout
+
+    document = json.loads((out / "latest.json").read_text())
+    assert document["settings"]["transformers"] is False
+    assert document["transformers"] == []
+    [row] = document["summary"]
+    assert (row["setup"], row["identical_outputs"]) == ("split", "1/1")
+    assert row["vs_transformers_greedy"] is None and row["vs_transformers_prompt_lookup"] is None
+    assert row["target_only_vs_transformers_greedy"] is None
+    table = (out / "latest.md").read_text()
+    assert "transformers greedy" not in table and "| split | 1 |" in table
 
 
 def test_bench_refuses_zero_repeats(tmp_path: Path, llama_target: Path, random_draft: Path) -> None:

@@ -88,7 +88,8 @@ def test_every_process_ends_with_a_sigkilled_serve(llama_target: Path, random_dr
     """Children started every way there is: services from the launcher's main thread, a draft replica from a gRPC
     worker thread of its Scaler (Scale to 2 replicas), a target rank from the target's model thread (tp 2)."""
     with serve(llama_target, random_draft, "--tp", "2", "--speculative-num-steps", "3") as stack:
-        with grpc.insecure_channel(stack.address, options=channel_options()) as channel:
+        assert stack.admin_address is not None
+        with grpc.insecure_channel(stack.admin_address, options=channel_options()) as channel:
             admin = orchestrator_pb2_grpc.OrchestratorAdminStub(channel)
             admin.Scale(orchestrator_pb2.ScaleRequest(draft_replicas=2), timeout=300)
         processes = descendants(stack.process.pid)

@@ -13,7 +13,7 @@ import grpc
 
 from tandem.grpc_util import channel_options
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
-from tests.integration.stack import draft_info, generate, serve, service_addresses, tandem_command
+from tests.integration.stack import Stack, draft_info, generate, serve, service_addresses, tandem_command
 
 PROMPTS = [f"def function_{index}(value):\n    return" for index in range(16)]
 
@@ -33,8 +33,11 @@ def replica_pid(replica_id: str) -> int:
     return pids[0]
 
 
-def admin(address: str) -> orchestrator_pb2_grpc.OrchestratorAdminStub:
-    return orchestrator_pb2_grpc.OrchestratorAdminStub(grpc.insecure_channel(address, options=channel_options()))
+def admin(stack: Stack) -> orchestrator_pb2_grpc.OrchestratorAdminStub:
+    """OrchestratorAdmin of a running stack, on its own port (loopback, no token)."""
+    assert stack.admin_address is not None
+    channel = grpc.insecure_channel(stack.admin_address, options=channel_options())
+    return orchestrator_pb2_grpc.OrchestratorAdminStub(channel)
 
 
 def greedy(address: str, prompt: str, max_new_tokens: int, disable_speculation: bool = False) -> list[int]:
@@ -47,7 +50,7 @@ def greedy(address: str, prompt: str, max_new_tokens: int, disable_speculation: 
 
 def test_sigkilled_replica_costs_no_request(llama_target: Path, random_draft: Path) -> None:
     with serve(llama_target, random_draft, "--draft-replicas", "2", "--speculative-num-steps", "3") as stack:
-        replicas = admin(stack.address).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
+        replicas = admin(stack).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
         assert sorted(r.replica_id for r in replicas) == ["draft-0", "draft-1"]
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [pool.submit(greedy, stack.address, prompt, 120) for prompt in PROMPTS]
@@ -55,7 +58,7 @@ def test_sigkilled_replica_costs_no_request(llama_target: Path, random_draft: Pa
             os.kill(replica_pid("draft-1"), signal.SIGKILL)
             speculative = [future.result(timeout=300) for future in futures]
         # The dead replica is demoted, holds no request, and is probed until it answers (it never will).
-        replicas = admin(stack.address).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
+        replicas = admin(stack).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
         states = sorted((r.replica_id, r.state, r.outstanding) for r in replicas)
         assert states == [("draft-0", "serving", 0), ("draft-1", "demoted", 0)]
         target_only = [greedy(stack.address, prompt, 120, disable_speculation=True) for prompt in PROMPTS]
@@ -80,7 +83,7 @@ def test_last_replica_lost_then_a_new_one_joins(tmp_path: Path, llama_target: Pa
                 time.sleep(1.0)
                 os.kill(replica_pid("draft-0"), signal.SIGKILL)
                 time.sleep(0.5)  # the running requests go on target-only
-                status = admin(stack.address).AddReplica(orchestrator_pb2.AddReplicaRequest(address=new_address))
+                status = admin(stack).AddReplica(orchestrator_pb2.AddReplicaRequest(address=new_address))
                 assert (status.replica_id, status.state) == ("draft-new", "serving")
                 # The running requests switch back to speculation on the newcomer.
                 deadline = time.monotonic() + 60
@@ -106,7 +109,7 @@ def test_scale_1_to_3_to_1_under_16_streams(llama_target: Path, random_draft: Pa
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [pool.submit(greedy, stack.address, prompt, 300) for prompt in first_wave]
             up = subprocess.run(
-                tandem_command("scale", "--draft-replicas", "3", "--address", stack.address),
+                tandem_command("scale", "--draft-replicas", "3", "--address", str(stack.admin_address)),
                 capture_output=True,
                 text=True,
                 timeout=300,
@@ -117,16 +120,16 @@ def test_scale_1_to_3_to_1_under_16_streams(llama_target: Path, random_draft: Pa
             futures += [pool.submit(greedy, stack.address, prompt, 300) for prompt in second_wave]
             deadline = time.monotonic() + 60
             while True:
-                replicas = admin(stack.address).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
+                replicas = admin(stack).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
                 new_load = sum(r.outstanding for r in replicas if r.replica_id != "draft-0")
                 if new_load > 0 or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
             assert new_load > 0
             # The same through the admin RPC: back to one replica; the others drain their requests first.
-            admin(stack.address).Scale(orchestrator_pb2.ScaleRequest(draft_replicas=1), timeout=300)
+            admin(stack).Scale(orchestrator_pb2.ScaleRequest(draft_replicas=1), timeout=300)
             speculative = [future.result(timeout=300) for future in futures]
-        replicas = admin(stack.address).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
+        replicas = admin(stack).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
         assert [r.replica_id for r in replicas] == ["draft-0"]
         target_only = [greedy(stack.address, prompt, 300, disable_speculation=True) for prompt in PROMPTS]
         assert not any("exited with code" in line for line in stack.log)

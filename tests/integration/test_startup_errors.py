@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
@@ -89,3 +90,27 @@ def test_unknown_draft_architecture_is_named(tmp_path: Path, llama_target: Path)
     config["architectures"] = ["MedusaModel"]
     (draft / "config.json").write_text(json.dumps(config))
     assert "architectures: 'MedusaModel' is not a draft this server runs" in serve_to_exit(llama_target, draft)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device cuda would start")
+@pytest.mark.parametrize("command", ["serve", "target", "draft"])
+def test_device_cuda_without_cuda_stops_with_one_line(llama_target: Path, random_draft: Path, command: str) -> None:
+    """Every command that computes refuses --device cuda on a machine without CUDA: one line, no traceback."""
+    arguments = {
+        "serve": ["serve", "--target", str(llama_target), "--draft", str(random_draft), "--port", "0"],
+        "target": ["target", "--model", str(llama_target), "--port", "0"],
+        "draft": ["draft", "--model", str(random_draft), "--target-address", "127.0.0.1:1", "--port", "0"],
+    }[command]
+    result = run_to_exit([*arguments, "--device", "cuda"], timeout_s=60)
+    assert result.returncode == 2, result.stdout
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, result.stdout
+    assert f"{command} cannot start: --device cuda: CUDA is not available" in lines[0]
+    assert "Traceback" not in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the flag would be accepted")
+def test_flashinfer_backend_on_the_cpu_is_refused(llama_target: Path) -> None:
+    result = run_to_exit(["target", "--model", str(llama_target), "--port", "0", "--attention-backend", "flashinfer"])
+    assert result.returncode == 2, result.stdout
+    assert "--attention-backend flashinfer: runs on CUDA in bfloat16 or float16, not on cpu in float32" in result.stdout

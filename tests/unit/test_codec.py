@@ -18,6 +18,7 @@ from tandem.grpc_util import (
     create_server,
     wait_for_ready,
 )
+from tandem.transport import Insecure
 from tandem.wire import common_pb2, target_pb2
 from tandem.wire.codec import (
     DEFAULT_CHUNK_BYTES,
@@ -326,7 +327,7 @@ def test_server_health_reflection_and_large_messages() -> None:
         await server.start()
         address = f"127.0.0.1:{port}"
         try:
-            await wait_for_ready(address, timeout_s=10, service=SERVICE_NAME)
+            await wait_for_ready(address, timeout_s=10, open_channel=Insecure().aio_channel, service=SERVICE_NAME)
             async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
                 health_stub = health_pb2_grpc.HealthStub(channel)
                 for service in ("", SERVICE_NAME):
@@ -344,7 +345,7 @@ def test_server_health_reflection_and_large_messages() -> None:
 
             await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
             with pytest.raises(TimeoutError, match=rf"127\.0\.0\.1:{port}.*{SERVICE_NAME}.*NOT_SERVING"):
-                await wait_for_ready(address, timeout_s=0.3, service=SERVICE_NAME)
+                await wait_for_ready(address, timeout_s=0.3, open_channel=Insecure().aio_channel, service=SERVICE_NAME)
         finally:
             await server.stop(grace=None)
 
@@ -370,7 +371,7 @@ def test_wait_for_ready_waits_for_a_late_server() -> None:
 
         starter = asyncio.create_task(start_later())
         try:
-            await wait_for_ready(address, timeout_s=10, service=SERVICE_NAME)
+            await wait_for_ready(address, timeout_s=10, open_channel=Insecure().aio_channel, service=SERVICE_NAME)
             assert starter.done()
         finally:
             await starter
@@ -386,7 +387,7 @@ def test_wait_for_ready_times_out_naming_the_address() -> None:
         await probe.start()
         await probe.stop(grace=None)
         with pytest.raises(TimeoutError, match=rf"127\.0\.0\.1:{port}"):
-            await wait_for_ready(f"127.0.0.1:{port}", timeout_s=0.3)
+            await wait_for_ready(f"127.0.0.1:{port}", timeout_s=0.3, open_channel=Insecure().aio_channel)
 
     asyncio.run(scenario())
 

@@ -1,4 +1,4 @@
-"""Paged KV cache bookkeeping: slots, block reservation and return, all-or-nothing planning."""
+"""Paged KV cache bookkeeping: slots, block reservation and return, all-or-nothing planning, keeping a tree's path."""
 
 from __future__ import annotations
 
@@ -117,12 +117,14 @@ def test_plan_packs_sequences_and_advances_lengths() -> None:
     assert (first.length, second.length) == (6, 2)
     assert metadata.positions.tolist() == [3, 4, 5, 0, 1]
     expected_writes = torch.cat([cache.slots(first, 3, 6), cache.slots(second, 0, 2)])
-    assert metadata.write_slots.tolist() == expected_writes.tolist()
-    first_span, second_span = metadata.spans
-    assert (first_span.query_start, first_span.query_len, first_span.context_len) == (0, 3, 6)
-    assert (second_span.query_start, second_span.query_len, second_span.context_len) == (3, 2, 2)
-    assert first_span.context_slots.tolist() == cache.slots(first, 0, 6).tolist()
-    assert second_span.context_slots.tolist() == cache.slots(second, 0, 2).tolist()
+    assert metadata.page_table.write_slots.tolist() == expected_writes.tolist()
+    table = metadata.page_table
+    assert table.qo_indptr.tolist() == [0, 3, 5]
+    assert table.kv_indptr.tolist() == [0, 2, 3]
+    assert table.kv_page_indices.tolist() == first.block_ids + second.block_ids
+    assert table.kv_last_page_len.tolist() == [2, 2]  # 6 = 4 + 2 rows, 2 rows
+    assert table.kv_lens() == [6, 2]
+    assert table.custom_masks == (None, None)
 
 
 def test_plan_is_all_or_nothing_when_out_of_blocks() -> None:
@@ -136,3 +138,51 @@ def test_plan_is_all_or_nothing_when_out_of_blocks() -> None:
     assert cache.num_free_blocks == free_before
     assert (first.length, len(first.block_ids)) == (2, 1)
     assert (second.length, second.block_ids) == (0, [])
+
+
+def test_plan_refuses_a_bad_tree_before_reserving() -> None:
+    cache = make_cache(num_blocks=4)
+    sequence = SequenceKV()
+    with pytest.raises(ValueError, match=r"parents\[0\]\[2\]: 2 must be -1 \(the context\) or an earlier index"):
+        cache.plan([(sequence, 3)], parents=[[-1, 0, 2]])
+    with pytest.raises(ValueError, match=r"parents\[0\]: 2 entries for 3 new tokens"):
+        cache.plan([(sequence, 3)], parents=[[-1, 0]])
+    assert (cache.num_free_blocks, sequence.length) == (4, 0)
+
+
+def test_keep_moves_the_kept_rows_down_and_frees_the_rest() -> None:
+    # The docstring's example: length 10, keep [6, 8, 9] -> 0..6 stay, 8 -> 7, 9 -> 8, length 9.
+    cache = make_cache(num_blocks=8)
+    sequence = SequenceKV()
+    cache.plan([(sequence, 10)])  # 3 blocks
+    slots = cache.slots(sequence, 0, 10)
+    rows = torch.arange(10, dtype=torch.float32)  # position p's KV holds p everywhere, in every layer
+    cache.keys[:, slots] = rows[None, :, None, None]
+    cache.values[:, slots] = -rows[None, :, None, None]
+
+    cache.keep(sequence, [6, 8, 9])
+
+    assert sequence.length == 9
+    kept = cache.slots(sequence, 0, 9)
+    expected = torch.tensor([0, 1, 2, 3, 4, 5, 6, 8, 9], dtype=torch.float32)
+    for layer in range(2):
+        assert cache.keys[layer, kept, 0, 0].tolist() == expected.tolist()
+        assert cache.values[layer, kept, 1, 7].tolist() == (-expected).tolist()
+    assert cache.num_free_blocks == 8 - 3  # 9 positions still take 3 blocks
+    cache.keep(sequence, [2, 5])  # 0..2 stay, 5 -> 3: 4 positions, one block returns
+    assert sequence.length == 4
+    assert cache.keys[0, cache.slots(sequence, 0, 4), 0, 0].tolist() == [0, 1, 2, 5]
+    assert cache.num_free_blocks == 8 - 1
+
+
+def test_keep_refuses_positions_out_of_order_or_range() -> None:
+    cache = make_cache()
+    sequence = SequenceKV()
+    cache.plan([(sequence, 6)])
+    with pytest.raises(ValueError, match=r"positions\[1\] is 3; positions must increase"):
+        cache.keep(sequence, [4, 3])
+    with pytest.raises(ValueError, match=r"positions\[0\] is 6; .* below the sequence's length 6"):
+        cache.keep(sequence, [6])
+    with pytest.raises(ValueError, match="no positions given"):
+        cache.keep(sequence, [])
+    assert sequence.length == 6

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from orchestrator.validation import InvalidRequest, Limits, ValidatedRequest, validate_request
+from orchestrator.validation import (
+    InvalidRequest,
+    Limits,
+    ValidatedRequest,
+    client_request_id,
+    validate_request,
+    with_stop_masking,
+)
 from tandem.sampling.params import SamplingParams
 from tandem.wire.orchestrator_pb2 import GenerateRequest
 from tests.helpers.tokenizer import write_tokenizer
@@ -68,6 +75,17 @@ def test_set_fields_are_carried_over(tokenizer: PreTrainedTokenizerBase) -> None
         ignore_eos=True,
         disable_speculation=True,
     )
+
+
+def test_seed_zero_is_a_seed_and_stop_token_ids_are_carried(tokenizer: PreTrainedTokenizerBase) -> None:
+    request = validate(tokenizer, GenerateRequest(input_ids=[5], seed=0, stop_token_ids=[7, 9, 7]))
+    assert request.sampling.seed == 0
+    assert request.stop_token_ids == frozenset({7, 9})
+    assert validate(tokenizer, GenerateRequest(input_ids=[5])).sampling.seed is None
+
+
+def test_stop_token_id_outside_the_vocabulary_is_refused(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert_refused(tokenizer, GenerateRequest(input_ids=[5], stop_token_ids=[3, 320]), "stop_token_ids[1]: 320")
 
 
 def test_prompt_is_tokenized_and_input_ids_are_ignored(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -156,3 +174,38 @@ def test_new_tokens_overflowing_the_context_are_refused(tokenizer: PreTrainedTok
 
 def test_empty_stop_string_is_refused(tokenizer: PreTrainedTokenizerBase) -> None:
     assert_refused(tokenizer, GenerateRequest(input_ids=[5], stop=["END", ""]), "stop[1]: must be a non-empty string")
+
+
+def test_logprobs_and_their_bounds(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert validate(tokenizer, GenerateRequest(input_ids=[5])).top_logprobs is None
+    assert validate(tokenizer, GenerateRequest(input_ids=[5], logprobs=True)).top_logprobs == 0
+    assert validate(tokenizer, GenerateRequest(input_ids=[5], logprobs=True, top_logprobs=20)).top_logprobs == 20
+    assert_refused(
+        tokenizer, GenerateRequest(input_ids=[5], logprobs=True, top_logprobs=21), "top_logprobs: must be in"
+    )
+    assert_refused(
+        tokenizer, GenerateRequest(input_ids=[5], logprobs=True, top_logprobs=-1), "top_logprobs: must be in"
+    )
+    assert_refused(tokenizer, GenerateRequest(input_ids=[5], top_logprobs=2), "top_logprobs: 2 needs logprobs")
+
+
+def test_min_tokens_is_bounded_by_max_new_tokens_and_masks_what_would_end(tokenizer: PreTrainedTokenizerBase) -> None:
+    request = validate(tokenizer, GenerateRequest(input_ids=[5], max_new_tokens=8, min_tokens=8, stop_token_ids=[9]))
+    assert request.sampling.min_tokens == 8
+    assert with_stop_masking(request, frozenset({2, 3})).sampling.stop_token_ids == (2, 3, 9)
+    ignoring = validate(tokenizer, GenerateRequest(input_ids=[5], min_tokens=1, ignore_eos=True, stop_token_ids=[9]))
+    assert with_stop_masking(ignoring, frozenset({2})).sampling.stop_token_ids == (9,)
+    without = validate(tokenizer, GenerateRequest(input_ids=[5], stop_token_ids=[9]))
+    assert with_stop_masking(without, frozenset({2})) is without
+    too_many = GenerateRequest(input_ids=[5], max_new_tokens=8, min_tokens=9)
+    assert_refused(tokenizer, too_many, "min_tokens: must be in [0, max_new_tokens = 8], got 9")
+    assert_refused(tokenizer, GenerateRequest(input_ids=[5], min_tokens=-1), "min_tokens: must be in")
+
+
+def test_client_request_ids() -> None:
+    assert client_request_id("trace-1:a") == "trace-1:a"
+    generated = client_request_id(None)
+    assert len(generated) == 32 and generated != client_request_id(None)
+    for bad in ("", "has space", "x" * 129, "caf\u00e9", "line\nbreak"):
+        with pytest.raises(InvalidRequest, match=r"^x-request-id: "):
+            client_request_id(bad)

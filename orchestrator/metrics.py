@@ -1,0 +1,249 @@
+"""Prometheus metrics of the orchestrator under vLLM's names and meanings, plus the `tandem:` ones of a split system.
+
+Every metric lives in one CollectorRegistry owned by `Metrics` (no module-level state). Request metrics are fed once
+per request, when it ends, from the statistics the scheduler already keeps for it (orchestrator/output.py); the
+gauges and the scheduler's own counters are read from the scheduler when /metrics is scraped, on the event loop
+that runs the scheduler, so they see a consistent state.
+
+Speculative decoding, as vLLM defines it: a draft is one round of one request that verified at least one draft
+token; mean acceptance length = 1 + num_accepted_tokens / num_drafts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from orchestrator.output import RequestOutput, Stats
+from orchestrator.scheduler import Scheduler
+
+LOG = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Buckets in seconds: first token and whole requests span milliseconds to minutes; tokens come tens of ms apart.
+FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+PROPOSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+
+@dataclass(frozen=True)
+class AcceptanceWatch:
+    """The periodic acceptance log line, and when to call acceptance collapsed."""
+
+    interval_s: float = 60.0  # one log line per interval that saw drafts
+    min_drafts: int = 32  # fewer drafts in an interval say too little to warn about
+    # A mean acceptance length below this over an interval means the draft almost never matches: a draft that does
+    # not fit its target (wrong aux layer convention, another target's head) fails this way, silently.
+    collapsed_below: float = 1.1
+
+
+@dataclass
+class AcceptanceWindow:
+    drafts: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, stats: Stats) -> None:
+        self.drafts += stats.draft_rounds
+        self.accepted += stats.accepted_tokens
+        for position, count in enumerate(stats.accepted_per_position):
+            if position == len(self.accepted_per_position):
+                self.accepted_per_position.append(0)
+            self.accepted_per_position[position] += count
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted / self.drafts if self.drafts else 0.0
+
+
+class Metrics:
+    """The orchestrator's metrics; `render()` gives the Prometheus text exposition."""
+
+    def __init__(self, scheduler: Scheduler, model_name: str, watch: AcceptanceWatch | None = None) -> None:
+        self.model_name = model_name
+        self.watch = watch or AcceptanceWatch()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.window = AcceptanceWindow()
+        self.collapsed = False
+        labels = ["model_name"]
+
+        def counter(name: str, documentation: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, documentation, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, documentation, labels, registry=self.registry, buckets=buckets)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that ended")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated for requests that ended")
+        self.request_success = counter(
+            "vllm:request_success",
+            "Requests that ended, by finished_reason: stop (EOS, stop string or stop token), length, abort "
+            "(the client went away), error",
+            ("finished_reason",),
+        )
+        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Rounds that verified at least one draft token")
+        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.accepted_per_position = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Rounds in which the draft token at this position (0-based) was accepted",
+            ("position",),
+        )
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "From arrival to the first token", FIRST_TOKEN_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Between consecutive outputs of a request (one output carries every token one round commits)",
+            INTER_TOKEN_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds", "From arrival to the last token", REQUEST_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds", "From arrival to the first admission into the batch", REQUEST_BUCKETS
+        )
+        self.rounds = counter("tandem:rounds", "Draft/verify rounds, counted per request")
+        self.round_seconds = counter(
+            "tandem:round_seconds",
+            "Time of the rounds of requests that ended, by part: draft (replica compute), verify (target compute), "
+            "wire (the rest of the Propose/Step calls) and scheduling (the orchestrator's own work); a round is "
+            "counted in full for every request in it, so part / tandem:rounds is the mean per round",
+            ("part",),
+        )
+        self.propose_seconds = Histogram(
+            "tandem:propose_seconds",
+            "Wall time of one Propose call to a draft replica (its whole batch), by replica",
+            [*labels, "replica"],
+            registry=self.registry,
+            buckets=PROPOSE_BUCKETS,
+        )
+        scheduler.propose_listeners.append(self.observe_propose)
+        self.registry.register(SchedulerCollector(scheduler, self))
+
+    def observe_propose(self, replica: str, seconds: float) -> None:
+        self.propose_seconds.labels(self.model_name, replica).observe(seconds)
+
+    def observe(self, output: RequestOutput, finished_reason: str) -> None:
+        """Counts a request that ended: finished_reason is its finish reason as the OpenAI API names it, "abort" or
+        "error"."""
+        stats = output.stats
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(output.prompt_tokens)
+        self.generation_tokens.labels(name).inc(len(output.generated))
+        self.request_success.labels(name, finished_reason).inc()
+        self.num_drafts.labels(name).inc(stats.draft_rounds)
+        self.num_draft_tokens.labels(name).inc(stats.draft_tokens)
+        self.num_accepted_tokens.labels(name).inc(stats.accepted_tokens)
+        for position, count in enumerate(stats.accepted_per_position):
+            self.accepted_per_position.labels(name, str(position)).inc(count)
+        if output.last_message is not None:
+            self.time_to_first_token.labels(name).observe(stats.first_token_seconds)
+        for seconds in stats.inter_token_seconds:
+            self.inter_token_latency.labels(name).observe(seconds)
+        if output.scheduled:
+            self.request_queue_time.labels(name).observe(stats.queue_seconds)
+        if finished_reason in ("stop", "length"):
+            self.e2e_request_latency.labels(name).observe(stats.total_seconds)
+        self.rounds.labels(name).inc(stats.rounds)
+        for part, seconds in (
+            ("draft", stats.draft_seconds),
+            ("verify", stats.verify_seconds),
+            ("wire", stats.wire_seconds),
+            ("scheduling", stats.scheduling_seconds),
+        ):
+            self.round_seconds.labels(name, part).inc(seconds)
+        self.window.add(stats)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def close_window(self) -> None:
+        """Logs the acceptance of the interval that ends now and warns when it collapsed to about 1.0."""
+        window, self.window = self.window, AcceptanceWindow()
+        if window.drafts == 0:
+            return
+        rates = " ".join(f"{count / window.drafts:.2f}" for count in window.accepted_per_position)
+        LOG.info(
+            "acceptance: mean length %.2f over %d drafts, per position %s",
+            window.mean_acceptance_length,
+            window.drafts,
+            rates,
+        )
+        if window.drafts < self.watch.min_drafts:
+            return
+        self.collapsed = window.mean_acceptance_length < self.watch.collapsed_below
+        if self.collapsed:
+            LOG.warning(
+                "acceptance collapsed: mean acceptance length %.2f over %d drafts; the draft almost never matches "
+                "the target (check that the head was trained for this target, and --aux-layer-convention)",
+                window.mean_acceptance_length,
+                window.drafts,
+            )
+
+    async def watch_acceptance(self) -> None:
+        """Runs close_window every interval, for as long as the orchestrator serves."""
+        while True:
+            await asyncio.sleep(self.watch.interval_s)
+            self.close_window()
+
+
+class SchedulerCollector(Collector):
+    """What the scheduler knows now: queue lengths, KV usage, replicas, replica failures."""
+
+    def __init__(self, scheduler: Scheduler, metrics: Metrics) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        scheduler = self.scheduler
+        name = self.metrics.model_name
+
+        def gauge(metric: str, documentation: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(metric, documentation, labels=["model_name"])
+            family.add_metric([name], value)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch", len(scheduler.running))
+        yield gauge("vllm:num_requests_waiting", "Requests waiting for admission", len(scheduler.waiting))
+        pool = scheduler.facts.pool
+        used = sum(pool.blocks(request.kv_length) for request in scheduler.running.values())
+        yield gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of the target's KV blocks in use (1 = full)", used / pool.num_blocks
+        )
+        yield gauge(
+            "tandem:k_in_use",
+            "Draft tokens per round the scheduler asks for now (the adaptive choice, or --speculative-num-steps)",
+            scheduler.k_in_use,
+        )
+        yield gauge(
+            "tandem:acceptance_collapsed",
+            "1 when the mean acceptance length of the last interval fell to about 1.0 (see the orchestrator's log)",
+            float(self.metrics.collapsed),
+        )
+        failures = CounterMetricFamily(
+            "tandem:replica_failures",
+            "Draft replica demotions (failed, timed out or sent bad drafts)",
+            labels=["model_name"],
+        )
+        failures.add_metric([name], scheduler.replica_failures)
+        yield failures
+        replicas = GaugeMetricFamily("tandem:draft_replicas", "Draft replicas by state", labels=["model_name", "state"])
+        states = [replica.state for replica in scheduler.replicas.all()]
+        for state in ("serving", "draining", "demoted"):
+            replicas.add_metric([name, state], states.count(state))
+        yield replicas
+        outstanding = GaugeMetricFamily(
+            "tandem:replica_requests", "Requests assigned to each draft replica", labels=["model_name", "replica"]
+        )
+        for replica in scheduler.replicas.all():
+            outstanding.add_metric([name, replica.replica_id], replica.outstanding)
+        yield outstanding

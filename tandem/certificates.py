@@ -1,0 +1,116 @@
+"""Throwaway certificates for `tandem serve --internal-tls`: a CA and one certificate its services share.
+
+The CA lives as long as the stack: its key is written next to nothing but the files below, in a directory the
+launcher removes on exit, and nothing outside the stack trusts it. Keys are EC P-256 (fast to make) and every
+private key file is created 0600. The leaf certificate is valid for TLS servers and clients (mutual TLS) and names
+the loopback addresses the children bind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+LOOPBACK_NAMES = ("localhost",)
+LOOPBACK_IPS = ("127.0.0.1", "::1")
+VALID_FOR = datetime.timedelta(days=7)  # a stack that runs longer restarts with fresh ones
+CLOCK_SKEW = datetime.timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class CertificateFiles:
+    """PEM files: the CA certificate, and a certificate and its private key signed by that CA."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Writes `data` to a new file readable by its owner only (created 0600, never wider)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(data)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name(
+        [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Tandem"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    )
+
+
+def make_certificates(
+    directory: Path,
+    common_name: str = "tandem-internal",
+    dns_names: tuple[str, ...] = LOOPBACK_NAMES,
+    ip_addresses: tuple[str, ...] = LOOPBACK_IPS,
+) -> CertificateFiles:
+    """Writes a fresh CA (`ca.pem`) and a leaf (`cert.pem`, `key.pem`) for `dns_names` and `ip_addresses` into
+    `directory`, which must exist; the CA's own key is never written. Returns the three paths."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = _name(f"{common_name} CA")
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - CLOCK_SKEW)
+        .not_valid_after(now + VALID_FOR)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    leaf_key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = [x509.DNSName(name) for name in dns_names]
+    names += [x509.IPAddress(ipaddress.ip_address(address)) for address in ip_addresses]
+    leaf_cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name))
+        .issuer_name(ca_name)
+        .public_key(leaf_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - CLOCK_SKEW)
+        .not_valid_after(now + VALID_FOR)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    files = CertificateFiles(ca=directory / "ca.pem", cert=directory / "cert.pem", key=directory / "key.pem")
+    files.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    files.cert.write_bytes(leaf_cert.public_bytes(serialization.Encoding.PEM))
+    _write_private(files.key, _key_pem(leaf_key))
+    return files

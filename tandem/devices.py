@@ -1,0 +1,115 @@
+"""Where a service computes: the `--device` and `--dtype` flags, resolved once before settings are frozen.
+
+`--device` is `auto` (CUDA when torch sees a GPU, else the CPU), `cpu`, `cuda` (GPU 0) or `cuda:N`. Settings hold the
+resolved form, "cpu" or "cuda:N". Target rank r of a tensor-parallel target computes on GPU N + r (N: the resolved
+index, so `cuda` puts ranks 0..tp-1 on GPUs 0..tp-1). `--dtype auto` is bfloat16 on CUDA and float32 on the CPU.
+`--attention-backend auto` is FlashInfer on CUDA when it imports and the dtype is a 16-bit one, else torch (SDPA).
+
+Asking for CUDA where there is none is a StartupError with one line naming the flag; nothing falls back silently.
+The parsing of the flags is torch-free (the CLI builds its parser without torch); resolving imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from tandem.errors import StartupError
+
+if TYPE_CHECKING:
+    import torch
+
+AUTO = "auto"
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKEND_NAMES = ("torch", "flashinfer")
+_DEVICE = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
+
+
+def device_flag(text: str) -> str:
+    """The argparse type of `--device`: auto, cpu, cuda or cuda:N; raises ValueError naming the accepted forms."""
+    match = _DEVICE.match(text.strip())
+    if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
+        raise ValueError(f"--device: {text!r} is not one of auto, cpu, cuda, cuda:N")
+    return text.strip()
+
+
+def resolve_device(requested: str, ranks: int = 1) -> str:
+    """The device ("cpu" or "cuda:N") for `requested` (see device_flag), checked against the GPUs this process sees.
+
+    `ranks` GPUs are needed from N on (a tensor-parallel target puts rank r on GPU N + r).
+    """
+    import torch
+
+    requested = device_flag(requested)
+    if requested == "cpu" or (requested == AUTO and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise StartupError(
+            f"--device {requested}: CUDA is not available to this process (torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda or 'none'}); use --device cpu or auto"
+        )
+    index = int(requested.partition(":")[2] or 0)
+    count = torch.cuda.device_count()
+    if index + ranks > count:
+        need = f"GPUs {index}..{index + ranks - 1}" if ranks > 1 else f"GPU {index}"
+        raise StartupError(f"--device {requested}: needs {need}, this process sees {count} GPU(s)")
+    return f"cuda:{index}"
+
+
+def resolve_dtype(requested: str, device: str) -> str:
+    """The dtype name for `requested` ("auto": bfloat16 on CUDA, float32 on the CPU) on a resolved device."""
+    if requested == AUTO:
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    if requested not in DTYPES:
+        raise StartupError(f"--dtype: {requested!r} is not one of auto, {', '.join(DTYPES)}")
+    return requested
+
+
+def flashinfer_installed() -> bool:
+    """Whether the optional FlashInfer package (the `tandem[cuda]` extra) can be imported; does not import it."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def resolve_attention_backend(requested: str, device: str, dtype: str) -> str:
+    """The backend ("torch" or "flashinfer") for `requested` on a resolved device and dtype; refuses what cannot
+    run there."""
+    fits_flashinfer = device.startswith("cuda") and dtype in ("bfloat16", "float16")
+    if requested == AUTO:
+        return "flashinfer" if fits_flashinfer and flashinfer_installed() else "torch"
+    if requested not in ATTENTION_BACKEND_NAMES:
+        raise StartupError(f"--attention-backend: {requested!r} is not one of auto, torch, flashinfer")
+    if requested == "flashinfer":
+        if not fits_flashinfer:
+            raise StartupError(
+                f"--attention-backend flashinfer: runs on CUDA in bfloat16 or float16, not on {device} in {dtype}"
+            )
+        if not flashinfer_installed():
+            raise StartupError(
+                "--attention-backend flashinfer: the flashinfer package is not installed (pip install 'tandem[cuda]')"
+            )
+    return requested
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of target rank `rank` when rank 0 computes on `device` (resolved): GPU N + rank, or the CPU."""
+    if device == "cpu":
+        return device
+    return f"cuda:{int(device.partition(':')[2] or 0) + rank}"
+
+
+def pinned_host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of device tensors in page-locked host memory, made with one wait for the device; CPU tensors come back
+    as they are (nothing to copy). The target's captured rows of a step go on the wire from the host this way."""
+    import torch
+
+    if all(tensor.device.type == "cpu" for tensor in tensors):
+        return list(tensors)
+    copies = []
+    for tensor in tensors:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        copies.append(host)
+    torch.cuda.current_stream(tensors[0].device).synchronize()  # the one wait: every copy above is queued on it
+    return copies

@@ -1,0 +1,210 @@
+"""The FlashInfer attention backend (CUDA, bfloat16 or float16) over the same page table as the torch backend.
+
+Not yet run on a GPU (README, "GPU"). `flashinfer` is imported when this backend is built, never otherwise.
+
+A step's `plan` keeps the page table; FlashInfer's wrappers are planned by the first layer that attends with a given
+shape (heads, head_dim, scale, window, dtypes) and then run by every layer of that shape, so a model with two kinds
+of layers (Gemma3's sliding and global ones) plans two wrappers a step. Which wrapper:
+
+- every sequence adds one token (decoding, a verification without drafts): BatchDecodeWithPagedKVCacheWrapper;
+- otherwise BatchPrefillWithPagedKVCacheWrapper: causal (FlashInfer aligns it bottom-right, as the torch backend
+  does) or, when a tree is in the step, with a custom_mask for every sequence: its [query_len, kv_len] rows, flattened
+  and concatenated in sequence order (a chain: key j visible to query i iff j <= start + i; a tree: the context
+  columns, then the tree mask);
+- MLA (`attend_latent`): BatchMLAPagedAttentionWrapper over the pool's rows split into the latent (ckv) and rope
+  (kpe) columns, when the step has no tree and the sizes are the kernel's (latent 512, rope 64). Trees and other
+  sizes go to the torch step, as does a sliding window on a step with a tree (FlashInfer's window counts KV rows,
+  while a tree token's position is its depth).
+
+FlashInfer's `window_left` w lets a query at position p see keys [p - w, p]; Tandem's window W sees (p - W, p], so
+w = W - 1. New keys and values are written with index_copy_ into the pool viewed as [pages, page_size, heads, dim]
+(FlashInfer's "NHD" layout), as in the torch backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from tandem.layers.page_table import HOST, PageTable
+from tandem.layers.torch_attention import TorchAttentionStep
+
+WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's float workspace, shared by every wrapper of one backend
+MLA_LATENT_DIM, MLA_ROPE_DIM = 512, 64  # the sizes FlashInfer's MLA kernels are built for
+
+
+class FlashInferBackend:
+    name = "flashinfer"
+
+    def __init__(self, device: torch.device) -> None:
+        import flashinfer  # the tandem[cuda] extra
+
+        if device.type != "cuda":
+            raise ValueError(f"the flashinfer attention backend runs on CUDA devices, not {device}")
+        self.flashinfer: Any = flashinfer
+        self.device = device
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._wrappers: dict[Hashable, Any] = {}
+
+    def wrapper(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """The wrapper for one shape, made once and planned again by every step that uses it."""
+        if key not in self._wrappers:
+            self._wrappers[key] = make()
+        return self._wrappers[key]
+
+    def plan(self, page_table: PageTable) -> FlashInferStep:
+        return FlashInferStep(self, page_table)
+
+
+class FlashInferStep:
+    def __init__(self, backend: FlashInferBackend, page_table: PageTable) -> None:
+        self.backend = backend
+        self.table = page_table
+        self.write_slots = page_table.write_slots  # [num_tokens] on the device
+        query_lens, kv_lens = page_table.query_lens(), page_table.kv_lens()
+        self.kv_lens = torch.tensor(kv_lens, dtype=torch.int32, device=HOST)  # [batch] on the host, for the MLA planner
+        self.has_tree = any(mask is not None for mask in page_table.custom_masks)
+        self.decoding = not self.has_tree and all(length == 1 for length in query_lens)
+        self.custom_mask = self._packed_mask(query_lens, kv_lens) if self.has_tree else None
+        self._planned: dict[Hashable, Any] = {}
+        self._torch: TorchAttentionStep | None = None
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        layer_keys: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        layer_values: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        scaling: float | None,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # -> [num_tokens, num_heads, head_dim]
+        if self.has_tree and sliding_window is not None:
+            return self._torch_step().attend(query, key, value, layer_keys, layer_values, scaling, sliding_window)
+        layer_keys.index_copy_(0, self.write_slots, key.to(layer_keys.dtype))
+        layer_values.index_copy_(0, self.write_slots, value.to(layer_values.dtype))
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = layer_keys.shape[1]
+        scale = scaling if scaling is not None else head_dim**-0.5
+        window_left = -1 if sliding_window is None else sliding_window - 1
+        shape = (num_heads, num_kv_heads, head_dim, scale, window_left, query.dtype, layer_keys.dtype)
+        wrapper = self._planned.get(shape)
+        if wrapper is None:
+            wrapper = self._plan_attention(*shape)
+            self._planned[shape] = wrapper
+        page_size = self.table.page_size
+        pages = (
+            layer_keys.view(-1, page_size, num_kv_heads, head_dim),
+            layer_values.view(-1, page_size, num_kv_heads, head_dim),
+        )  # [num_pages, page_size, num_kv_heads, head_dim] each
+        return wrapper.run(query, pages)
+
+    def attend_latent(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, row_dim]
+        rows: torch.Tensor,  # [num_tokens, 1, row_dim]
+        layer_rows: torch.Tensor,  # [num_slots, 1, row_dim]
+        latent_dim: int,
+        scaling: float,
+    ) -> torch.Tensor:  # -> [num_tokens, num_heads, latent_dim]
+        row_dim = layer_rows.shape[-1]
+        if self.has_tree or (latent_dim, row_dim - latent_dim) != (MLA_LATENT_DIM, MLA_ROPE_DIM):
+            return self._torch_step().attend_latent(query, rows, layer_rows, latent_dim, scaling)
+        layer_rows.index_copy_(0, self.write_slots, rows.to(layer_rows.dtype))
+        shape = ("mla", query.shape[1], scaling, query.dtype, layer_rows.dtype)
+        wrapper = self._planned.get(shape)
+        if wrapper is None:
+            wrapper = self._plan_latent(query.shape[1], scaling, query.dtype, layer_rows.dtype)
+            self._planned[shape] = wrapper
+        pages = layer_rows.view(-1, self.table.page_size, row_dim)  # [num_pages, page_size, row_dim]
+        return wrapper.run(
+            query[..., :latent_dim], query[..., latent_dim:], pages[..., :latent_dim], pages[..., latent_dim:]
+        )
+
+    def _plan_attention(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        window_left: int,
+        query_dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+    ) -> Any:
+        flashinfer, table, workspace = self.backend.flashinfer, self.table, self.backend.workspace
+        key = (num_heads, num_kv_heads, head_dim, scale, window_left, query_dtype, kv_dtype)
+        common = {"sm_scale": scale, "window_left": window_left, "q_data_type": query_dtype, "kv_data_type": kv_dtype}
+        if self.decoding:
+            wrapper = self.backend.wrapper(
+                ("decode", *key), lambda: flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+            )
+            wrapper.plan(
+                table.kv_indptr,
+                table.kv_page_indices,
+                table.kv_last_page_len,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                table.page_size,
+                **common,
+            )
+            return wrapper
+        wrapper = self.backend.wrapper(
+            ("prefill", *key), lambda: flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        )
+        wrapper.plan(
+            table.qo_indptr,
+            table.kv_indptr,
+            table.kv_page_indices,
+            table.kv_last_page_len,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            table.page_size,
+            custom_mask=self.custom_mask,
+            causal=self.custom_mask is None,
+            **common,
+        )
+        return wrapper
+
+    def _plan_latent(self, num_heads: int, scale: float, query_dtype: torch.dtype, kv_dtype: torch.dtype) -> Any:
+        flashinfer, table, workspace = self.backend.flashinfer, self.table, self.backend.workspace
+        wrapper = self.backend.wrapper(
+            ("mla", num_heads, scale, query_dtype, kv_dtype),
+            lambda: flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace),
+        )
+        wrapper.plan(
+            table.qo_indptr,
+            table.kv_indptr,
+            table.kv_page_indices,
+            self.kv_lens,
+            num_heads,
+            MLA_LATENT_DIM,
+            MLA_ROPE_DIM,
+            table.page_size,
+            True,  # causal, bottom-right aligned
+            scale,
+            query_dtype,
+            kv_dtype,
+        )
+        return wrapper
+
+    def _packed_mask(self, query_lens: list[int], kv_lens: list[int]) -> torch.Tensor:  # -> [sum q * kv] bool
+        """Every sequence's [query_len, kv_len] mask, flattened row by row and concatenated (see the docstring)."""
+        parts = []
+        for query_len, kv_len, tree in zip(query_lens, kv_lens, self.table.custom_masks, strict=True):
+            start = kv_len - query_len
+            if tree is None:
+                keys = torch.arange(kv_len, device=HOST)
+                mask = keys[None, :] <= start + torch.arange(query_len, device=HOST)[:, None]
+            else:
+                mask = torch.cat((torch.ones((query_len, start), dtype=torch.bool, device=HOST), tree), dim=1)
+            parts.append(mask.flatten())
+        return torch.cat(parts).to(self.backend.device)
+
+    def _torch_step(self) -> TorchAttentionStep:
+        if self._torch is None:
+            self._torch = TorchAttentionStep(self.table)
+        return self._torch

@@ -1,0 +1,163 @@
+"""The plain PyTorch attention backend: each sequence's context gathered from its pages, then SDPA.
+
+Its plan, once per step, turns the page table into what every layer reuses: per sequence its rows of the packed
+batch, the pool slot of every KV row it sees (from its page indices: row r is slot `page[r // page_size] *
+page_size + r % page_size`), and its mask. Masks are bottom-right aligned causal for chains (2 queries over 5 keys:
+row 0 sees keys 0..3, row 1 keys 0..4), the context plus the tree mask for trees, and None where every key is
+visible (one query at the end of its context). A sliding window adds, per window size, `key position > query
+position - window`; those masks are built by the first layer that asks for that window and kept for the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.layers.page_table import PageTable
+
+
+@dataclass(frozen=True)
+class _SequencePlan:
+    rows: slice  # its query rows of the packed batch
+    start: int  # KV rows before its new tokens
+    context_slots: torch.Tensor | None  # [kv_len] pool slot of every KV row it sees; None: fresh (start == 0)
+    mask: torch.Tensor | None  # [query_len, kv_len] bool; None: every key visible
+    tree: bool
+
+
+class TorchAttentionStep:
+    def __init__(self, page_table: PageTable) -> None:
+        device = page_table.positions.device
+        page_size = page_table.page_size
+        pages = page_table.kv_page_indices.long()  # on the host, like the other index tensors
+        offsets = torch.arange(page_size, dtype=torch.long, device=pages.device)
+        page_bounds = page_table.kv_indptr.tolist()
+        self.write_slots = page_table.write_slots
+        self.positions = page_table.positions
+        self.sequences: list[_SequencePlan] = []
+        for index, (rows, kv_len) in enumerate(zip(page_table.query_slices(), page_table.kv_lens(), strict=True)):
+            query_len = rows.stop - rows.start
+            start = kv_len - query_len
+            tree_mask = page_table.custom_masks[index]
+            context_slots = None
+            if start > 0:
+                own_pages = pages[page_bounds[index] : page_bounds[index + 1]]
+                context_slots = (own_pages[:, None] * page_size + offsets).flatten()[:kv_len].to(device)
+            mask = None
+            if tree_mask is not None:
+                seen_context = torch.ones((query_len, start), dtype=torch.bool, device=device)
+                mask = torch.cat((seen_context, tree_mask.to(device)), dim=1)
+            elif query_len > 1:
+                key_index = torch.arange(kv_len, device=device)
+                query_row = torch.arange(start, kv_len, device=device)
+                mask = key_index[None, :] <= query_row[:, None]
+            self.sequences.append(_SequencePlan(rows, start, context_slots, mask, tree_mask is not None))
+        self._windowed_masks: dict[int, list[torch.Tensor | None]] = {}
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        layer_keys: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        layer_values: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        scaling: float | None,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # -> [num_tokens, num_heads, head_dim]
+        layer_keys.index_copy_(0, self.write_slots, key.to(layer_keys.dtype))
+        layer_values.index_copy_(0, self.write_slots, value.to(layer_values.dtype))
+        masks = self._masks(sliding_window)
+        if len(self.sequences) == 1:  # no packing: attend straight into the output
+            keys, values = self._context(self.sequences[0], key, value, layer_keys, layer_values)
+            return _attend(query, keys, values, masks[0], scaling)
+        output = torch.empty_like(query)
+        for sequence, mask in zip(self.sequences, masks, strict=True):
+            keys, values = self._context(sequence, key, value, layer_keys, layer_values)
+            output[sequence.rows] = _attend(query[sequence.rows], keys, values, mask, scaling)
+        return output
+
+    def attend_latent(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, row_dim]
+        rows: torch.Tensor,  # [num_tokens, 1, row_dim]
+        layer_rows: torch.Tensor,  # [num_slots, 1, row_dim]
+        latent_dim: int,
+        scaling: float,
+    ) -> torch.Tensor:  # -> [num_tokens, num_heads, latent_dim]
+        layer_rows.index_copy_(0, self.write_slots, rows.to(layer_rows.dtype))
+        output = query.new_empty(query.shape[0], query.shape[1], latent_dim)
+        for sequence in self.sequences:
+            if sequence.context_slots is None:
+                context = rows[sequence.rows]
+            else:
+                context = layer_rows.index_select(0, sequence.context_slots).to(query.dtype)
+            output[sequence.rows] = _attend(
+                query[sequence.rows], context, context[..., :latent_dim], sequence.mask, scaling
+            )
+        return output
+
+    def _context(
+        self,
+        sequence: _SequencePlan,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        layer_keys: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        layer_values: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # -> keys, values [kv_len, num_kv_heads, head_dim]
+        if sequence.context_slots is None:
+            # Fresh sequence (prefill from position 0): its KV is exactly this step's keys and values.
+            return key[sequence.rows], value[sequence.rows]
+        keys = layer_keys.index_select(0, sequence.context_slots).to(key.dtype)
+        return keys, layer_values.index_select(0, sequence.context_slots).to(value.dtype)
+
+    def _masks(self, sliding_window: int | None) -> list[torch.Tensor | None]:
+        if sliding_window is None:
+            return [sequence.mask for sequence in self.sequences]
+        masks = self._windowed_masks.get(sliding_window)
+        if masks is None:
+            masks = [self._windowed(sequence, sliding_window) for sequence in self.sequences]
+            self._windowed_masks[sliding_window] = masks
+        return masks
+
+    def _windowed(self, sequence: _SequencePlan, sliding_window: int) -> torch.Tensor | None:
+        query_positions = self.positions[sequence.rows]  # [query_len]
+        query_len = query_positions.shape[0]
+        kv_len = sequence.start + query_len
+        if kv_len <= sliding_window:
+            return sequence.mask  # every position is within the window of every query
+        device = query_positions.device
+        key_positions = torch.arange(kv_len, device=device)
+        if sequence.tree:  # a tree token's position is its depth past the context, not its KV row
+            key_positions[sequence.start :] = query_positions
+        # With sliding_window 3 the chain rows of the module docstring see keys 1..3 and 2..4.
+        within = key_positions[None, :] > query_positions[:, None] - sliding_window
+        return within if sequence.mask is None else within & sequence.mask
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def plan(self, page_table: PageTable) -> TorchAttentionStep:
+        return TorchAttentionStep(page_table)
+
+
+def _attend(
+    query: torch.Tensor,  # [query_len, num_heads, head_dim]
+    keys: torch.Tensor,  # [kv_len, num_kv_heads, head_dim]
+    values: torch.Tensor,  # [kv_len, num_kv_heads, value_dim]
+    mask: torch.Tensor | None,  # [query_len, kv_len] bool; None: all visible
+    scaling: float | None,
+) -> torch.Tensor:  # -> [query_len, num_heads, value_dim]
+    # A batch dimension of 1: with 4-d inputs PyTorch's CPU kernel takes its fused (flash) path; 3-d inputs fall
+    # back to the unfused math path, two to three times slower for a few query rows over a few hundred keys.
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scaling,
+        enable_gqa=True,
+    )  # [1, num_heads, query_len, value_dim]
+    return out[0].transpose(0, 1)

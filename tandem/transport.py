@@ -1,0 +1,148 @@
+"""Transport security of every gRPC server and channel: plaintext, TLS, or mutual TLS.
+
+One seam: a server binds its port through `security.add_port` and a client opens its channel through
+`security.aio_channel` / `security.channel`; no call site asks which kind it has.
+
+- `Insecure`: plaintext (loopback stacks without `--internal-tls`, tests of other things).
+- `Tls`: the server presents a certificate; a client verifies it against `ca` (None: the system's roots) and, when
+  it has a certificate of its own, presents it. The public Generate port uses it: its clients prove who they are
+  with the API key, not with certificates.
+- `Tls(client_auth=True)`, mutual TLS: the server also requires a client certificate signed by `ca`. The internal
+  services (target, draft replicas, and the orchestrator as their client) use it when given a CA.
+
+Certificates are files, read when a port is bound or a channel opened, so that settings holding a transport
+security stay small, picklable (Ray actors) and free of key material.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+
+from tandem.grpc_util import channel_options
+
+
+class TransportSecurity(Protocol):
+    def add_port(self, server: grpc.Server | grpc.aio.Server, address: str) -> int:
+        """Binds `address` ("host:port", port 0: any free port) on `server`; returns the bound port."""
+        ...
+
+    def aio_channel(self, address: str, options: Sequence[tuple[str, int]] | None = None) -> grpc.aio.Channel:
+        """An asyncio channel to `address` (channel_options() when options is None)."""
+        ...
+
+    def channel(self, address: str, options: Sequence[tuple[str, int]] | None = None) -> grpc.Channel:
+        """A blocking channel to `address` (channel_options() when options is None)."""
+        ...
+
+    def describe(self) -> str:
+        """A few words for logs: what protects the traffic (never key material)."""
+        ...
+
+
+def _options(options: Sequence[tuple[str, int]] | None) -> list[tuple[str, int]]:
+    return channel_options() if options is None else list(options)
+
+
+def _read(path: Path, flag: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise TransportConfigError(f"{flag} {path}: cannot be read ({error.strerror})") from error
+    if not data.strip():
+        raise TransportConfigError(f"{flag} {path}: the file is empty")
+    return data
+
+
+class TransportConfigError(ValueError):
+    """Certificate files that do not make a usable transport security; the message names the flag and file."""
+
+
+@dataclass(frozen=True)
+class Insecure:
+    def add_port(self, server: grpc.Server | grpc.aio.Server, address: str) -> int:
+        return server.add_insecure_port(address)
+
+    def aio_channel(self, address: str, options: Sequence[tuple[str, int]] | None = None) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(address, options=_options(options))
+
+    def channel(self, address: str, options: Sequence[tuple[str, int]] | None = None) -> grpc.Channel:
+        return grpc.insecure_channel(address, options=_options(options))
+
+    def describe(self) -> str:
+        return "plaintext"
+
+
+@dataclass(frozen=True)
+class Tls:
+    """Server: presents cert/key; with `client_auth`, requires a client certificate signed by ca (mutual TLS).
+    Client: verifies the server with ca (None: the system's roots) and presents cert/key when set."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+    client_auth: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise TransportConfigError("--tls-cert and --tls-key: give both or neither")
+        if self.client_auth and (self.cert is None or self.ca is None):
+            raise TransportConfigError("mutual TLS needs --tls-cert, --tls-key and --tls-ca")
+
+    def _identity(self) -> tuple[bytes, bytes] | None:
+        """(private key, certificate chain) as PEM, or None without a certificate."""
+        if self.cert is None or self.key is None:
+            return None
+        return _read(self.key, "--tls-key"), _read(self.cert, "--tls-cert")
+
+    def _roots(self) -> bytes | None:
+        return None if self.ca is None else _read(self.ca, "--tls-ca")
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        identity = self._identity()
+        if identity is None:
+            raise TransportConfigError("serving TLS needs --tls-cert and --tls-key")
+        if self.client_auth:
+            return grpc.ssl_server_credentials([identity], root_certificates=self._roots(), require_client_auth=True)
+        return grpc.ssl_server_credentials([identity])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        identity = self._identity()
+        key, chain = identity if identity is not None else (None, None)
+        return grpc.ssl_channel_credentials(root_certificates=self._roots(), private_key=key, certificate_chain=chain)
+
+    def add_port(self, server: grpc.Server | grpc.aio.Server, address: str) -> int:
+        return server.add_secure_port(address, self.server_credentials())
+
+    def aio_channel(self, address: str, options: Sequence[tuple[str, int]] | None = None) -> grpc.aio.Channel:
+        return grpc.aio.secure_channel(address, self.channel_credentials(), options=_options(options))
+
+    def channel(self, address: str, options: Sequence[tuple[str, int]] | None = None) -> grpc.Channel:
+        return grpc.secure_channel(address, self.channel_credentials(), options=_options(options))
+
+    def describe(self) -> str:
+        return "mutual TLS" if self.client_auth else "TLS"
+
+
+def internal_security(cert: Path | None, key: Path | None, ca: Path | None) -> TransportSecurity:
+    """What a service uses between services, from its --tls-cert/--tls-key/--tls-ca.
+
+    All three: mutual TLS. cert and key: TLS (servers present the certificate; clients verify with the system roots).
+    ca alone: TLS as a client only (a service that serves nothing with it). None: plaintext.
+    """
+    if cert is None and key is None and ca is None:
+        return Insecure()
+    if cert is not None and key is not None and ca is not None:
+        return Tls(cert, key, ca, client_auth=True)
+    return Tls(cert, key, ca)
+
+
+def public_security(cert: Path | None, key: Path | None) -> TransportSecurity:
+    """The public port's: TLS with cert/key (clients are not asked for certificates), else plaintext."""
+    if cert is None and key is None:
+        return Insecure()
+    return Tls(cert, key)

@@ -1,0 +1,119 @@
+"""Prompt-lookup drafting (orchestrator/ngram.py) on hand-built token lists, its settings and its command line."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from orchestrator.backends import ProposeTask
+from orchestrator.ngram import NGRAM_REPLICA, NgramDrafter, add_ngram_replica, check_one_draft_kind, lookup
+from orchestrator.replicas import ReplicaPool
+from orchestrator.settings import DiscoverySettings, NgramSettings, OrchestratorSettings
+from tandem.cli import _ngram, build_parser
+from tandem.errors import StartupError
+from tandem.launcher import Launcher, ServeSettings, ready_line
+
+
+def test_the_longest_suffix_is_tried_first() -> None:
+    # 3-token suffix 1 2 3 occurred at 0 (followed by 9); the 1-token suffix 3 most recently at 6 (followed by 7).
+    tokens = [1, 2, 3, 9, 8, 8, 3, 7, 1, 2, 3]
+    assert lookup(tokens, 2, min_n=1, max_n=3) == [9, 8]
+    assert lookup(tokens, 2, min_n=1, max_n=1) == [7, 1]
+
+
+def test_a_shorter_suffix_is_tried_when_the_longer_one_occurs_nowhere_earlier() -> None:
+    # The worked example of lookup's docstring: 9 5 6 occurs nowhere earlier; 5 6 at 0 and 4.
+    assert lookup([5, 6, 7, 8, 5, 6, 9, 5, 6], 2, min_n=1, max_n=3) == [9, 5]
+
+
+def test_the_most_recent_earlier_match_wins() -> None:
+    tokens = [4, 10, 4, 11, 4, 12, 4]
+    assert lookup(tokens, 1, min_n=1, max_n=1) == [12]
+    assert lookup(tokens, 3, min_n=1, max_n=1) == [12, 4]  # ends with the tokens
+
+
+def test_no_match_gives_no_drafts() -> None:
+    assert lookup([1, 2, 3, 4, 5], 4, min_n=1, max_n=3) == []
+    # The suffix itself is no earlier occurrence, and a 2-token suffix needs a 2-token match.
+    assert lookup([7, 8, 9, 8], 4, min_n=2, max_n=3) == []
+    assert lookup([7], 4, min_n=1, max_n=3) == []
+    assert lookup([], 4, min_n=1, max_n=3) == []
+
+
+def test_a_proposal_is_cut_at_the_end_of_the_tokens() -> None:
+    assert lookup([7, 7, 7], 5, min_n=1, max_n=2) == [7]
+    assert lookup([1, 2, 3, 1, 2], 5, min_n=1, max_n=2) == [3, 1, 2]
+
+
+def test_at_most_k_tokens_are_proposed() -> None:
+    tokens = [*range(20, 40), 5, *range(20, 22)]
+    assert lookup(tokens, 4, min_n=1, max_n=2) == [22, 23, 24, 25]
+    assert lookup(tokens, 0, min_n=1, max_n=2) == []
+
+
+def test_byte_matches_across_token_boundaries_are_not_matches() -> None:
+    # Token ids are 32-bit little-endian: 256 is the bytes 00 01 00 00, 1 is 01 00 00 00, so the bytes of [1, 0] also
+    # appear one byte into [256, 0, 0]. There they are more recent than the real occurrence at 0, and are skipped.
+    assert lookup([1, 0, 9, 256, 0, 0, 1, 0], 1, min_n=2, max_n=2) == [9]
+    assert lookup([256, 0, 0, 7, 1, 0], 1, min_n=2, max_n=2) == []
+
+
+def test_the_drafter_proposes_per_task_and_holds_nothing() -> None:
+    drafter = NgramDrafter(NgramSettings(max_n=2, min_n=1))
+    tasks = [ProposeTask("a", 3, 2, (1, 2, 3, 1, 2)), ProposeTask("b", 1, 4, (1, 2, 3))]
+    batch = asyncio.run(drafter.propose(tasks))
+    assert batch.drafts == {"a": [3, 1], "b": []}
+    assert batch.exhausted == {}
+    assert asyncio.run(drafter.release(["a", "b"])) is None
+
+
+def test_the_replica_asks_the_target_for_no_hidden_rows() -> None:
+    pool = ReplicaPool()
+    add_ngram_replica(pool, NgramSettings())
+    replica = pool.get(NGRAM_REPLICA)
+    assert replica is not None and not replica.hidden_rows and replica.serving
+
+
+@pytest.mark.parametrize(
+    ("max_n", "min_n", "message"),
+    [(4, 0, "--ngram-min: 0"), (2, 3, "--ngram-max: 2 is below --ngram-min 3")],
+)
+def test_bad_ngram_sizes_are_refused_naming_the_flag(max_n: int, min_n: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        NgramSettings(max_n=max_n, min_n=min_n)
+
+
+def test_ngram_beside_draft_replicas_is_refused() -> None:
+    base = OrchestratorSettings("127.0.0.1:1", (), Path("t"), ngram=NgramSettings())
+    check_one_draft_kind(base)
+    for mixed in (
+        OrchestratorSettings("127.0.0.1:1", ("127.0.0.1:2",), Path("t"), ngram=NgramSettings()),
+        OrchestratorSettings(
+            "127.0.0.1:1", (), Path("t"), draft_discovery=DiscoverySettings("d", 1), ngram=NgramSettings()
+        ),
+    ):
+        with pytest.raises(StartupError, match="--draft ngram drafts in the orchestrator"):
+            check_one_draft_kind(mixed)
+
+
+def test_serve_draft_ngram_gives_the_orchestrator_its_sizes_and_starts_no_draft() -> None:
+    args = build_parser().parse_args(["serve", "--draft", "ngram", "--ngram-max", "3"])
+    ngram = _ngram(args)
+    assert ngram == NgramSettings(max_n=3, min_n=NgramSettings.min_n)
+    settings = ServeSettings(target_dir=Path("t"), draft_dir=None, ngram=ngram)
+    arguments = Launcher(settings).scheduler_arguments()
+    orchestrator = build_parser().parse_args(["orchestrator", "--target-address", "a", "--tokenizer", "t", *arguments])
+    assert _ngram(orchestrator) == ngram
+    line = ready_line(settings, "127.0.0.1:5", "2 processes")
+    assert "speculative, n-gram drafts in the orchestrator" in line and "draft replicas" not in line
+
+
+def test_ngram_sizes_without_draft_ngram_are_refused() -> None:
+    args = build_parser().parse_args(["serve", "--ngram-max", "3"])
+    with pytest.raises(SystemExit, match="--ngram-max and --ngram-min apply to --draft ngram only"):
+        _ngram(args)
+    args = build_parser().parse_args(["serve", "--draft", "ngram", "--ngram-min", "5"])
+    with pytest.raises(SystemExit, match="--ngram-max: 4 is below --ngram-min 5"):
+        _ngram(args)

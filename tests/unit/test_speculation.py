@@ -1,0 +1,106 @@
+"""The adaptive choice of k (orchestrator.speculation) on measurements shaped like the demo pair's on 2 CPU cores."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.speculation import EXPLORE_EVERY, MIN_STEPS, CostLine, SpeculationPolicy, bucket
+
+ACCEPTANCE = (0.8, 0.68, 0.6, 0.53, 0.49)  # per position, each given all earlier ones accepted
+
+
+def target_seconds(tokens: int) -> float:
+    return 0.0046 + 0.00065 * tokens
+
+
+def draft_step_seconds(batch: int) -> float:
+    return 0.0012 + 0.00015 * (batch - 1)
+
+
+def warmed(max_k: int = 5) -> SpeculationPolicy:
+    """A policy that has seen rounds at batch 1, 8 and 32 with every position drafted, and varied target steps."""
+    policy = SpeculationPolicy(max_k)
+    for tokens in (1, 6, 12, 48, 64, 192, 300):
+        for _ in range(3):
+            policy.observe_target(tokens, target_seconds(tokens))
+    for batch in (1, 8, 32):
+        policy.observe_propose(batch, max_k, draft_step_seconds(batch) * (max_k + 1))
+    for round_number in range(400):
+        # Accepted counts whose per-position rates are ACCEPTANCE, spread evenly over the rounds: position i is
+        # accepted in a round whose draw (a permutation of 0..99) is below 100 * ACCEPTANCE[i].
+        draw = (round_number * 37) % 100
+        accepted = sum(1 for rate in ACCEPTANCE if draw < rate * 100)
+        policy.observe_round(max_k, accepted)
+    return policy
+
+
+def test_bucket_groups_batch_sizes_by_powers_of_two() -> None:
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 64]
+
+
+def test_cost_line_recovers_a_line_and_falls_back_to_proportional_with_one_size() -> None:
+    line = CostLine()
+    for x in (1, 2, 4, 8, 16):
+        line.add(x, 3.0 + 2.0 * x)
+    assert line.predict(10) == pytest.approx(23.0)
+    single = CostLine()
+    for _ in range(5):
+        single.add(4, 2.0)
+    assert single.predict(8) == pytest.approx(4.0)
+
+
+def test_acceptance_rates_are_measured_per_position() -> None:
+    policy = warmed()
+    assert [policy.acceptance(i) for i in range(5)] == pytest.approx(ACCEPTANCE, abs=0.05)
+
+
+def test_one_request_speculates_fully_and_a_large_batch_not_at_all() -> None:
+    policy = warmed()
+    assert policy.choose(1) == 5
+    assert policy.choose(32) == 0
+    # The choice is the best k by the model: check it against the throughput of every k.
+    for batch in (1, 8, 32):
+        best = max(range(6), key=lambda k: policy.throughput(batch, k, draft_step_seconds(batch)))
+        assert abs(
+            policy.throughput(batch, policy.choose(batch), draft_step_seconds(batch))
+            - policy.throughput(batch, best, draft_step_seconds(batch))
+        ) <= 0.05 * policy.throughput(batch, best, draft_step_seconds(batch))
+
+
+def test_before_measurements_and_when_not_adaptive_the_configured_k_is_used() -> None:
+    fresh = SpeculationPolicy(5)
+    assert fresh.choose(32) == 5
+    for _ in range(MIN_STEPS):
+        fresh.observe_target(32, target_seconds(32))
+    assert fresh.choose(32) == 5  # no Propose measured at this batch size yet
+    fixed = warmed()
+    fixed.adaptive = False
+    assert fixed.choose(32) == 5
+
+
+def test_hysteresis_keeps_the_current_k_unless_another_is_clearly_better() -> None:
+    policy = warmed()
+    rates = {k: policy.throughput(1, k, policy.draft_step[1].value) for k in range(6)}
+    best = max(rates, key=lambda k: rates[k])
+    close = [k for k in rates if k != best and rates[k] * 1.05 >= rates[best]]
+    far = [k for k in rates if rates[k] * 1.05 < rates[best]]
+    assert close and far, rates  # the measurements above give both kinds at batch 1
+    policy.current[1] = close[0]
+    assert policy.choose(1) == close[0]
+    policy.current[1] = far[0]
+    assert policy.choose(1) == best
+
+
+def test_falling_acceptance_turns_speculation_off_for_one_request_too() -> None:
+    policy = warmed()
+    assert policy.choose(1) == 5
+    for _ in range(400):
+        policy.observe_round(5, 0)  # the draft stops matching (e.g. a different domain)
+    assert policy.choose(1) == 0
+
+
+def test_with_k_zero_one_round_in_explore_every_still_drafts() -> None:
+    policy = warmed()
+    choices = [policy.choose(32) for _ in range(2 * EXPLORE_EVERY)]
+    assert choices.count(5) == 2
+    assert choices.count(0) == 2 * EXPLORE_EVERY - 2
