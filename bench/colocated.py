@@ -17,8 +17,9 @@ import torch
 from transformers import AutoTokenizer
 
 from draft_server.formats import ProposalRunner, prepare_draft, propose_what_fits
-from draft_server.runner import ProposeInput, TargetRows
+from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from draft_server.settings import DraftSettings
+from draft_server.tree_draft import DraftTree, TreeDrafter
 from orchestrator.backends import (
     BackendError,
     FailureKind,
@@ -36,10 +37,11 @@ from orchestrator.scheduler import Scheduler, TargetFacts
 from orchestrator.service import response_message
 from orchestrator.settings import NgramSettings, SchedulerSettings
 from orchestrator.validation import Limits, validate_request
+from tandem.models.config import ConfigError
 from tandem.models.registry import load_target
 from tandem.models.tokenizer_digest import tokenizer_digest
 from tandem.parallel.vocab import assemble_shards
-from tandem.settings import KVCacheSettings
+from tandem.settings import KVCacheSettings, TreeShape
 from tandem.wire import orchestrator_pb2
 from target_server.main import target_info
 from target_server.runner import MAX_DRAFT_TOKENS, CapturedRows, ItemStatus, OpenRequest, StepItem, TargetRunner
@@ -65,8 +67,11 @@ class LocalDraft:
     async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch:
         inputs = [ProposeInput(t.request_id, self.rows.pop((t.request_id, t.round)), t.num_steps) for t in tasks]
         started = time.perf_counter()
-        drafts, exhausted = propose_what_fits(self.runner, inputs)
-        return ProposedBatch(drafts, exhausted, time.perf_counter() - started)
+        proposals, exhausted = propose_what_fits(self.runner, inputs)
+        trees = {key: p if isinstance(p, DraftTree) else DraftTree(p, []) for key, p in proposals.items()}
+        drafts = {key: tree.tokens for key, tree in trees.items()}
+        parents = {key: tree.parents for key, tree in trees.items() if tree.parents}
+        return ProposedBatch(drafts, exhausted, time.perf_counter() - started, parents)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         released = set(request_ids)
@@ -98,6 +103,7 @@ class LocalTarget:
                 replay=task.replay,
                 top_logprobs=task.top_logprobs,
                 tokens_only=tokens_only and task.replica is not None,
+                draft_parents=task.draft_parents,
             )
             for task in tasks
         ]
@@ -128,6 +134,7 @@ class ColocatedSettings:
     ngram: NgramSettings | None = None  # prompt lookup instead of a draft model (draft_dir None)
     dtype: str = "float32"
     num_steps: int = 5
+    tree: TreeShape = field(default_factory=TreeShape)  # resolved; topk 1: chains
     adaptive_k: bool = SchedulerSettings.adaptive_k
     cache: KVCacheSettings = field(default_factory=KVCacheSettings)
     default_max_new_tokens: int = 128
@@ -158,7 +165,12 @@ class ColocatedEngine:
             for name in prepared.missing_tables:
                 table = assemble_shards(target_runner.weight_shards(name), model.config.vocab_size)
                 prepared.fill_table(name, table)
-            draft = LocalDraft(prepared.build_runner(settings.cache), prepared.capture.indices, prepared.tokens_only)
+            runner = prepared.build_runner(settings.cache)
+            if settings.tree.topk > 1:
+                if not isinstance(runner, DraftRunner):
+                    raise ConfigError(f"--speculative-eagle-topk: a {prepared.kind!r} draft drafts chains only")
+                runner = TreeDrafter(runner, settings.tree.topk, settings.tree.num_draft_tokens)
+            draft = LocalDraft(runner, prepared.capture.indices, prepared.tokens_only)
             replicas.add(REPLICA_ID, "in-process", draft)
         if settings.ngram is not None:
             add_ngram_replica(replicas, settings.ngram)
@@ -166,7 +178,9 @@ class ColocatedEngine:
         eos_ids = set(model.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos_ids.add(int(self.tokenizer.eos_token_id))
-        scheduler_settings = SchedulerSettings(num_steps=settings.num_steps, adaptive_k=settings.adaptive_k)
+        scheduler_settings = SchedulerSettings(
+            num_steps=settings.num_steps, tree=settings.tree, adaptive_k=settings.adaptive_k
+        )
         target = LocalTarget(target_runner, draft)
         pool = KVPool(target_runner.cache.num_blocks, target_runner.cache.block_size)
         facts = TargetFacts(model.config.vocab_size, pool, MAX_DRAFT_TOKENS)

@@ -15,7 +15,7 @@ from bench.huggingface import Method, TransformersBaseline, TransformersSettings
 from bench.prompts import held_out_prompts
 from bench.report import write, write_requests
 from bench.settings import BenchSettings
-from tandem.launcher import ServeProcess, ngram_arguments
+from tandem.launcher import ServeProcess, ngram_arguments, tree_arguments
 from tandem.wire import orchestrator_pb2
 
 WARMUP_PROMPT = "def main():\n"
@@ -75,6 +75,7 @@ async def _benchmark(settings: BenchSettings, prompts: list[str]) -> list[RunRes
                 "--port", "0",
                 "--admin-port", "0",
                 "--speculative-num-steps", str(settings.num_steps),
+                *tree_arguments(settings.tree),
                 "--adaptive-k" if settings.adaptive_k else "--no-adaptive-k",
                 "--dtype", settings.dtype,
                 "--target-threads", str(settings.target_threads),
@@ -95,6 +96,7 @@ async def _benchmark(settings: BenchSettings, prompts: list[str]) -> list[RunRes
                 ngram=settings.ngram,
                 dtype=settings.dtype,
                 num_steps=settings.num_steps,
+                tree=settings.tree,
                 adaptive_k=settings.adaptive_k,
             )
             engine = ColocatedEngine(colocated)

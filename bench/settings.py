@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.settings import NgramSettings, SchedulerSettings
+from tandem.settings import TreeShape
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class BenchSettings:
     max_new_tokens: int = 64
     concurrency: tuple[int, ...] = (1, 8)
     num_steps: int = 5
+    tree: TreeShape = field(default_factory=TreeShape)  # --speculative-eagle-topk / --speculative-num-draft-tokens
     adaptive_k: bool = SchedulerSettings.adaptive_k  # choose k per batch (orchestrator/speculation.py), in both setups
     dtype: str = "float32"  # of target and draft, in both setups
     repeats: int = 1  # runs of each configuration, interleaved across setups and modes; the report takes medians

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -42,20 +42,24 @@ from tandem.wire import target_pb2
 LOG = logging.getLogger(__name__)
 
 
-class ProposalRunner(Protocol):
-    """What the draft service drives: DraftRunner, MTPRunner or StandaloneRunner."""
+Proposal = TypeVar("Proposal", covariant=True)
+
+
+class ProposalRunner(Protocol[Proposal]):
+    """What the draft service drives: DraftRunner, MTPRunner or StandaloneRunner (chains: lists of tokens), or
+    draft_server.tree_draft.TreeDrafter (trees)."""
 
     @property
     def cache(self) -> PagedKVCache: ...
     @property
     def requests(self) -> Mapping[str, object]: ...
-    def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]: ...
+    def propose(self, inputs: Sequence[ProposeInput]) -> Sequence[Proposal]: ...
     def release(self, request_ids: Sequence[str]) -> None: ...
 
 
 def propose_what_fits(
-    runner: ProposalRunner, inputs: Sequence[ProposeInput]
-) -> tuple[dict[str, list[int]], dict[str, str]]:
+    runner: ProposalRunner[Proposal], inputs: Sequence[ProposeInput]
+) -> tuple[dict[str, Proposal], dict[str, str]]:
     """Proposes for as many requests as the KV pool holds: returns (drafts, exhausted), by request id.
 
     The runners refuse a batch before changing anything when it does not fit, so the newest request (the scheduler

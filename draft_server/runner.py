@@ -93,31 +93,12 @@ class DraftRunner:
     def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]:
         """Ingests each request's rows, then drafts num_steps tokens per request; batched across requests."""
         # Check every item before changing any state, so that a refused batch leaves the cache as it was.
-        for item in inputs:
-            held = self.requests[item.request_id].kv.length if item.request_id in self.requests else 0
-            if held < item.rows.start_position:
-                raise DraftRequestError(
-                    f"request {item.request_id!r}: rows start at position {item.rows.start_position} "
-                    f"but the draft holds positions up to {held}"
-                )
+        self.check_rows(inputs)
         self._check_blocks(inputs)
-        requests = []
-        for item in inputs:
-            request = self.requests.setdefault(item.request_id, DraftRequest())
-            self.cache.truncate(request.kv, item.rows.start_position)
-            requests.append(request)
-        device = self.cache.device
-        metadata = self.cache.plan(
-            [(request.kv, len(item.rows.next_tokens)) for request, item in zip(requests, inputs, strict=True)]
-        )
-        features = torch.cat([item.rows.features for item in inputs]).to(device=device, dtype=self._dtype)
-        input_ids = torch.tensor([t for item in inputs for t in item.rows.next_tokens], device=device)
-        last_rows = metadata.page_table.last_rows()  # [num_requests]
-        # Only each request's last row drafts: the LM head runs on those rows alone.
-        step = self.model(input_ids, self.model.project_features(features), metadata, self.cache, last_rows)
-        hidden = step.hidden[last_rows]  # [num_requests, hidden]
-        tokens = self.model.to_target_ids(step.logits.argmax(dim=-1))  # [num_requests]
+        requests, hidden, logits = self.ingest(inputs)
+        tokens = self.model.to_target_ids(logits.argmax(dim=-1))  # [num_requests]
         proposals: list[list[int]] = [[int(t)] for t in tokens.tolist()]
+        device = self.cache.device
         active = list(range(len(inputs)))
         for step_index in range(1, max(item.num_steps for item in inputs)):
             # hidden and tokens hold one row per request of the previous step's `active`, so rows are selected by
@@ -136,6 +117,37 @@ class DraftRunner:
             for i, token in zip(active, tokens.tolist(), strict=True):
                 proposals[i].append(int(token))
         return proposals
+
+    def check_rows(self, inputs: Sequence[ProposeInput]) -> None:
+        """Raises DraftRequestError unless every item's rows continue the KV its request holds."""
+        for item in inputs:
+            held = self.requests[item.request_id].kv.length if item.request_id in self.requests else 0
+            if held < item.rows.start_position:
+                raise DraftRequestError(
+                    f"request {item.request_id!r}: rows start at position {item.rows.start_position} "
+                    f"but the draft holds positions up to {held}"
+                )
+
+    def ingest(
+        self, inputs: Sequence[ProposeInput]
+    ) -> tuple[list[DraftRequest], torch.Tensor, torch.Tensor]:  # -> requests, hidden [b, hidden], logits [b, vocab]
+        """Truncates each request's draft KV to its rows' start (dropping the last round's speculative rows) and runs
+        the rows; returns the requests, and the hidden state and draft logits of each one's last row."""
+        requests = []
+        for item in inputs:
+            request = self.requests.setdefault(item.request_id, DraftRequest())
+            self.cache.truncate(request.kv, item.rows.start_position)
+            requests.append(request)
+        device = self.cache.device
+        metadata = self.cache.plan(
+            [(request.kv, len(item.rows.next_tokens)) for request, item in zip(requests, inputs, strict=True)]
+        )
+        features = torch.cat([item.rows.features for item in inputs]).to(device=device, dtype=self._dtype)
+        input_ids = torch.tensor([t for item in inputs for t in item.rows.next_tokens], device=device)
+        last_rows = metadata.page_table.last_rows()  # [num_requests]
+        # Only each request's last row drafts: the LM head runs on those rows alone.
+        step = self.model(input_ids, self.model.project_features(features), metadata, self.cache, last_rows)
+        return requests, step.hidden[last_rows], step.logits
 
     def _check_blocks(self, inputs: Sequence[ProposeInput]) -> None:
         """Raises OutOfKVBlocks before any change if the batch, its ingest and every draft step, does not fit."""

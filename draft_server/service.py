@@ -17,12 +17,14 @@ from typing import Any, TypeVar
 import grpc
 
 from draft_server.formats import PreparedDraft, ProposalRunner, prepare_draft, propose_what_fits
-from draft_server.runner import DraftRequestError, ProposeInput, TargetRows
+from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, TargetRows
 from draft_server.settings import DraftSettings
 from draft_server.shared_tables import pull_tables
+from draft_server.tree_draft import DraftTree, TreeDrafter
 from tandem.grpc_util import CallFailed, wait_for_ready
 from tandem.leases import Leases, leased_call, leased_stream
 from tandem.model_thread import ModelThread
+from tandem.models.config import ConfigError
 from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire.codec import tensor_from_proto
 
@@ -90,7 +92,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         inputs = []
         for item in request.items:
             try:
-                rows = await self._take_rows(item.request_id, item.round)
+                rows = await self._take_rows(item.request_id, item.round, item.rows_end)
             except DraftRequestError as error:
                 raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, f"request {item.request_id!r}: {error}") from None
             inputs.append(ProposeInput(item.request_id, rows, item.num_steps or self.settings.num_steps))
@@ -110,8 +112,10 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 failure = CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, reason).as_proto()
                 response.results.append(draft_pb2.ProposeResult(request_id=item.request_id, error=failure))
             else:
+                proposal = drafts[item.request_id]
+                tree = proposal if isinstance(proposal, DraftTree) else DraftTree(proposal, [])
                 response.results.append(
-                    draft_pb2.ProposeResult(request_id=item.request_id, draft_tokens=drafts[item.request_id])
+                    draft_pb2.ProposeResult(request_id=item.request_id, draft_tokens=tree.tokens, parents=tree.parents)
                 )
         return response
 
@@ -142,15 +146,21 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     async def stop(self) -> None:
         self.model_thread.shutdown()
 
-    async def _take_rows(self, request_id: str, round_number: int) -> TargetRows:
+    async def _take_rows(self, request_id: str, round_number: int, rows_end: int) -> TargetRows:
         """The request's rows up to this round: those of rounds it was not asked to draft for (the orchestrator
-        chose k = 0 then) come first. Raises DraftRequestError when they do not join up, CallFailed when the
-        round's rows do not arrive in time."""
+        chose k = 0 then) come first. Waits until this round's rows reach position `rows_end` (they may come in
+        several messages: prompt chunks, a replay, bounded chunks of many rows). Raises DraftRequestError when they
+        do not join up, CallFailed when the round's rows do not arrive in time."""
         key = (request_id, round_number)
+
+        def arrived() -> bool:
+            entry = self._rows.get(key)
+            return entry is not None and entry[0].start_position + len(entry[0].next_tokens) >= rows_end
+
         async with self._arrived:
             self._drop_stale_rows()
             try:
-                await asyncio.wait_for(self._arrived.wait_for(lambda: key in self._rows), self.settings.rows_timeout_s)
+                await asyncio.wait_for(self._arrived.wait_for(arrived), self.settings.rows_timeout_s)
             except TimeoutError:
                 raise CallFailed(
                     grpc.StatusCode.UNAVAILABLE,
@@ -203,6 +213,13 @@ async def start_draft(settings: DraftSettings) -> tuple[DraftService, asyncio.Ta
         for name, table in tables.items():
             await model_thread.run(prepared.fill_table, name, table.full())
     runner = await model_thread.run(prepared.build_runner, settings.cache)
+    if settings.tree.topk > 1:
+        if not isinstance(runner, DraftRunner):
+            raise ConfigError(
+                f"--speculative-eagle-topk {settings.tree.topk}: tree drafting needs an EAGLE3 or NextN head; "
+                f"this draft is {prepared.kind!r}, which drafts chains (use --speculative-eagle-topk 1)"
+            )
+        runner = TreeDrafter(runner, settings.tree.topk, settings.tree.num_draft_tokens)
     LOG.info("%s draft ready, %d KV blocks", prepared.kind, runner.cache.num_blocks)
     service = DraftService(runner, settings, prepared, model_thread)
     stream = target.SubscribeHidden(

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from tandem.models.aux_layers import Convention
-from tandem.settings import KVCacheSettings
+from tandem.settings import KVCacheSettings, TreeShape
 from tandem.transport import Insecure, TransportSecurity
 
 # DeepSeek NextN reused for several steps: what a step hands to the next, the layer's shared_head.norm output
@@ -25,6 +25,7 @@ class DraftSettings:
     target_address: str
     replica_id: str
     num_steps: int = 5
+    tree: TreeShape = field(default_factory=TreeShape)  # resolved against num_steps; topk 1: chains
     aux_layer_convention: Convention = "auto"
     cache: KVCacheSettings = field(default_factory=KVCacheSettings)
     dtype: str = "float32"  # resolved (tandem.devices): the CLI's "auto" is bfloat16 on CUDA, float32 on the CPU

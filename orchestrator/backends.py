@@ -49,6 +49,7 @@ class StepTask:
     round: int  # the hidden rows this item commits are published under this round
     num_tokens: int
     draft_tokens: Sequence[int] = ()
+    draft_parents: Sequence[int] = ()  # a tree: each draft's parent among them, -1 the last committed token; (): chain
     open: OpenTask | None = None  # on the request's first item
     # With open, or with move: where the target's hidden rows go (None: nowhere, target-only). With move and
     # replay the target also resends every committed row, for a replica that starts the request from scratch.
@@ -82,6 +83,9 @@ class ProposeTask:
     # The request's committed tokens (prompt, then generated), for drafters that read tokens rather than the target's
     # hidden rows (orchestrator/ngram.py); a draft replica over gRPC has its own copy and ignores them.
     tokens: Sequence[int] = ()
+    # Positions the target's rows reach for this round: the request's positions with KV on the target. A replica
+    # proposes once its rows reach them (they may come in several messages).
+    rows_end: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,9 @@ class ProposedBatch:
     # Requests the replica had no KV room for: it dropped their state, so the target must replay their rows.
     exhausted: dict[str, str]  # request id -> why
     compute_seconds: float
+    # request id -> its drafts' parents (a tree: the parent's index among them, -1 the last committed token); a
+    # request not here has a chain.
+    parents: dict[str, list[int]] = field(default_factory=dict)
 
 
 class TargetBackend(Protocol):

@@ -152,6 +152,7 @@ def _step_item(task: StepTask) -> target_pb2.StepItem:
         round=task.round,
         num_tokens=task.num_tokens,
         draft_tokens=task.draft_tokens,
+        draft_parents=task.draft_parents,
         draft_replica=task.replica or "",
         set_replica=task.move,
         replay=task.replay,
@@ -188,11 +189,15 @@ class GrpcDraft:
         )
 
     async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch:
-        items = [draft_pb2.ProposeItem(request_id=t.request_id, round=t.round, num_steps=t.num_steps) for t in tasks]
+        items = [
+            draft_pb2.ProposeItem(request_id=t.request_id, round=t.round, num_steps=t.num_steps, rows_end=t.rows_end)
+            for t in tasks
+        ]
         response = await self._propose.call(draft_pb2.ProposeRequest(items=items))
         drafts = {r.request_id: list(r.draft_tokens) for r in response.results if not r.HasField("error")}
         exhausted = {r.request_id: r.error.message for r in response.results if r.HasField("error")}
-        return ProposedBatch(drafts, exhausted, response.compute_seconds)
+        parents = {r.request_id: list(r.parents) for r in response.results if r.parents}
+        return ProposedBatch(drafts, exhausted, response.compute_seconds, parents)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         try:

@@ -173,7 +173,7 @@ class Scheduler:
                 await asyncio.sleep(0.01)
             return
         drafts, timings = await self._propose(plan.decode)
-        tasks = [self._task(entry, drafts.get(entry.request.request_id, [])) for entry in (*plan.decode, *plan.chunks)]
+        tasks = [self._task(entry, drafts.get(entry.request.request_id)) for entry in (*plan.decode, *plan.chunks)]
         step_started = time.perf_counter()
         try:
             outcome = await self.target.step(tasks, [request.request_id for request in plan.preempted])
@@ -226,7 +226,7 @@ class Scheduler:
         self.speculation.observe_scheduling((time.perf_counter() - started) - propose_call - step_call)
         await self._release_finished([task.request_id for task in tasks])
 
-    def _task(self, entry: Scheduled, drafts: list[int]) -> StepTask:
+    def _task(self, entry: Scheduled, drafts: tuple[list[int], list[int]] | None) -> StepTask:  # (tokens, parents)
         request = entry.request
         params = request.params
         rows_to = self._hidden_rows_to(request.replica)
@@ -234,7 +234,8 @@ class Scheduler:
             request_id=request.request_id,
             round=request.round + 1,
             num_tokens=entry.num_tokens,
-            draft_tokens=drafts,
+            draft_tokens=drafts[0] if drafts else (),
+            draft_parents=drafts[1] if drafts else (),
             open=None if request.opened else OpenTask(params.input_ids, params.sampling),
             replica=rows_to,
             move=request.needs_move,
@@ -261,19 +262,22 @@ class Scheduler:
         await self._release_on_drafts(requests)
         self.waiting.extendleft(requests)  # newest first in `requests`: the oldest ends up at the front
 
-    async def _propose(self, decode: Sequence[Scheduled]) -> tuple[dict[str, list[int]], dict[str, ReplicaTiming]]:
-        """Asks each replica for its requests' drafts, all replicas concurrently; checks what they send."""
+    async def _propose(
+        self, decode: Sequence[Scheduled]
+    ) -> tuple[dict[str, tuple[list[int], list[int]]], dict[str, ReplicaTiming]]:
+        """Asks each replica for its requests' drafts (tokens, and parents for a tree), all replicas concurrently;
+        checks what they send."""
         by_replica: dict[str, list[ProposeTask]] = {}
         for entry in decode:
             request = entry.request
             if entry.max_drafts > 0 and request.replica is not None:
                 tokens = (*request.params.input_ids, *request.output.generated)
-                task = ProposeTask(request.request_id, request.round, entry.max_drafts, tokens)
+                task = ProposeTask(request.request_id, request.round, entry.max_drafts, tokens, request.kv_length)
                 by_replica.setdefault(request.replica, []).append(task)
         replies = await asyncio.gather(
             *(self._timed_propose(replica, tasks) for replica, tasks in by_replica.items()), return_exceptions=True
         )
-        drafts: dict[str, list[int]] = {}
+        drafts: dict[str, tuple[list[int], list[int]]] = {}
         timings: dict[str, ReplicaTiming] = {}
         for (replica, tasks), reply in zip(by_replica.items(), replies, strict=True):
             if isinstance(reply, BaseException):
@@ -287,7 +291,7 @@ class Scheduler:
             for request_id, reason in batch.exhausted.items():
                 LOG.warning("request %s goes without drafts this round: %s", request_id, reason)
                 self.running[request_id].needs_move = True  # the replica dropped its state
-            drafts.update(batch.drafts)
+            drafts.update({key: (tokens, batch.parents.get(key, [])) for key, tokens in batch.drafts.items()})
             timings[replica] = ReplicaTiming(call_seconds, batch.compute_seconds)
             for listener in self.propose_listeners:
                 listener(replica, call_seconds)
@@ -302,8 +306,14 @@ class Scheduler:
             tokens = batch.drafts.get(task.request_id)
             if tokens is None:
                 return f"no drafts for request {task.request_id}"
-            if len(tokens) > task.num_steps:
+            parents = batch.parents.get(task.request_id)
+            if parents is None and len(tokens) > task.num_steps:
                 return f"{len(tokens)} drafts for request {task.request_id}, {task.num_steps} asked"
+            if parents is not None:
+                max_drafts = self.settings.tree.resolved(self.settings.num_steps).max_drafts
+                fault = tree_fault(tokens, parents, max_drafts)
+                if fault:
+                    return f"request {task.request_id}: {fault}"
             if any(not 0 <= token < self.facts.vocab_size for token in tokens):
                 return f"draft ids outside the vocabulary [0, {self.facts.vocab_size}) for request {task.request_id}"
         return ""
@@ -441,3 +451,16 @@ class Scheduler:
             request.output.fail(failure)
             self.running.setdefault(request.request_id, request)
         await self._release_finished([r.request_id for r in requests])
+
+
+def tree_fault(tokens: Sequence[int], parents: Sequence[int], max_drafts: int) -> str:
+    """What is wrong with a replica's tree ("" if nothing): one parent per token, each -1 or an earlier index, and at
+    most --speculative-num-draft-tokens - 1 tokens."""
+    if len(tokens) > max_drafts:
+        return f"a tree of {len(tokens)} drafts, --speculative-num-draft-tokens allows {max_drafts}"
+    if len(parents) != len(tokens):
+        return f"{len(parents)} draft parents for {len(tokens)} drafts"
+    for index, parent in enumerate(parents):
+        if not -1 <= parent < index:
+            return f"draft parent {parent} of draft {index}: must be -1 or an earlier draft's index"
+    return ""

@@ -6,12 +6,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.settings import TreeShape
 from tandem.transport import Insecure, TransportSecurity
 
 
 @dataclass(frozen=True)
 class SchedulerSettings:
     num_steps: int = 5  # draft tokens per round; with adaptive_k, the most a round asks for
+    tree: TreeShape = field(default_factory=TreeShape)  # the drafts' tree shape, resolved; topk 1: chains
     adaptive_k: bool = True  # choose k (0 included) per batch from measured costs and acceptance (speculation.py)
     max_num_seqs: int = 32  # requests running at once (each step carries at most these)
     # Tokens one target step computes: verification rows first, then prompt chunks (chunked prefill).

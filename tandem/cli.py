@@ -48,6 +48,7 @@ from tandem.settings import (
     DEMO_DRAFTS,
     DEMO_TARGET,
     KVCacheSettings,
+    TreeShape,
     apply_service_environment,
     parse_size,
 )
@@ -181,6 +182,32 @@ def _discovery(args: argparse.Namespace) -> DiscoverySettings | None:
         return None
     host, port = args.draft_dns
     return DiscoverySettings(host=host, port=port, interval_s=args.draft_dns_interval)
+
+
+def _add_tree_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-eagle-topk",
+        type=int,
+        default=TreeShape.topk,
+        help="tree drafting: branches per node of an EAGLE3 head's draft tree; 1: a chain",
+    )
+    parser.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=TreeShape.num_draft_tokens,
+        help="tree drafting: nodes of the tree plus one (the last committed token); 0: --speculative-num-steps + 1, "
+        "which topk 1 requires",
+    )
+
+
+def tree_shape_of(args: argparse.Namespace) -> TreeShape:
+    """The tree shape of the flags, checked against --speculative-num-steps."""
+    try:
+        return TreeShape(args.speculative_eagle_topk, args.speculative_num_draft_tokens).resolved(
+            args.speculative_num_steps
+        )
+    except ValueError as error:
+        raise SystemExit(f"tandem: {error}") from None
 
 
 def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
@@ -359,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--host", default=ServeSettings.host)
     serve_parser.add_argument("--port", type=int, default=ServeSettings.port)
     serve_parser.add_argument("--speculative-num-steps", type=int, default=ServeSettings.num_steps)
+    _add_tree_options(serve_parser)
     serve_parser.add_argument("--draft-replicas", type=int, default=ServeSettings.draft_replicas)
     serve_parser.add_argument("--aux-layer-convention", choices=CONVENTIONS, default=ServeSettings.aux_layer_convention)
     add_device_options(serve_parser, "the target and each draft replica")
@@ -398,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     draft_parser.add_argument("--target-address", required=True)
     draft_parser.add_argument("--replica-id", default=f"draft-{socket.gethostname()}-{os.getpid()}")
     draft_parser.add_argument("--speculative-num-steps", type=int, default=DraftSettings.num_steps)
+    _add_tree_options(draft_parser)
     draft_parser.add_argument("--aux-layer-convention", choices=CONVENTIONS, default=DraftSettings.aux_layer_convention)
     add_device_options(draft_parser, "the draft model")
     _add_cache_options(draft_parser)
@@ -427,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     orchestrator_parser.add_argument("--tokenizer", type=Path, required=True, help="directory with tokenizer files")
     orchestrator_parser.add_argument("--speculative-num-steps", type=int, default=SchedulerSettings.num_steps)
+    _add_tree_options(orchestrator_parser)
     _add_scheduler_options(orchestrator_parser)
     orchestrator_parser.add_argument(
         "--target-timeout", type=float, default=SchedulerSettings.target_timeout_s, help="seconds per target step"
@@ -466,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--max-new-tokens", type=int, default=BenchSettings.max_new_tokens)
     bench_parser.add_argument("--concurrency", type=int, nargs="+", default=list(BenchSettings.concurrency))
     bench_parser.add_argument("--speculative-num-steps", type=int, default=BenchSettings.num_steps)
+    _add_tree_options(bench_parser)
     bench_parser.add_argument(
         "--adaptive-k",
         action=argparse.BooleanOptionalAction,
@@ -545,6 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             host=args.host,
             port=args.port,
             num_steps=args.speculative_num_steps,
+            tree=tree_shape_of(args),
             aux_layer_convention=args.aux_layer_convention,
             dtype=placement.dtype,
             device=placement.device,
@@ -586,6 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens,
             concurrency=tuple(args.concurrency),
             num_steps=args.speculative_num_steps,
+            tree=tree_shape_of(args),
             adaptive_k=args.adaptive_k,
             draft_replicas=args.draft_replicas,
             dtype=args.dtype,
@@ -644,6 +677,7 @@ def run_service(args: argparse.Namespace) -> None:
             target_address=args.target_address,
             replica_id=args.replica_id,
             num_steps=args.speculative_num_steps,
+            tree=tree_shape_of(args),
             aux_layer_convention=args.aux_layer_convention,
             cache=_cache(args, placement.attention_backend),
             dtype=placement.dtype,
@@ -664,6 +698,7 @@ def run_service(args: argparse.Namespace) -> None:
             tokenizer_dir=args.tokenizer,
             scheduler=SchedulerSettings(
                 num_steps=args.speculative_num_steps,
+                tree=tree_shape_of(args),
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_waiting=args.max_waiting,

@@ -30,7 +30,7 @@ from orchestrator.settings import NgramSettings, SchedulerSettings
 from tandem.grpc_util import channel_options
 from tandem.lifetime import start_child
 from tandem.serve_security import ServeSecurity, StackSecurity, without_secrets
-from tandem.settings import KVCacheSettings
+from tandem.settings import KVCacheSettings, TreeShape
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 from target_server.settings import TargetSettings
 
@@ -47,6 +47,7 @@ class ServeSettings:
     host: str = "127.0.0.1"
     port: int = 50051
     num_steps: int = 5
+    tree: TreeShape = field(default_factory=TreeShape)  # resolved against num_steps; topk 1: chains
     aux_layer_convention: str = "auto"
     dtype: str = "float32"  # resolved, as device (tandem.devices)
     device: str = "cpu"  # target rank 0's and every draft replica's: "cpu" or "cuda:N"
@@ -179,6 +180,7 @@ class Launcher:
         s = self.settings
         return [
             "--speculative-num-steps", str(s.num_steps),
+            *tree_arguments(s.tree),
             "--max-num-seqs", str(s.max_num_seqs),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
             "--max-waiting", str(s.max_waiting),
@@ -223,6 +225,7 @@ class Launcher:
             "--target-address", target_address,
             "--replica-id", replica_id,
             "--speculative-num-steps", str(s.num_steps),
+            *tree_arguments(s.tree),
             "--aux-layer-convention", s.aux_layer_convention,
             "--dtype", s.dtype,
             "--device", s.device,
@@ -406,3 +409,11 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
         return self.process.wait()
+
+
+def tree_arguments(tree: TreeShape) -> list[str]:
+    """The flags that give a service the same tree shape (resolved: num_draft_tokens is set)."""
+    return [
+        "--speculative-eagle-topk", str(tree.topk),
+        "--speculative-num-draft-tokens", str(tree.num_draft_tokens),
+    ]  # fmt: skip

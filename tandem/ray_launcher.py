@@ -324,6 +324,7 @@ class RayLauncher:
             tokenizer_dir=s.target_dir,
             scheduler=SchedulerSettings(
                 num_steps=s.num_steps,
+                tree=s.tree,
                 max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens,
                 max_waiting=s.max_waiting,
@@ -352,6 +353,7 @@ class RayLauncher:
             target_address=target_address,
             replica_id=replica_id,
             num_steps=s.num_steps,
+            tree=s.tree,
             cache=s.cache,
             aux_layer_convention=cast(Convention, s.aux_layer_convention),  # the CLI offers only CONVENTIONS
             dtype=s.dtype,

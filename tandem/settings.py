@@ -59,6 +59,37 @@ class KVCacheSettings:
         return blocks
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """Tree drafting (docs/architecture.md, "Tree drafting"), SGLang's flags: --speculative-eagle-topk K and
+    --speculative-num-draft-tokens N. K 1 is the chain of --speculative-num-steps tokens (N = steps + 1)."""
+
+    topk: int = 1  # --speculative-eagle-topk
+    num_draft_tokens: int = 0  # --speculative-num-draft-tokens, counting the last committed token; 0: steps + 1
+
+    def resolved(self, num_steps: int) -> TreeShape:
+        """The shape with N filled in, checked against --speculative-num-steps; ValueError names the flags."""
+        if self.topk < 1:
+            raise ValueError(f"--speculative-eagle-topk: {self.topk}, at least 1")
+        tokens = self.num_draft_tokens or num_steps + 1
+        if self.topk == 1 and tokens != num_steps + 1:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {tokens} with --speculative-eagle-topk 1: a chain of "
+                f"--speculative-num-steps {num_steps} drafts has num_draft_tokens {num_steps + 1}"
+            )
+        if not 2 <= tokens <= self.topk * num_steps + 1:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {tokens}: between 2 and --speculative-eagle-topk * "
+                f"--speculative-num-steps + 1 = {self.topk * num_steps + 1} (the nodes the expansion creates, plus one)"
+            )
+        return TreeShape(self.topk, tokens)
+
+    @property
+    def max_drafts(self) -> int:
+        """Draft tokens a round may carry (once resolved): num_draft_tokens - 1."""
+        return self.num_draft_tokens - 1
+
+
 def parse_size(text: str) -> int:
     """Bytes in a size such as "512MiB", "2GiB", "1.5G" or "1048576" (K/M/G are powers of 1024, as Ki/Mi/Gi)."""
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -33,6 +33,7 @@ import torch
 
 from tandem.devices import pinned_host_copies
 from tandem.layers.kv_cache import OutOfKVBlocks, SequenceKV
+from tandem.layers.page_table import check_tree
 from tandem.models.registry import TargetModel
 from tandem.models.stack import TargetOutput
 from tandem.parallel.group import SINGLE_PROCESS
@@ -40,6 +41,7 @@ from tandem.sampling.batched import verify_items
 from tandem.sampling.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from tandem.sampling.params import SamplingParams
 from tandem.sampling.scored_rows import mask_stop_tokens, token_logprobs
+from tandem.sampling.tree_verify import mask_tree_stop_tokens, verify_tree
 from tandem.sampling.verify import VerifyOutcome, make_generator, verify
 from tandem.settings import KVCacheSettings
 from target_server.ranks import RankDriver, build_cache
@@ -102,6 +104,9 @@ class StepItem:
     # request's own KV is not rewritten (a recomputed KV could differ in the last bits, and with it the outputs).
     replay: bool = False
     top_logprobs: int | None = None  # report each new token's logprob and this many best tokens; None: no logprobs
+    # A tree of drafts (tandem.sampling.tree_verify): per draft its parent among them, -1 the last committed token;
+    # (): the drafts are a chain.
+    draft_parents: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -266,6 +271,11 @@ class TargetRunner:
         if len(drafts) > MAX_DRAFT_TOKENS:
             raise RequestError(f"draft_tokens: {len(drafts)}, at most {MAX_DRAFT_TOKENS} per item")
         self._check_ids("draft_tokens", drafts)
+        if item.draft_parents:
+            try:
+                check_tree(item.draft_parents, len(drafts), "draft_parents")
+            except ValueError as error:
+                raise RequestError(str(error)) from error
         top = item.top_logprobs
         if top is not None and not 0 <= top <= min(MAX_TOP_LOGPROBS, self.model.config.vocab_size):
             raise RequestError(f"top_logprobs: {top}, at most {MAX_TOP_LOGPROBS}")
@@ -301,6 +311,7 @@ class TargetRunner:
     def _forward(self, planned: Sequence[_Planned]) -> tuple[TargetOutput, torch.Tensor]:
         """One packed forward over every admitted item (replays as spans of their own); fills in the row slices."""
         sequences: list[tuple[SequenceKV, int]] = []
+        trees: list[list[int] | None] = []
         inputs: list[int] = []
         logit_rows: list[int] = []
         for entry in planned:
@@ -308,16 +319,18 @@ class TargetRunner:
             if entry.scratch is not None:
                 entry.scratch_rows = slice(len(inputs), len(inputs) + start)
                 sequences.append((entry.scratch, start))
+                trees.append(None)
                 inputs += request.tokens[:start]
             new = [*request.tokens[start : start + item.num_tokens], *item.draft_tokens]
             entry.rows = slice(len(inputs), len(inputs) + len(new))
             sequences.append((request.kv, len(new)))
+            trees.append(_tree_of(item) if item.draft_parents else None)
             inputs += new
             if entry.reaches_end:
                 # The last committed token's row and every draft's row are scored.
                 entry.logit_start = len(logit_rows)
                 logit_rows += range(entry.rows.stop - 1 - len(item.draft_tokens), entry.rows.stop)
-        metadata = self.cache.plan(sequences)
+        metadata = self.cache.plan(sequences, parents=trees)
         capture = tuple(sorted({index for entry in planned for index in entry.request.capture}))
         step = ForwardStep(
             torch.tensor(inputs, dtype=torch.long, device=self.device),
@@ -342,7 +355,9 @@ class TargetRunner:
         chosen = [
             entry
             for entry in planned
-            if entry.reaches_end and (entry.request.sampling.is_greedy or entry.request.sampling.seed is None)
+            if entry.reaches_end
+            and not entry.item.draft_parents  # trees are verified item by item (_commit)
+            and (entry.request.sampling.is_greedy or entry.request.sampling.seed is None)
         ]
         if not chosen:
             return
@@ -359,6 +374,8 @@ class TargetRunner:
     def _commit(self, entry: _Planned, output: TargetOutput, logits: torch.Tensor) -> ItemResult:
         """Acceptance and KV commit of one item after the forward pass; a failure here undoes this item only."""
         request, item = entry.request, entry.item
+        if item.draft_parents:
+            return self._commit_tree(entry, output, logits)
         try:
             accepted, new_tokens, logprobs = 0, [], []
             if entry.reaches_end:
@@ -381,6 +398,36 @@ class TargetRunner:
         captured = self._captured(entry, output, start + computed)
         return ItemResult(item.request_id, ItemStatus.OK, "", accepted, new_tokens, captured, logprobs)
 
+    def _commit_tree(self, entry: _Planned, output: TargetOutput, logits: torch.Tensor) -> ItemResult:
+        """_commit for a tree of drafts: verify the tree, keep the accepted path's KV (moved down to consecutive
+        positions) and free the rest; the draft gets the path's rows as a chain.
+
+        Example: KV of 10 positions, verification of t (position 10) and a tree of 5 drafts at KV rows 11..15;
+        the accepted path [1, 4] keeps rows [10, 12, 15], moved to positions 10, 11, 12.
+        """
+        request, item = entry.request, entry.item
+        parents, drafts = list(item.draft_parents), list(item.draft_tokens)
+        try:
+            scored = logits[entry.logit_start : entry.logit_start + 1 + len(drafts)]  # [1 + n, vocab]
+            generated = len(request.tokens) - request.prompt_length
+            masked = mask_tree_stop_tokens(scored, parents, request.sampling, generated)
+            outcome = verify_tree(masked, drafts, parents, request.sampling, request.generator)
+            path_rows = [0, *(1 + node for node in outcome.path)]  # the scored rows that chose the new tokens
+            logprobs = []
+            if item.top_logprobs is not None:
+                logprobs = token_logprobs(scored[path_rows], outcome.tokens, item.top_logprobs)
+        except (ValueError, RuntimeError) as error:
+            self._undo(entry)
+            return ItemResult(item.request_id, ItemStatus.INVALID, f"sampling: {error}")
+        start = entry.start_length
+        root = start + item.num_tokens - 1  # the last committed token's position
+        self.cache.keep(request.kv, [root, *(root + 1 + node for node in outcome.path)])
+        request.tokens.extend(outcome.tokens)
+        first_draft_row = entry.rows.start + item.num_tokens
+        rows = [*range(entry.rows.start, first_draft_row), *(first_draft_row + node for node in outcome.path)]
+        captured = self._captured(entry, output, request.kv.length, rows)
+        return ItemResult(item.request_id, ItemStatus.OK, "", outcome.accepted, outcome.tokens, captured, logprobs)
+
     def _undo(self, entry: _Planned) -> None:
         """Returns what an item reserved: its KV back to the start length (an item that opened the request: all)."""
         if entry.scratch is not None:
@@ -392,8 +439,11 @@ class TargetRunner:
         else:
             self.cache.truncate(entry.request.kv, entry.start_length)
 
-    def _captured(self, entry: _Planned, output: TargetOutput, end: int) -> CapturedRows | None:
-        """Rows of positions [first, end) for the request's draft: the replayed ones, then the committed ones."""
+    def _captured(
+        self, entry: _Planned, output: TargetOutput, end: int, rows: Sequence[int] | None = None
+    ) -> CapturedRows | None:
+        """Rows of positions [first, end) for the request's draft: the replayed ones, then the committed ones
+        (`rows` of the packed batch after a tree; None: the item's first end - start rows)."""
         request = entry.request
         start = entry.start_length
         if request.tokens_only:
@@ -403,10 +453,23 @@ class TargetRunner:
             return CapturedRows(request.request_id, first, request.tokens[first + 1 : end + 1], empty)
         if not request.capture:
             return None
-        parts = [entry.scratch_rows] if entry.scratch is not None else []
-        parts.append(slice(entry.rows.start, entry.rows.start + end - start))
+        parts: list[slice | torch.Tensor] = [entry.scratch_rows] if entry.scratch is not None else []
+        if rows is None:
+            parts.append(slice(entry.rows.start, entry.rows.start + end - start))
+        else:
+            parts.append(torch.tensor(rows, dtype=torch.long, device=self.device))
         features = torch.cat(
             [torch.cat([output.captured[index][rows] for index in request.capture], dim=-1) for rows in parts]
         )  # [end - first, len(capture) * hidden]
         first = 0 if entry.scratch is not None else start
         return CapturedRows(request.request_id, first, request.tokens[first + 1 : end + 1], features)
+
+
+def _tree_of(item: StepItem) -> list[int]:
+    """The parents of an item's new tokens: its committed tokens as a chain, then its draft tree under the last one.
+
+    Example: num_tokens 1 and draft_parents [-1, -1, 0] give [-1, 0, 0, 1].
+    """
+    chain = list(range(-1, item.num_tokens - 1))
+    last = item.num_tokens - 1
+    return [*chain, *(last if parent < 0 else item.num_tokens + parent for parent in item.draft_parents)]

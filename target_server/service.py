@@ -152,6 +152,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
             replay=message.replay,
             tokens_only=subscriber is not None and subscriber.tokens_only,
             top_logprobs=message.top_logprobs if message.logprobs else None,
+            draft_parents=list(message.draft_parents),
         )
 
     def _result(self, message: target_pb2.StepItem, item: StepItem, result: ItemResult) -> target_pb2.StepResult:
@@ -168,7 +169,8 @@ class TargetService(target_pb2_grpc.TargetServicer):
         replica = self.replica_of.get(message.request_id)
         subscriber = self.subscribers.get(replica) if replica else None
         if subscriber is not None and result.captured is not None:
-            subscriber.queue.put_nowait(hidden_message(result.captured, message.round))
+            for chunk in hidden_messages(result.captured, message.round):
+                subscriber.queue.put_nowait(chunk)
         return target_pb2.StepResult(
             request_id=result.request_id,
             accepted=result.accepted,
@@ -259,11 +261,26 @@ class TargetService(target_pb2_grpc.TargetServicer):
         self.model_thread.shutdown()
 
 
-def hidden_message(rows: CapturedRows, round_number: int) -> target_pb2.HiddenStates:
-    return target_pb2.HiddenStates(
-        request_id=rows.request_id,
-        round=round_number,
-        start_position=rows.start_position,
-        next_tokens=rows.next_tokens,
-        features=tensor_to_proto(rows.features),
-    )
+# Hidden rows per message at most this many bytes of features: a replay of a long context (or a long prompt's
+# chunk) goes out as several messages, which the replica joins, instead of one message of hundreds of MiB.
+HIDDEN_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def hidden_messages(
+    rows: CapturedRows, round_number: int, chunk_bytes: int = HIDDEN_CHUNK_BYTES
+) -> list[target_pb2.HiddenStates]:
+    """The rows as messages of at most `chunk_bytes` of features each (at least one row each), in order."""
+    features = rows.features  # [n, width]
+    row_bytes = features.shape[1] * features.element_size()
+    count = len(rows.next_tokens)
+    per_message = max(1, chunk_bytes // row_bytes if row_bytes else count)  # token-only rows: one message
+    return [
+        target_pb2.HiddenStates(
+            request_id=rows.request_id,
+            round=round_number,
+            start_position=rows.start_position + start,
+            next_tokens=rows.next_tokens[start : start + per_message],
+            features=tensor_to_proto(features[start : start + per_message]),
+        )
+        for start in range(0, max(count, 1), per_message)
+    ]

@@ -32,14 +32,16 @@ class DraftInfo(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., architecture: _Optional[str] = ..., num_steps: _Optional[int] = ..., capture_indices: _Optional[_Iterable[int]] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("request_id", "round", "num_steps")
+    __slots__ = ("request_id", "round", "num_steps", "rows_end")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_END_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     num_steps: int
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    rows_end: int
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., num_steps: _Optional[int] = ..., rows_end: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("items",)
@@ -48,14 +50,16 @@ class ProposeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class ProposeResult(_message.Message):
-    __slots__ = ("request_id", "draft_tokens", "error")
+    __slots__ = ("request_id", "draft_tokens", "error", "parents")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     error: _common_pb2.CallError
-    def __init__(self, request_id: _Optional[str] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("results", "compute_seconds", "error")

@@ -52,7 +52,7 @@ class OpenRequest(_message.Message):
     def __init__(self, prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StepItem(_message.Message):
-    __slots__ = ("request_id", "round", "open", "num_tokens", "draft_tokens", "draft_replica", "set_replica", "replay", "logprobs", "top_logprobs")
+    __slots__ = ("request_id", "round", "open", "num_tokens", "draft_tokens", "draft_replica", "set_replica", "replay", "logprobs", "top_logprobs", "draft_parents")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class StepItem(_message.Message):
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     open: OpenRequest
@@ -73,7 +74,8 @@ class StepItem(_message.Message):
     replay: bool
     logprobs: bool
     top_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., open: _Optional[_Union[OpenRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_replica: _Optional[str] = ..., set_replica: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., open: _Optional[_Union[OpenRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_replica: _Optional[str] = ..., set_replica: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("items", "preempt")

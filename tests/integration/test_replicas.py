@@ -60,7 +60,8 @@ def test_sigkilled_replica_costs_no_request(llama_target: Path, random_draft: Pa
         # The dead replica is demoted, holds no request, and is probed until it answers (it never will).
         replicas = admin(stack).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
         states = sorted((r.replica_id, r.state, r.outstanding) for r in replicas)
-        assert states == [("draft-0", "serving", 0), ("draft-1", "demoted", 0)]
+        demotions = [line for line in stack.log if "demoted" in line]
+        assert states == [("draft-0", "serving", 0), ("draft-1", "demoted", 0)], demotions
         target_only = [greedy(stack.address, prompt, 120, disable_speculation=True) for prompt in PROMPTS]
     assert speculative == target_only
 

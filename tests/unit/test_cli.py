@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import build_parser
+from tandem.cli import build_parser, main, tree_shape_of
 from tandem.launcher import Launcher, ServeSettings
+from tandem.settings import TreeShape
 
 
 def test_serve_thread_options_reach_the_draft_and_target_command_lines() -> None:
@@ -33,3 +34,39 @@ def test_a_negative_thread_count_is_refused_with_the_value(
         build_parser().parse_args([*command, "--threads", "-2"])
     assert "-2: a thread count is 0 (the default) or more" in capsys.readouterr().err
     assert build_parser().parse_args(command).threads == 0
+
+
+def test_tree_flags_reach_the_draft_and_orchestrator_command_lines() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--speculative-eagle-topk",
+            "4",
+            "--speculative-num-draft-tokens",
+            "8",
+            "--speculative-num-steps",
+            "3",
+        ]
+    )
+    settings = ServeSettings(target_dir=Path("t"), draft_dir=Path("d"), num_steps=3, tree=tree_shape_of(args))
+    launcher = Launcher(settings)
+    for command in (
+        launcher.draft_arguments("draft-0", "127.0.0.1:1"),
+        ["orchestrator", *launcher.scheduler_arguments()],
+    ):
+        parsed = build_parser().parse_args(
+            [*command, "--port", "0", *(["--target-address", "a", "--tokenizer", "t"] if command[0] != "draft" else [])]
+        )
+        assert tree_shape_of(parsed) == TreeShape(4, 8)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--speculative-num-draft-tokens", "8"], "--speculative-num-draft-tokens 8 with --speculative-eagle-topk 1"),
+        (["--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "12"], "between 2 and"),
+    ],
+)
+def test_inconsistent_tree_flags_stop_the_command_naming_them(flags: list[str], message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        main(["serve", "--speculative-num-steps", "3", *flags])
