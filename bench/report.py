@@ -1,5 +1,5 @@
-"""Benchmark results: a summary JSON of a few KB, a Markdown table, a PNG of acceptance per draft position, and on
-request every request's record in a separate JSON."""
+"""Benchmark results: a summary JSON of a few KB, a Markdown table, a PNG of acceptance per draft position (with the
+`bench` extra; without it the table says so), and on request every request's record in a separate JSON."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ import transformers
 
 from bench.harness import RunResult
 from bench.huggingface import Method
-from bench.png import bar_chart
+from bench.plot import Series, save_acceptance_plot
+from tandem.extras import BENCH
 
 TANDEM_SETUPS = ("split", "colocated")
+PLOT_NAME = "acceptance_per_position.png"
 
 
 def runs_of(runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int) -> list[RunResult]:
@@ -217,11 +219,32 @@ def write(out_dir: Path, runs: Sequence[RunResult], settings: dict[str, Any]) ->
     transformers = transformers_summary(runs)
     document = {"settings": settings, "summary": rows, "transformers": transformers}
     (out_dir / "latest.json").write_text(json.dumps(document, indent=1) + "\n")
-    table = markdown(rows, transformers, settings)
+    table = markdown(rows, transformers, settings) + _plot(out_dir / PLOT_NAME, rows, settings)
     (out_dir / "latest.md").write_text(table)
-    series = [row["acceptance_per_position"] for row in rows if row["setup"] == "split"]
-    bar_chart(out_dir / "acceptance_per_position.png", series)
     return out_dir / "latest.md"
+
+
+def _plot(path: Path, rows: Sequence[dict[str, Any]], settings: dict[str, Any]) -> str:
+    """Draws the acceptance of every Tandem row by draft position; returns the table's line about the plot."""
+    missing = BENCH.missing()
+    if missing is not None:
+        return f"\nNo acceptance plot: {missing}.\n"
+    series = [
+        Series(f"{row['setup']}, concurrency {row['concurrency']}", tuple(row["acceptance_per_position"]))
+        for row in rows
+        if row["acceptance_per_position"]
+    ]
+    if not series:
+        return "\nNo acceptance plot: no round drafted a token.\n"
+    subtitle = f"{_draft_name(settings)}, {_steps(settings)}, greedy, {settings['num_prompts']} prompts"
+    save_acceptance_plot(path, series, subtitle)
+    return f"\nAcceptance per draft position: {path.name}.\n"
+
+
+def _draft_name(settings: dict[str, Any]) -> str:
+    if settings.get("ngram"):
+        return "n-gram drafts"
+    return f"draft {Path(settings['draft_dir']).name}"
 
 
 def write_requests(path: Path, runs: Sequence[RunResult], settings: dict[str, Any]) -> None:

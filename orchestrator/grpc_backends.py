@@ -65,11 +65,9 @@ class CallStream(Generic[Response]):
 
     async def call(self, request: object) -> Response:
         async with self._lock:
-            if self._stream is None:
-                self._stream = self._open_stream()
-            stream = self._stream
+            stream = await self._written(request)
             try:
-                response = await asyncio.wait_for(self._round_trip(stream, request), self.timeout_s)
+                response = await asyncio.wait_for(stream.read(), self.timeout_s)
             except TimeoutError:
                 # The late response would answer the next call: this stream is done.
                 self._drop(stream)
@@ -79,11 +77,11 @@ class CallStream(Generic[Response]):
             except grpc.aio.AioRpcError as error:
                 self._stream = None
                 raise _backend_error(error, self.what) from None
-            except Exception as error:  # e.g. writing to a stream the peer has ended
+            except Exception as error:  # e.g. a stream the peer has ended
                 self._drop(stream)
                 raise BackendError(FailureKind.UNAVAILABLE, f"{self.what}: {error!r}") from None
             except BaseException:
-                # Cancelled between write and read: the late response would answer the next call.
+                # Cancelled after the write: the late response would answer the next call.
                 self._drop(stream)
                 raise
         if response is grpc.aio.EOF:
@@ -94,10 +92,34 @@ class CallStream(Generic[Response]):
             raise _failure(self.what, code, response.error.message)
         return response
 
-    @staticmethod
-    async def _round_trip(stream: Any, request: object) -> Any:
-        await stream.write(request)
-        return await stream.read()
+    async def _written(self, request: object) -> Any:
+        """The open stream, with `request` written to it. A stream the peer ended while it sat idle (the call is
+        done, e.g. its connection was closed) is replaced by a new one: nothing had been sent on it."""
+        for _ in range(2):
+            if self._stream is None or self._stream.done():
+                self._stream = self._open_stream()
+            stream = self._stream
+            try:
+                await asyncio.wait_for(stream.write(request), self.timeout_s)
+            except asyncio.InvalidStateError:  # finished between the check and the write
+                self._drop(stream)
+                continue
+            except TimeoutError:
+                self._drop(stream)
+                raise _failure(
+                    self.what, grpc.StatusCode.DEADLINE_EXCEEDED, f"could not send within {self.timeout_s} s"
+                ) from None
+            except grpc.aio.AioRpcError as error:
+                self._stream = None
+                raise _backend_error(error, self.what) from None
+            except Exception as error:
+                self._drop(stream)
+                raise BackendError(FailureKind.UNAVAILABLE, f"{self.what}: {error!r}") from None
+            except BaseException:
+                self._drop(stream)
+                raise
+            return stream
+        raise BackendError(FailureKind.UNAVAILABLE, f"{self.what}: every new stream ended before a call was written")
 
     def _drop(self, stream: Any) -> None:
         stream.cancel()

@@ -295,7 +295,8 @@ class Scheduler:
             timings[replica] = ReplicaTiming(call_seconds, batch.compute_seconds)
             for listener in self.propose_listeners:
                 listener(replica, call_seconds)
-            self.speculation.observe_propose(len(tasks), max(task.num_steps for task in tasks), call_seconds)
+            k = max(task.num_steps for task in tasks)
+            self.speculation.observe_propose(len(tasks), k, call_seconds, batch.compute_seconds)
         return drafts, timings
 
     def _check_proposals(self, tasks: Sequence[ProposeTask], batch: ProposedBatch) -> str:

@@ -152,11 +152,12 @@ async def start_orchestrator(
     ]
     if settings.draft_discovery is not None:
         found_by = settings.draft_discovery
+        discovered_security = security.with_server_name(found_by.tls_server_name)  # found replicas are dialled by IP
         discovery = DraftDiscovery(
             found_by,
             DnsResolver(),
             lambda address: connect_replica(
-                address, draft_timeout_s, found_by.connect_timeout_s, session, security=security
+                address, draft_timeout_s, found_by.connect_timeout_s, session, security=discovered_security
             ),
             replicas,
             scheduler.wake,

@@ -14,7 +14,9 @@ from tandem.transport import Insecure, TransportSecurity
 class SchedulerSettings:
     num_steps: int = 5  # draft tokens per round; with adaptive_k, the most a round asks for
     tree: TreeShape = field(default_factory=TreeShape)  # the drafts' tree shape, resolved; topk 1: chains
-    adaptive_k: bool = True  # choose k (0 included) per batch from measured costs and acceptance (speculation.py)
+    # Choose k (0 included) per batch from measured costs and acceptance (speculation.py). Off by default: in the
+    # benchmark of 2026-11-23 its first cost model settled on k = 2 for one request where k = 5 is twice as fast.
+    adaptive_k: bool = False
     max_num_seqs: int = 32  # requests running at once (each step carries at most these)
     # Tokens one target step computes: verification rows first, then prompt chunks (chunked prefill).
     max_num_batched_tokens: int = 2048
@@ -52,6 +54,9 @@ class DiscoverySettings:
     port: int  # the replicas' gRPC port (DNS A/AAAA records carry none)
     interval_s: float = 5.0  # seconds between resolutions
     connect_timeout_s: float = 10.0  # a new address whose GetInfo does not answer in time is tried at the next one
+    # The name each found replica's TLS certificate must hold (`--tls-server-name`): replicas are dialled by IP
+    # address, while their certificate names the headless Service. None: the address dialled.
+    tls_server_name: str | None = None
 
 
 @dataclass(frozen=True)

@@ -6,15 +6,19 @@ accepted (all of positions 1..i accepted), and costs
 
     round(b, k) = target(b * (k + 1))  +  draft(b, k)  +  scheduling
     target(n)   = a + c * n             fitted to every target step (tokens computed -> seconds of the call)
-    draft(b, k) = u_b * (k + 1)         u_b: seconds per draft step of a b-request batch (ingest counts as a step)
+    draft(b, k) = h_b + u_b * (k + 1)   h_b: a Propose call's seconds outside the replica's compute (the hop);
+                                        u_b: the replica's compute seconds per draft step (ingest counts as a step)
     draft(b, 0) = 0                     no Propose at all
 
 The policy picks the k in 0..max_k with the most tokens per second, and keeps the current k unless another is better
 by HYSTERESIS (a noisy estimate must not make k flap). Until the first measurements of a batch size are in, it uses
-max_k, which is what measures them. Example (about the demo pair on 2 CPU cores): with a = 4.6 ms, c = 0.65 ms a
-token, u_1 = 1.2 ms and p = 0.8, 0.68, 0.6, 0.53, 0.49, one request gets k = 5 (4.1 tokens in 15.7 ms, against 1 in
-5.25 ms for k = 0); at b = 32, where u_32 = 6 ms, k = 0 wins (32 tokens in 25.4 ms, against 57.6 in 58.2 ms for
-k = 1), which is what makes speculation never lose to target-only decoding on the same servers.
+max_k, which is what measures them; below max_k, one round in EXPLORE_EVERY drafts max_k, so that the acceptance of
+the positions it does not draft and the cost of more steps stay measured.
+
+Example (shaped like the demo pair on 2 CPU cores of an earlier machine, hop left out): with a = 4.6 ms,
+c = 0.65 ms a token, u_1 = 1.2 ms and p = 0.8, 0.68, 0.6, 0.53, 0.49, one request gets k = 5 (4.1 tokens in 15.7 ms,
+against 1 in 5.25 ms for k = 0); at b = 32, where u_32 = 6 ms, k = 0 wins (32 tokens in 25.4 ms, against 57.6 in
+58.2 ms for k = 1): speculation need not lose to target-only decoding on the same servers.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 HYSTERESIS = 0.05  # another k must promise this much more throughput to replace the current one
-EXPLORE_EVERY = 64  # with k = 0, one round in this many drafts max_k, so that acceptance and costs stay measured
+EXPLORE_EVERY = 32  # below max_k, one round in this many drafts max_k, so that acceptance and costs stay measured
 DECAY = 0.98  # weight of the past in every running estimate (about the last 50 observations count)
 MIN_STEPS = 8  # target steps seen before the target's cost line is trusted
 
@@ -80,12 +84,13 @@ class SpeculationPolicy:
     max_k: int
     adaptive: bool = True
     target: CostLine = field(default_factory=CostLine)
-    draft_step: dict[int, Average] = field(default_factory=dict)  # by bucket(batch): seconds per draft step
+    draft_step: dict[int, Average] = field(default_factory=dict)  # by bucket(batch): compute seconds per draft step
+    draft_hop: dict[int, Average] = field(default_factory=dict)  # by bucket(batch): Propose seconds outside compute
     scheduling: Average = field(default_factory=Average)
     drafted: list[float] = field(default_factory=list)  # decayed count of rounds that drafted position i
     accepted: list[float] = field(default_factory=list)  # decayed count of rounds that accepted position i
     current: dict[int, int] = field(default_factory=dict)  # by bucket(batch): the k in use
-    idle_rounds: dict[int, int] = field(default_factory=dict)  # by bucket(batch): rounds in a row chosen with k = 0
+    explored: dict[int, int] = field(default_factory=dict)  # by bucket(batch): rounds chosen below max_k
 
     def __post_init__(self) -> None:
         self.drafted = [0.0] * self.max_k
@@ -99,24 +104,25 @@ class SpeculationPolicy:
         step = self.draft_step.get(size)
         if self.target.count < MIN_STEPS or step is None or not step.known or self.drafted[0] == 0:
             return self.current.get(size, self.max_k)
-        rates = {k: self.throughput(batch, k, step.value) for k in range(self.max_k + 1)}
+        hop = self.draft_hop[size].value
+        rates = {k: self.throughput(batch, k, step.value, hop) for k in range(self.max_k + 1)}
         best = max(rates, key=lambda k: rates[k])
         current = self.current.get(size, self.max_k)
         if rates[best] > rates[current] * (1 + HYSTERESIS):
             self.current[size] = current = best
-        if current > 0:
-            self.idle_rounds[size] = 0
+        if current == self.max_k:
             return current
-        # Not drafting leaves acceptance unmeasured: a draft that got better would never be asked again.
-        self.idle_rounds[size] = self.idle_rounds.get(size, 0) + 1
-        return self.max_k if self.idle_rounds[size] % EXPLORE_EVERY == 0 else 0
+        # Positions past k are not drafted, so their acceptance would never be measured again (nor would it be with
+        # k = 0): a draft that got better, or a batch that got smaller, would never be asked for more.
+        self.explored[size] = self.explored.get(size, 0) + 1
+        return self.max_k if self.explored[size] % EXPLORE_EVERY == 0 else current
 
-    def throughput(self, batch: int, k: int, draft_step_s: float) -> float:
+    def throughput(self, batch: int, k: int, draft_step_s: float, draft_hop_s: float = 0.0) -> float:
         """Tokens per second of a round of `batch` requests with k drafts each, by the current estimates."""
         tokens = batch * (1.0 + sum(self.acceptance(i) for i in range(k)))
         seconds = self.target.predict(batch * (k + 1)) + self.scheduling.value
         if k > 0:
-            seconds += draft_step_s * (k + 1)
+            seconds += draft_hop_s + draft_step_s * (k + 1)
         return tokens / seconds if seconds > 0 else 0.0
 
     def acceptance(self, position: int) -> float:
@@ -129,10 +135,11 @@ class SpeculationPolicy:
         if tokens > 0:
             self.target.add(tokens, seconds)
 
-    def observe_propose(self, batch: int, k: int, seconds: float) -> None:
-        """A replica's Propose for `batch` requests of k drafts, and the call's seconds."""
+    def observe_propose(self, batch: int, k: int, call_seconds: float, compute_seconds: float) -> None:
+        """A replica's Propose for `batch` requests of k drafts: the call's seconds and the replica's compute."""
         if batch > 0 and k > 0:
-            self.draft_step.setdefault(bucket(batch), Average()).add(seconds / (k + 1))
+            self.draft_step.setdefault(bucket(batch), Average()).add(compute_seconds / (k + 1))
+            self.draft_hop.setdefault(bucket(batch), Average()).add(max(0.0, call_seconds - compute_seconds))
 
     def observe_round(self, drafts: int, accepted: int) -> None:
         """One request's round: drafts verified and how many of them were accepted."""

@@ -38,6 +38,7 @@ from tandem.cli_security import (
 )
 from tandem.devices import DTYPES
 from tandem.errors import StartupError
+from tandem.extras import RAY
 from tandem.launcher import ServeSettings, serve
 from tandem.models.aux_layers import CONVENTIONS
 from tandem.serve_security import ServeSecurity
@@ -178,10 +179,19 @@ def _host_port(text: str) -> tuple[str, int]:
 
 
 def _discovery(args: argparse.Namespace) -> DiscoverySettings | None:
+    if args.tls_server_name is not None:
+        if args.draft_dns is None:
+            raise SystemExit(
+                "tandem: --tls-server-name names the certificate of replicas found by --draft-dns; give it"
+            )
+        if args.tls_ca is None:
+            raise SystemExit("tandem: --tls-server-name needs --tls-ca: without it no certificate is checked")
     if args.draft_dns is None:
         return None
     host, port = args.draft_dns
-    return DiscoverySettings(host=host, port=port, interval_s=args.draft_dns_interval)
+    return DiscoverySettings(
+        host=host, port=port, interval_s=args.draft_dns_interval, tls_server_name=args.tls_server_name
+    )
 
 
 def _add_tree_options(parser: argparse.ArgumentParser) -> None:
@@ -216,7 +226,7 @@ def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=SchedulerSettings.adaptive_k,
         help="choose k (0 included) per batch from measured round costs and acceptance, at most "
-        "--speculative-num-steps; --no-adaptive-k always drafts --speculative-num-steps tokens",
+        "--speculative-num-steps (experimental, off by default: always draft --speculative-num-steps tokens)",
     )
     parser.add_argument(
         "--max-num-seqs", type=_positive, default=SchedulerSettings.max_num_seqs, help="requests running at once"
@@ -454,6 +464,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=DiscoverySettings.interval_s,
         help="seconds between resolutions of --draft-dns",
     )
+    orchestrator_parser.add_argument(
+        "--tls-server-name",
+        help="with TLS: the name the certificates of replicas found by --draft-dns must hold (they are dialled by IP "
+        "address; e.g. the headless Service's name); default: the address dialled",
+    )
     orchestrator_parser.add_argument("--tokenizer", type=Path, required=True, help="directory with tokenizer files")
     orchestrator_parser.add_argument("--speculative-num-steps", type=int, default=SchedulerSettings.num_steps)
     _add_tree_options(orchestrator_parser)
@@ -562,6 +577,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.ray_address is not None and args.launcher != "ray":
             raise SystemExit("tandem: --ray-address needs --launcher ray")
         try:
+            if args.launcher == "ray":
+                RAY.require("--launcher ray")
             placement = placement_of(args, ranks=args.tp)
             if args.launcher == "ray" and placement.device != "cpu":
                 raise StartupError(f"--launcher ray: places services on CPUs only for now, not {placement.device}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import grpc
 
@@ -43,6 +44,7 @@ def generate(args: argparse.Namespace) -> int:
     metadata = bearer_metadata(api_key_of(args))
     with client_security_of(args).channel(args.address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        started = time.perf_counter()
         try:
             for response in stub.Generate(request, wait_for_ready=True, timeout=3600, metadata=metadata):
                 sys.stdout.write(response.text)
@@ -50,11 +52,13 @@ def generate(args: argparse.Namespace) -> int:
                 if response.finish_reason:
                     stats = response.stats
                     mean_acceptance = 1 + stats.accepted_tokens / stats.rounds if stats.rounds else 0.0
+                    # From sending the request to its last token: prompt processing and streaming included.
+                    rate = stats.completion_tokens / (time.perf_counter() - started)
                     print(
                         f"\n[finish_reason={response.finish_reason} prompt_tokens={stats.prompt_tokens} "
                         f"completion_tokens={stats.completion_tokens} rounds={stats.rounds} "
                         f"draft_tokens={stats.draft_tokens} accepted_tokens={stats.accepted_tokens} "
-                        f"mean_acceptance_length={mean_acceptance:.2f}]"
+                        f"mean_acceptance_length={mean_acceptance:.2f} tokens_per_second={rate:.1f}]"
                     )
         except grpc.RpcError as error:
             print(f"\ntandem generate: {error.code().name}: {error.details()}", file=sys.stderr)

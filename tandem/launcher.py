@@ -184,7 +184,7 @@ class Launcher:
             "--max-num-seqs", str(s.max_num_seqs),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
             "--max-waiting", str(s.max_waiting),
-            *([] if s.adaptive_k else ["--no-adaptive-k"]),
+            "--adaptive-k" if s.adaptive_k else "--no-adaptive-k",
             *ngram_arguments(s.ngram),
         ]  # fmt: skip
 

@@ -10,6 +10,9 @@ One seam: a server binds its port through `security.add_port` and a client opens
 - `Tls(client_auth=True)`, mutual TLS: the server also requires a client certificate signed by `ca`. The internal
   services (target, draft replicas, and the orchestrator as their client) use it when given a CA.
 
+A client checks the server's certificate against the name it dials, unless `with_server_name(NAME)` makes it check
+NAME instead: draft discovery dials pods by IP address, while their certificate names the headless Service.
+
 Certificates are files, read when a port is bound or a channel opened, so that settings holding a transport
 security stay small, picklable (Ray actors) and free of key material.
 """
@@ -17,7 +20,7 @@ security stay small, picklable (Ray actors) and free of key material.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -43,9 +46,14 @@ class TransportSecurity(Protocol):
         """A few words for logs: what protects the traffic (never key material)."""
         ...
 
+    def with_server_name(self, name: str | None) -> TransportSecurity:
+        """The same security, whose channels expect the server's certificate to name `name` whatever address they
+        dial (None: the address dialled). Raises TransportConfigError where no certificate is checked."""
+        ...
 
-def _options(options: Sequence[tuple[str, int]] | None) -> list[tuple[str, int]]:
-    return channel_options() if options is None else list(options)
+
+def _options(options: Sequence[tuple[str, int]] | None) -> list[tuple[str, int | str]]:
+    return list(channel_options() if options is None else options)
 
 
 def _read(path: Path, flag: str) -> bytes:
@@ -76,6 +84,11 @@ class Insecure:
     def describe(self) -> str:
         return "plaintext"
 
+    def with_server_name(self, name: str | None) -> TransportSecurity:
+        if name is not None:
+            raise TransportConfigError(f"--tls-server-name {name}: plaintext channels check no certificate")
+        return self
+
 
 @dataclass(frozen=True)
 class Tls:
@@ -86,12 +99,15 @@ class Tls:
     key: Path | None = None
     ca: Path | None = None
     client_auth: bool = False
+    server_name: str | None = None  # the name the server's certificate must hold (None: the address dialled)
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
             raise TransportConfigError("--tls-cert and --tls-key: give both or neither")
         if self.client_auth and (self.cert is None or self.ca is None):
             raise TransportConfigError("mutual TLS needs --tls-cert, --tls-key and --tls-ca")
+        if self.server_name is not None and not self.server_name.strip():
+            raise TransportConfigError("--tls-server-name: the name is empty")
 
     def _identity(self) -> tuple[bytes, bytes] | None:
         """(private key, certificate chain) as PEM, or None without a certificate."""
@@ -118,14 +134,25 @@ class Tls:
     def add_port(self, server: grpc.Server | grpc.aio.Server, address: str) -> int:
         return server.add_secure_port(address, self.server_credentials())
 
+    def _channel_options(self, options: Sequence[tuple[str, int]] | None) -> list[tuple[str, int | str]]:
+        chosen = _options(options)
+        if self.server_name is not None:
+            # gRPC then checks the certificate (and sends SNI) for this name instead of the dialled address.
+            chosen.append(("grpc.ssl_target_name_override", self.server_name))
+        return chosen
+
     def aio_channel(self, address: str, options: Sequence[tuple[str, int]] | None = None) -> grpc.aio.Channel:
-        return grpc.aio.secure_channel(address, self.channel_credentials(), options=_options(options))
+        return grpc.aio.secure_channel(address, self.channel_credentials(), options=self._channel_options(options))
 
     def channel(self, address: str, options: Sequence[tuple[str, int]] | None = None) -> grpc.Channel:
-        return grpc.secure_channel(address, self.channel_credentials(), options=_options(options))
+        return grpc.secure_channel(address, self.channel_credentials(), options=self._channel_options(options))
 
     def describe(self) -> str:
-        return "mutual TLS" if self.client_auth else "TLS"
+        kind = "mutual TLS" if self.client_auth else "TLS"
+        return kind if self.server_name is None else f"{kind} (server certificate for {self.server_name})"
+
+    def with_server_name(self, name: str | None) -> TransportSecurity:
+        return replace(self, server_name=name)
 
 
 def internal_security(cert: Path | None, key: Path | None, ca: Path | None) -> TransportSecurity:

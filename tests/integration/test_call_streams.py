@@ -45,10 +45,19 @@ def test_step_stream_fails_items_alone_and_reports_a_dead_target(llama_target: P
                 assert backend._step._stream is stream
                 assert third.results[0].failure is None and len(third.results[0].new_tokens) == 1
 
+                # A stream that ended while idle (here cancelled; a closed connection does the same) is replaced
+                # by a new one at the next call instead of failing it.
+                stream.cancel()
+                await asyncio.sleep(0.1)
+                assert stream.done()
+                fourth = await backend.step([StepTask("a", 4, 1)], [])
+                assert fourth.results[0].failure is None and len(fourth.results[0].new_tokens) == 1
+                assert backend._step._stream is not stream
+
                 target.process.send_signal(signal.SIGKILL)
                 target.process.wait(timeout=30)
                 with pytest.raises(BackendError) as dead:
-                    await backend.step([StepTask("a", 4, 1)], [])
+                    await backend.step([StepTask("a", 5, 1)], [])
                 assert dead.value.kind == FailureKind.UNAVAILABLE
                 assert str(dead.value).startswith("target step: ")
 

@@ -28,6 +28,12 @@ VALUE_SETS: dict[str, list[str]] = {
     "ingress": ["--set", "orchestrator.ingress.enabled=true"],
     "tls": ["--set", "tls.enabled=true", "--set", "tls.existingSecret=tandem-tls"],
     "gpu-off": ["--set", "target.gpu.enabled=false"],
+    "metrics": [
+        *("--set", "orchestrator.http.enabled=true", "--set", "orchestrator.serviceMonitor.enabled=true"),
+        *("--set", "target.metrics.enabled=true", "--set", "target.serviceMonitor.enabled=true"),
+        *("--set", "draft.metrics.enabled=true", "--set", "draft.serviceMonitor.enabled=true"),
+    ],
+    "ray-cpu": ["--set", "mode=ray", "--set", "target.gpu.enabled=false", "--set", "target.tp=2"],
     **{path.stem: ["-f", str(path)] for path in sorted((CHART / "ci").glob("*-values.yaml"))},
 }
 
@@ -74,6 +80,12 @@ def workloads(manifests: list[Manifest]) -> list[Manifest]:
     return [m for m in manifests if m["kind"] in ("Deployment", "StatefulSet")]
 
 
+def ray_pod_templates(cluster: Manifest) -> list[Manifest]:
+    """The head's pod template, then each worker group's."""
+    spec = cluster["spec"]
+    return [spec["headGroupSpec"]["template"], *(group["template"] for group in spec["workerGroupSpecs"])]
+
+
 def argument(args: list[str], flag: str) -> str:
     values = [arg.removeprefix(f"{flag}=") for arg in args if arg.startswith(f"{flag}=")]
     assert len(values) == 1, f"expected one {flag} in {args}"
@@ -89,11 +101,26 @@ def test_lint_strict(helm: str, value_set: str) -> None:
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 def test_rendered_manifests_are_valid_kubernetes(helm: str, value_set: str) -> None:
     manifests = render(helm, VALUE_SETS[value_set])
-    assert {"StatefulSet", "Deployment", "Service"} <= {m["kind"] for m in manifests}
+    kinds = {m["kind"] for m in manifests}
+    if value_set.startswith("ray"):
+        assert "RayCluster" in kinds and not kinds & {"StatefulSet", "Deployment", "NetworkPolicy"}
+    else:
+        assert {"StatefulSet", "Deployment", "Service"} <= kinds and "RayCluster" not in kinds
     for manifest in manifests:
         if manifest["kind"] == "ServiceMonitor":
             # A Prometheus Operator CRD: not in Kubernetes' own schemas.
             assert manifest["apiVersion"] == "monitoring.coreos.com/v1"
+            continue
+        if manifest["kind"] == "RayCluster":
+            # A KubeRay CRD: kubernetes-validate knows Kubernetes' own kinds only, so its structure is checked by
+            # test_ray_mode_renders_one_raycluster; its pod templates are validated here as Kubernetes pod specs.
+            assert manifest["apiVersion"] == "ray.io/v1"
+            for pod in ray_pod_templates(manifest):
+                kubernetes_validate.validate(
+                    {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "ray"}, "template": pod},
+                    KUBERNETES_VERSION,
+                    strict=True,
+                )
             continue
         kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
 
@@ -187,6 +214,16 @@ def test_secrets_are_referenced_never_rendered(helm: str) -> None:
         (["--set", "target.tp=two"], "target.tp: Invalid type. Expected: integer, given: string"),
         (["--set", "target.prot=50061"], "Additional property prot is not allowed"),
         (["--set", "models.source=s3"], "models.source"),
+        (["--set", "mode=cloud"], 'mode must be one of the following: "services", "ray"'),
+        (
+            ["--set", "mode=ray", "--set", "tls.enabled=true", "--set", "tls.existingSecret=tandem-tls"],
+            "mode ray: tls.enabled is not available with `tandem serve --launcher ray` yet",
+        ),
+        (
+            ["--set", "mode=ray", "--set", "ray.draftReplicas=5"],
+            "ray.draftReplicas 5 needs 3 Ray CPUs (half each), but the draft group offers",
+        ),
+        (["--set", "target.serviceMonitor.enabled=true"], "target.serviceMonitor.enabled needs target.metrics.enabled"),
         (
             ["--set", "orchestrator.serviceMonitor.enabled=true"],
             "orchestrator.serviceMonitor.enabled needs orchestrator.http.enabled",
@@ -221,3 +258,107 @@ def test_network_policies_admit_only_the_orchestrator_and_the_drafts(helm: str) 
 
     assert admitted(policies[f"{PREFIX}-target"]) == ["orchestrator", "draft"]
     assert admitted(policies[f"{PREFIX}-draft"]) == ["orchestrator"]
+
+
+def head_command(cluster: Manifest) -> list[str]:
+    """The words of the head's shell command (`ray start ... && exec tandem serve ...`)."""
+    [head] = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert head["command"] == ["/bin/sh", "-c"]
+    [script] = head["args"]
+    words: list[str] = script.split()
+    return words
+
+
+def test_ray_mode_renders_one_raycluster(helm: str) -> None:
+    manifests = render(helm, VALUE_SETS["ray-values"])
+    [cluster] = [m for m in manifests if m["kind"] == "RayCluster"]
+    assert cluster["apiVersion"] == "ray.io/v1"
+    assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    words = head_command(cluster)
+    ray_start, serve = " ".join(words).split(" && exec ")
+    assert ray_start.split()[:3] == ["ray", "start", "--head"]
+    assert argument(ray_start.split(), "--num-cpus") == "0"  # only the orchestrator (no Ray CPU) runs on the head
+    serve_args = serve.split()
+    assert serve_args[:3] == ["tandem", "serve", "--launcher=ray"]
+    assert argument(serve_args, "--ray-address") == f"127.0.0.1:{argument(ray_start.split(), '--port')}"
+    assert argument(serve_args, "--tp") == "2"
+    assert argument(serve_args, "--draft-replicas") == "4"
+    assert argument(serve_args, "--device") == "cpu"  # what --launcher ray places today
+    assert argument(serve_args, "--http-port") == "8000"
+    groups = {group["groupName"]: group for group in cluster["spec"]["workerGroupSpecs"]}
+    assert list(groups) == ["target", "draft"]
+    head_service = f"{PREFIX}-head-svc.{NAMESPACE}.svc.cluster.local:6379"
+    gpus: dict[str, object] = {}
+    worker_cpus: dict[str, str] = {}
+    for name, group in groups.items():
+        [worker] = group["template"]["spec"]["containers"]
+        [script] = worker["args"]
+        worker_args = script.split()
+        assert worker_args[:3] == ["exec", "ray", "start"] and "--block" in worker_args
+        assert argument(worker_args, "--address") == head_service
+        worker_cpus[name] = argument(worker_args, "--num-cpus")
+        gpus[name] = worker["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert argument(worker_args, "--num-gpus") == str(gpus[name] or 0)
+    # The target's two ranks take a GPU each on the target group; the drafts' CPUs are on the draft group only.
+    assert gpus == {"target": 2, "draft": None}
+    assert worker_cpus == {"target": "0", "draft": "1"}
+    assert groups["draft"]["replicas"] == 2
+    # One image everywhere, the models mounted at the same path in every pod (an actor may land on any pod).
+    pods = ray_pod_templates(cluster)
+    images = {container["image"] for pod in pods for container in pod["spec"]["containers"]}
+    assert images == {"tandem:0.1.0"}
+    for pod in pods:
+        [spec] = pod["spec"]["containers"]
+        mounts = {mount["name"]: mount["mountPath"] for mount in spec["volumeMounts"]}
+        assert mounts["models"] == "/models" and mounts["shm"] == "/dev/shm"
+        assert spec["securityContext"]["readOnlyRootFilesystem"] is True
+    [head] = pods[0]["spec"]["containers"]
+    assert head["readinessProbe"]["grpc"] == {"port": 50051}
+    assert "limits" not in head["resources"] or "nvidia.com/gpu" not in head["resources"]["limits"]
+
+
+def test_ray_mode_on_cpus_gives_the_target_group_a_cpu_per_rank(helm: str) -> None:
+    [cluster] = [m for m in render(helm, VALUE_SETS["ray-cpu"]) if m["kind"] == "RayCluster"]
+    [target_group, _] = cluster["spec"]["workerGroupSpecs"]
+    [worker] = target_group["template"]["spec"]["containers"]
+    worker_args = worker["args"][0].split()
+    assert (argument(worker_args, "--num-cpus"), argument(worker_args, "--num-gpus")) == ("2", "0")
+    assert "nvidia.com/gpu" not in worker["resources"].get("limits", {})
+
+
+def test_service_monitors_scrape_each_metrics_port(helm: str) -> None:
+    assert not [m for m in render(helm, []) if m["kind"] == "ServiceMonitor"]
+    manifests = render(helm, VALUE_SETS["metrics"])
+    monitors = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "ServiceMonitor"}
+    services = {
+        "target": find(manifests, "Service", f"{PREFIX}-target"),
+        "draft": find(manifests, "Service", f"{PREFIX}-draft-headless"),
+        "orchestrator": find(manifests, "Service", f"{PREFIX}-orchestrator"),
+    }
+    assert set(monitors) == {f"{PREFIX}-{component}" for component in services}
+    for component, service in services.items():
+        monitor = monitors[f"{PREFIX}-{component}"]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        [endpoint] = monitor["spec"]["endpoints"]
+        assert endpoint["path"] == "/metrics" and endpoint["scheme"] == "http"
+        [port] = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+        workload = next(w for w in workloads(manifests) if w["metadata"]["name"] == f"{PREFIX}-{component}")
+        spec = container(workload)
+        [container_port] = [p["containerPort"] for p in spec["ports"] if p["name"] == port["targetPort"]]
+        flag = "--http-port" if component == "orchestrator" else "--metrics-port"
+        assert int(argument(spec["args"], flag)) == container_port == port["port"]
+    # The NetworkPolicies let the scraper reach the metrics ports, and only those besides the services' own.
+    target_policy = find(manifests, "NetworkPolicy", f"{PREFIX}-target")
+    assert [rule["ports"][0]["port"] for rule in target_policy["spec"]["ingress"]] == [50061, 9400]
+    assert "from" not in target_policy["spec"]["ingress"][1]
+
+
+@pytest.mark.parametrize("value_set", ["defaults", "tls"])
+def test_with_tls_draft_certificates_are_checked_for_the_headless_service_name(helm: str, value_set: str) -> None:
+    args = container(find(render(helm, VALUE_SETS[value_set]), "Deployment", f"{PREFIX}-orchestrator"))["args"]
+    if value_set == "defaults":
+        assert not any(arg.startswith("--tls-server-name") for arg in args)
+        return
+    # Discovery dials the addresses the headless Service resolves to (pod IPs); their certificate names the Service.
+    headless_host = argument(args, "--draft-dns").split(".")[0]
+    assert argument(args, "--tls-server-name") == headless_host == f"{PREFIX}-draft-headless"

@@ -14,7 +14,10 @@ def target_seconds(tokens: int) -> float:
 
 
 def draft_step_seconds(batch: int) -> float:
-    return 0.0012 + 0.00015 * (batch - 1)
+    return 0.0010 + 0.00015 * (batch - 1)
+
+
+HOP_SECONDS = 0.001  # a Propose call's time outside the replica's compute
 
 
 def warmed(max_k: int = 5) -> SpeculationPolicy:
@@ -24,7 +27,8 @@ def warmed(max_k: int = 5) -> SpeculationPolicy:
         for _ in range(3):
             policy.observe_target(tokens, target_seconds(tokens))
     for batch in (1, 8, 32):
-        policy.observe_propose(batch, max_k, draft_step_seconds(batch) * (max_k + 1))
+        compute = draft_step_seconds(batch) * (max_k + 1)
+        policy.observe_propose(batch, max_k, HOP_SECONDS + compute, compute)
     for round_number in range(400):
         # Accepted counts whose per-position rates are ACCEPTANCE, spread evenly over the rounds: position i is
         # accepted in a round whose draw (a permutation of 0..99) is below 100 * ACCEPTANCE[i].
@@ -60,11 +64,12 @@ def test_one_request_speculates_fully_and_a_large_batch_not_at_all() -> None:
     assert policy.choose(32) == 0
     # The choice is the best k by the model: check it against the throughput of every k.
     for batch in (1, 8, 32):
-        best = max(range(6), key=lambda k: policy.throughput(batch, k, draft_step_seconds(batch)))
-        assert abs(
-            policy.throughput(batch, policy.choose(batch), draft_step_seconds(batch))
-            - policy.throughput(batch, best, draft_step_seconds(batch))
-        ) <= 0.05 * policy.throughput(batch, best, draft_step_seconds(batch))
+
+        def rate(k: int, batch: int = batch) -> float:
+            return policy.throughput(batch, k, draft_step_seconds(batch), HOP_SECONDS)
+
+        best = max(range(6), key=rate)
+        assert abs(rate(policy.choose(batch)) - rate(best)) <= 0.05 * rate(best)
 
 
 def test_before_measurements_and_when_not_adaptive_the_configured_k_is_used() -> None:
@@ -80,7 +85,7 @@ def test_before_measurements_and_when_not_adaptive_the_configured_k_is_used() ->
 
 def test_hysteresis_keeps_the_current_k_unless_another_is_clearly_better() -> None:
     policy = warmed()
-    rates = {k: policy.throughput(1, k, policy.draft_step[1].value) for k in range(6)}
+    rates = {k: policy.throughput(1, k, policy.draft_step[1].value, policy.draft_hop[1].value) for k in range(6)}
     best = max(rates, key=lambda k: rates[k])
     close = [k for k in rates if k != best and rates[k] * 1.05 >= rates[best]]
     far = [k for k in rates if rates[k] * 1.05 < rates[best]]
@@ -104,3 +109,29 @@ def test_with_k_zero_one_round_in_explore_every_still_drafts() -> None:
     choices = [policy.choose(32) for _ in range(2 * EXPLORE_EVERY)]
     assert choices.count(5) == 2
     assert choices.count(0) == 2 * EXPLORE_EVERY - 2
+
+
+def test_the_hop_is_not_charged_per_step() -> None:
+    """A Propose's fixed cost outside compute must not make each step look dearer when k is small (which would
+    push k down further): the per-step estimate is compute over steps, the hop apart."""
+    policy = SpeculationPolicy(5)
+    for k in (5, 2, 1):
+        compute = draft_step_seconds(1) * (k + 1)
+        policy.observe_propose(1, k, HOP_SECONDS + compute, compute)
+    assert policy.draft_step[1].value == pytest.approx(draft_step_seconds(1))
+    assert policy.draft_hop[1].value == pytest.approx(HOP_SECONDS)
+
+
+def test_below_max_k_exploration_measures_the_positions_not_drafted_and_k_climbs_back() -> None:
+    policy = warmed()
+    for _ in range(300):  # a stretch where only the first two positions were ever accepted
+        policy.observe_round(5, 2)
+    policy.current[1] = 2
+    assert policy.acceptance(4) == pytest.approx(0.0, abs=0.01)
+    chosen = []
+    for _ in range(40 * EXPLORE_EVERY):
+        k = policy.choose(1)
+        chosen.append(k)
+        policy.observe_round(k, k)  # the draft is good again: every drafted position is accepted
+    assert chosen[0] == 2  # at first the stale estimates keep k at 2
+    assert policy.current[1] == 5 and chosen[-EXPLORE_EVERY:] == [5] * EXPLORE_EVERY

@@ -181,3 +181,50 @@ affinity:
 {{- end }}
 {{- toYaml $resources }}
 {{- end }}
+
+{{/* mode ray: every Ray pod mounts /tmp (Ray's session files), /dev/shm (its object store) and the models at the
+same paths, since an actor may be placed on any pod of its group. */}}
+{{- define "tandem.rayVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: shm
+  mountPath: /dev/shm
+{{- with (include "tandem.modelVolumeMount" . | trim) }}
+{{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.rayVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.ray.shmSizeLimit }}
+{{- with (include "tandem.modelVolume" . | trim) }}
+{{ . }}
+{{- end }}
+{{- end }}
+
+{{/* A Prometheus Operator ServiceMonitor scraping /metrics on a component's Service port ("metrics" unless named):
+(dict "component" (dict "root" $ "component" "target") "settings" .Values.target.serviceMonitor "scheme" "http") */}}
+{{- define "tandem.serviceMonitor" -}}
+apiVersion: monitoring.coreos.com/v1
+kind: ServiceMonitor
+metadata:
+  name: {{ include "tandem.componentName" .component }}
+  labels:
+    {{- include "tandem.componentLabels" .component | nindent 4 }}
+    {{- with .settings.labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  selector:
+    matchLabels:
+      {{- include "tandem.selectorLabels" .component | nindent 6 }}
+  endpoints:
+    - port: {{ default "metrics" .port }}
+      path: /metrics
+      interval: {{ .settings.interval }}
+      scheme: {{ .scheme }}
+{{- end }}
