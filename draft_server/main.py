@@ -6,7 +6,7 @@ import asyncio
 
 from draft_server.service import DraftService, DraftSettings, start_draft
 from tandem.leases import sweep_interval
-from tandem.service_metrics import ServiceMetrics, ServiceState, serve_metrics
+from tandem.service_metrics import ServiceMetrics, model_service_metrics, serve_metrics
 from tandem.serving import ListenSettings, run_server
 from tandem.wire import draft_pb2_grpc
 
@@ -37,12 +37,4 @@ async def serve_draft(settings: DraftSettings, listen: ListenSettings) -> None:
 
 def draft_metrics(service: DraftService) -> ServiceMetrics:
     """The draft's /metrics (tandem.service_metrics): Propose compute time, KV usage, requests, model-thread queue."""
-    runner = service.runner
-
-    def state() -> ServiceState:
-        cache = runner.cache
-        return ServiceState(cache.num_blocks, cache.num_free_blocks, len(runner.requests), service.model_thread.pending)
-
-    metrics = ServiceMetrics("draft", "propose", state)
-    service.propose_listeners.append(metrics.observe_call)
-    return metrics
+    return model_service_metrics("draft", "propose", service.runner, service.model_thread, service.propose_listeners)

@@ -9,8 +9,9 @@ for its model thread. The gauges are read when /metrics is scraped, from the ser
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from dataclasses import dataclass
+from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -31,6 +32,42 @@ class ServiceState:
     kv_blocks_free: int
     running_requests: int
     pending_calls: int  # calls waiting for the model thread or running on it
+
+
+class _Pool(Protocol):
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+
+
+class _Runner(Protocol):
+    """What both services' runners offer the metrics: their KV pool and the requests they hold."""
+
+    @property
+    def cache(self) -> _Pool: ...
+    @property
+    def requests(self) -> Sized: ...
+
+
+class _Queue(Protocol):
+    @property
+    def pending(self) -> int: ...
+
+
+def model_service_metrics(
+    role: str, call: str, runner: _Runner, model_thread: _Queue, listeners: list[Callable[[float], None]]
+) -> ServiceMetrics:
+    """A service's metrics: `listeners` (the service's) report each model call's seconds; the gauges read `runner`
+    and `model_thread` when scraped."""
+
+    def state() -> ServiceState:
+        cache = runner.cache
+        return ServiceState(cache.num_blocks, cache.num_free_blocks, len(runner.requests), model_thread.pending)
+
+    metrics = ServiceMetrics(role, call, state)
+    listeners.append(metrics.observe_call)
+    return metrics
 
 
 class ServiceMetrics:

@@ -18,7 +18,7 @@ from tandem.leases import sweep_interval
 from tandem.model_thread import ModelThread
 from tandem.models.registry import check_tensor_parallel, load_target
 from tandem.models.tokenizer_digest import tokenizer_digest
-from tandem.service_metrics import ServiceMetrics, ServiceState, serve_metrics
+from tandem.service_metrics import ServiceMetrics, model_service_metrics, serve_metrics
 from tandem.serving import ListenSettings, run_server
 from tandem.wire import target_pb2, target_pb2_grpc
 from target_server.ranks import RankDriver, start_ranks
@@ -116,15 +116,7 @@ async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None
 
 def target_metrics(service: TargetService) -> ServiceMetrics:
     """The target's /metrics (tandem.service_metrics): step compute time, KV usage, requests, model-thread queue."""
-    runner = service.runner
-
-    def state() -> ServiceState:
-        cache = runner.cache
-        return ServiceState(cache.num_blocks, cache.num_free_blocks, len(runner.requests), service.model_thread.pending)
-
-    metrics = ServiceMetrics("target", "step", state)
-    service.step_listeners.append(metrics.observe_call)
-    return metrics
+    return model_service_metrics("target", "step", service.runner, service.model_thread, service.step_listeners)
 
 
 async def watch_ranks(ranks: RankDriver) -> None:
