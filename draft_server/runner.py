@@ -151,18 +151,13 @@ class DraftRunner:
 
     def _check_blocks(self, inputs: Sequence[ProposeInput]) -> None:
         """Raises OutOfKVBlocks before any change if the batch, its ingest and every draft step, does not fit."""
-        block_size = self.cache.block_size
-        available, needed = self.cache.num_free_blocks, 0
+        plans = []
         for item in inputs:
             request = self.requests.get(item.request_id)
-            held = len(request.kv.block_ids) if request is not None else 0
-            kept = -(-item.rows.start_position // block_size)  # blocks left after truncating to the rows' start
-            available += held - min(kept, held)
             # Ingest writes the rows; every draft step after the first writes one more position.
             end = item.rows.start_position + len(item.rows.next_tokens) + max(0, item.num_steps - 1)
-            needed += -(-end // block_size) - min(kept, held)
-        if needed > available:
-            raise OutOfKVBlocks(f"KV cache: this batch needs {needed} more blocks, {available} free")
+            plans.append((request.kv if request is not None else None, item.rows.start_position, end))
+        check_batch_fits(self.cache, plans)
 
     def release(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
@@ -173,3 +168,17 @@ class DraftRunner:
     @property
     def _dtype(self) -> torch.dtype:
         return self.cache.keys.dtype
+
+
+def check_batch_fits(cache: PagedKVCache, plans: Sequence[tuple[SequenceKV | None, int, int]]) -> None:
+    """Raises OutOfKVBlocks, changing nothing, unless the batch fits the pool: each (sequence held, or None, positions
+    it keeps, positions it reaches) is first truncated to the positions it keeps, which frees blocks, then grows."""
+    block_size = cache.block_size
+    available, needed = cache.num_free_blocks, 0
+    for sequence, keep, end in plans:
+        held = len(sequence.block_ids) if sequence is not None else 0
+        kept = min(-(-keep // block_size), held)  # blocks left after truncating
+        available += held - kept
+        needed += -(-end // block_size) - kept
+    if needed > available:
+        raise OutOfKVBlocks(f"KV cache: this batch needs {needed} more blocks, {available} free")

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_server.runner import DraftRequestError, ProposeInput, TargetRows
+from draft_server.runner import DraftRequestError, ProposeInput, TargetRows, check_batch_fits
 from tandem.layers.attention_backend import AttentionMetadata
-from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
+from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.models.registry import TargetModel
 from tandem.settings import KVCacheSettings
 
@@ -124,18 +124,13 @@ class StandaloneRunner:
 
     def _check_blocks(self, inputs: Sequence[ProposeInput], kept: Sequence[int]) -> None:
         """Raises OutOfKVBlocks before any change if the batch, its ingest and every draft step, does not fit."""
-        block_size = self.cache.block_size
-        available, needed = self.cache.num_free_blocks, 0
+        plans = []
         for item, positions in zip(inputs, kept, strict=True):
             request = self.requests.get(item.request_id)
-            held = len(request.kv.block_ids) if request is not None else 0
-            kept_blocks = min(-(-positions // block_size), held)
-            available += held - kept_blocks
             # Ingest writes up to the rows' last token; every draft step after the first writes one more position.
             end = item.rows.start_position + 1 + len(item.rows.next_tokens) + max(0, item.num_steps - 1)
-            needed += -(-end // block_size) - kept_blocks
-        if needed > available:
-            raise OutOfKVBlocks(f"KV cache: this batch needs {needed} more blocks, {available} free")
+            plans.append((request.kv if request is not None else None, positions, end))
+        check_batch_fits(self.cache, plans)
 
     def release(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
