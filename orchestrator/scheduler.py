@@ -174,6 +174,9 @@ class Scheduler:
             return
         drafts, timings = await self._propose(plan.decode)
         tasks = [self._task(entry, drafts.get(entry.request.request_id)) for entry in (*plan.decode, *plan.chunks)]
+        # The replica each request had when its item was built: a replica failing while the results are read moves
+        # requests, and what the target said about the old replica must not be held against the new one.
+        sent_to = {entry.request.request_id: entry.request.replica for entry in (*plan.decode, *plan.chunks)}
         step_started = time.perf_counter()
         try:
             outcome = await self.target.step(tasks, [request.request_id for request in plan.preempted])
@@ -201,12 +204,11 @@ class Scheduler:
                 await self._fail([request], RequestFailed(done.failure.kind, str(done.failure)))
                 continue
             request.opened = True
-            if task.move:
+            if task.move and request.replica == sent_to[task.request_id]:
                 request.needs_move = False
             request.kv_length += task.num_tokens + done.accepted
-            rows_to = self._hidden_rows_to(request.replica)  # the request's replica, if it reads hidden rows
-            if rows_to is not None and not done.streaming:
-                self._replica_failed(rows_to, "not subscribed to the target")
+            if task.replica is not None and not done.streaming:  # the replica the rows went to has no stream
+                self._replica_failed(task.replica, "not subscribed to the target")
             if task.request_id in decoding:
                 stats = request.output.stats
                 stats.count_round(len(task.draft_tokens), done.accepted)
@@ -398,18 +400,28 @@ class Scheduler:
             return
         for request in done:
             del self.running[request.request_id]
-        opened = [r.request_id for r in done if r.opened]
-        await asyncio.gather(self._release_on(TARGET, opened), self._release_on_drafts(done))
+        by_replica = self._by_replica(done)
+        # A finished request stops counting against its replica now, not once the releases below are answered.
         for request in done:
             if request.replica is not None:
                 self.replicas.release(request.replica)
+        opened = [r.request_id for r in done if r.opened]
+        await asyncio.gather(
+            self._release_on(TARGET, opened),
+            *(self._release_on(replica, ids) for replica, ids in by_replica.items()),
+        )
 
     async def _release_on_drafts(self, requests: Sequence[ActiveRequest]) -> None:
+        by_replica = self._by_replica(requests)
+        await asyncio.gather(*(self._release_on(replica, ids) for replica, ids in by_replica.items()))
+
+    def _by_replica(self, requests: Sequence[ActiveRequest]) -> dict[str, list[str]]:
+        """The ids of `requests` by the replica (still in the pool) that holds them."""
         by_replica: dict[str, list[str]] = {}
         for request in requests:
             if request.replica is not None and self.replicas.get(request.replica) is not None:
                 by_replica.setdefault(request.replica, []).append(request.request_id)
-        await asyncio.gather(*(self._release_on(replica, ids) for replica, ids in by_replica.items()))
+        return by_replica
 
     async def _release_on(self, where: str, request_ids: Sequence[str], probe: bool = False) -> None:
         """Releases requests on the target (TARGET) or a replica, with what is still owed there; what fails is
