@@ -30,12 +30,13 @@ from orchestrator.backends import (
     StepTask,
 )
 from orchestrator.batching import KVPool
+from orchestrator.hybrid import with_hybrid
 from orchestrator.ngram import add_ngram_replica
 from orchestrator.output import RequestFailed
 from orchestrator.replicas import ReplicaPool
 from orchestrator.scheduler import Scheduler, TargetFacts
 from orchestrator.service import response_message
-from orchestrator.settings import NgramSettings, SchedulerSettings
+from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
 from orchestrator.validation import Limits, validate_request
 from tandem.models.config import ConfigError
 from tandem.models.registry import load_target
@@ -98,12 +99,15 @@ class LocalTarget:
                 task.request_id,
                 task.num_tokens,
                 task.draft_tokens,
-                None if task.open is None else OpenRequest(task.open.prompt, task.open.sampling),
+                None
+                if task.open is None
+                else OpenRequest(task.open.prompt, task.open.sampling, task.open.end_token_ids),
                 (capture if task.replica is not None else ()) if task.open is not None or task.move else None,
                 replay=task.replay,
                 top_logprobs=task.top_logprobs,
                 tokens_only=tokens_only and task.replica is not None,
                 draft_parents=task.draft_parents,
+                decode_steps=task.decode_steps,
             )
             for task in tasks
         ]
@@ -132,6 +136,7 @@ class ColocatedSettings:
     target_dir: Path
     draft_dir: Path | None
     ngram: NgramSettings | None = None  # prompt lookup instead of a draft model (draft_dir None)
+    hybrid: HybridSettings | None = None  # prompt lookup merged into the draft model's proposals
     dtype: str = "float32"
     num_steps: int = 5
     tree: TreeShape = field(default_factory=TreeShape)  # resolved; topk 1: chains
@@ -148,6 +153,9 @@ class ColocatedEngine:
         max_context = model.config.max_position_embeddings
         target_runner = TargetRunner(model, settings.cache, max_context)
         replicas = ReplicaPool()
+        scheduler_settings = SchedulerSettings(
+            num_steps=settings.num_steps, tree=settings.tree, adaptive_k=settings.adaptive_k, hybrid=settings.hybrid
+        )
         draft = None
         if settings.draft_dir is not None:
             draft_settings = DraftSettings(
@@ -171,16 +179,13 @@ class ColocatedEngine:
                     raise ConfigError(f"--speculative-eagle-topk: a {prepared.kind!r} draft drafts chains only")
                 runner = TreeDrafter(runner, settings.tree.topk, settings.tree.num_draft_tokens)
             draft = LocalDraft(runner, prepared.capture.indices, prepared.tokens_only)
-            replicas.add(REPLICA_ID, "in-process", draft)
+            replicas.add(REPLICA_ID, "in-process", with_hybrid(draft, scheduler_settings))
         if settings.ngram is not None:
             add_ngram_replica(replicas, settings.ngram)
         self.tokenizer = AutoTokenizer.from_pretrained(str(settings.target_dir))
         eos_ids = set(model.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos_ids.add(int(self.tokenizer.eos_token_id))
-        scheduler_settings = SchedulerSettings(
-            num_steps=settings.num_steps, tree=settings.tree, adaptive_k=settings.adaptive_k
-        )
         target = LocalTarget(target_runner, draft)
         pool = KVPool(target_runner.cache.num_blocks, target_runner.cache.block_size)
         facts = TargetFacts(model.config.vocab_size, pool, MAX_DRAFT_TOKENS)

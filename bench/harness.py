@@ -38,6 +38,7 @@ class RunResult:
     concurrency: int
     wall_seconds: float
     requests: tuple[RequestResult, ...]
+    kind: str = ""  # the draft kind of a speculative run measured beside others (bench/kinds.py); "" otherwise
 
     @property
     def completion_tokens(self) -> int:
@@ -90,13 +91,15 @@ async def run_prompts(
     max_new_tokens: int,
     speculative: bool,
     label: str,
+    kind: str = "",
 ) -> RunResult:
     """Greedy completions of every prompt, `concurrency` at a time; wall time covers the whole set."""
     queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
     for item in enumerate(prompts):
         queue.put_nowait(item)
     results: list[RequestResult] = []
-    progress = tqdm(total=len(prompts), desc=f"{label} {'spec' if speculative else 'target-only'} c={concurrency}")
+    mode = f"spec {kind}".rstrip() if speculative else "target-only"
+    progress = tqdm(total=len(prompts), desc=f"{label} {mode} c={concurrency}")
 
     async def worker() -> None:
         while not queue.empty():
@@ -111,7 +114,7 @@ async def run_prompts(
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - started
     progress.close()
-    return RunResult(label, speculative, concurrency, wall, tuple(results))
+    return RunResult(label, speculative, concurrency, wall, tuple(results), kind)
 
 
 async def _one(generate: Generate, request: orchestrator_pb2.GenerateRequest, prompt_index: int) -> RequestResult:

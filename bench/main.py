@@ -4,103 +4,116 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from bench.colocated import ColocatedEngine, ColocatedSettings
 from bench.harness import Generate, GrpcGenerate, RunResult, run_prompts
 from bench.huggingface import Method, TransformersBaseline, TransformersSettings
+from bench.kinds import DraftKind, draft_kinds
 from bench.prompts import held_out_prompts
 from bench.report import write, write_requests
 from bench.settings import BenchSettings
-from tandem.launcher import ServeProcess, ngram_arguments, tree_arguments
+from tandem.launcher import ServeProcess
 from tandem.wire import orchestrator_pb2
 
 WARMUP_PROMPT = "def main():\n"
 
 
+@dataclass(frozen=True)
+class Setup:
+    label: str  # "split" (three processes, gRPC) or "colocated" (one process)
+    kind: str  # the draft kind's name (bench/kinds.py), "" for the one configuration of --draft
+    generate: Generate
+
+
 async def _measure(
-    setups: Sequence[tuple[str, Generate]],
+    setups: Sequence[Setup],
     baseline: TransformersBaseline | None,
     settings: BenchSettings,
     prompts: list[str],
 ) -> list[RunResult]:
-    """Every configuration `repeats` times, interleaved run by run: setup after setup, speculative then target-only,
-    then transformers greedy and prompt-lookup (batch 1, in every repeat at every concurrency).
+    """Every configuration `repeats` times, interleaved run by run: per setup (split, colocated) each draft kind's
+    speculative run then one target-only run (on the first kind's servers: the target is the same for all), then
+    transformers greedy and prompt-lookup (batch 1, in every repeat at every concurrency).
 
     Runs never overlap, so each has the whole machine; interleaving makes the slow spells of a shared machine fall
     on every setup alike instead of on whichever ran during them.
     """
     warmup = orchestrator_pb2.GenerateRequest(prompt=WARMUP_PROMPT, max_new_tokens=8, ignore_eos=True)
-    for _, generate in setups:
-        async for _ in generate(warmup):
+    for setup in setups:
+        async for _ in setup.generate(warmup):
             pass
     transformers = [(baseline, method) for method in Method] if baseline is not None else []
     for model, method in transformers:
         model.complete(WARMUP_PROMPT, 8, method)
+    labels = list(dict.fromkeys(setup.label for setup in setups))
+    tokens = settings.max_new_tokens
     runs = []
     for concurrency in settings.concurrency:
         for _ in range(settings.repeats):
-            for label, generate in setups:
-                for speculative in (True, False):
-                    run = await run_prompts(generate, prompts, concurrency, settings.max_new_tokens, speculative, label)
-                    runs.append(run)
+            for label in labels:
+                of_label = [setup for setup in setups if setup.label == label]
+                for setup in of_label:
+                    runs.append(
+                        await run_prompts(setup.generate, prompts, concurrency, tokens, True, label, setup.kind)
+                    )
+                runs.append(await run_prompts(of_label[0].generate, prompts, concurrency, tokens, False, label))
             for model, method in transformers:
                 runs.append(model.run(prompts, settings.max_new_tokens, method))
     return runs
 
 
-def _draft_arguments(settings: BenchSettings) -> list[str]:
-    """`tandem serve`'s draft options: ngram (no draft process), or a draft model with its replicas and threads."""
-    if settings.ngram is not None:
-        return ngram_arguments(settings.ngram)
-    assert settings.draft_dir is not None  # BenchSettings has a draft directory or ngram
-    return [
-        "--draft", str(settings.draft_dir.absolute()),  # absolute: a directory named ngram is not --draft ngram
-        "--draft-replicas", str(settings.draft_replicas),
-        "--draft-threads", str(settings.draft_threads),
-    ]  # fmt: skip
+def _start_stack(settings: BenchSettings, kind: DraftKind) -> ServeProcess:
+    return ServeProcess(
+        [
+            "--target", str(settings.target_dir),
+            *kind.serve_arguments(settings),
+            "--port", "0",
+            "--admin-port", "0",
+            "--speculative-num-steps", str(settings.num_steps),
+            "--adaptive-k" if settings.adaptive_k else "--no-adaptive-k",
+            "--dtype", settings.dtype,
+            "--target-threads", str(settings.target_threads),
+        ]
+    )  # fmt: skip
 
 
-async def _benchmark(settings: BenchSettings, prompts: list[str]) -> list[RunResult]:
-    stack = None
-    address = settings.address
-    if address is None:
-        stack = ServeProcess(
-            [
-                "--target", str(settings.target_dir),
-                *_draft_arguments(settings),
-                "--port", "0",
-                "--admin-port", "0",
-                "--speculative-num-steps", str(settings.num_steps),
-                *tree_arguments(settings.tree),
-                "--adaptive-k" if settings.adaptive_k else "--no-adaptive-k",
-                "--dtype", settings.dtype,
-                "--target-threads", str(settings.target_threads),
-            ]
-        )  # fmt: skip
-        address = stack.address
-    client = GrpcGenerate(address)
-    engine = None
+def _colocated(settings: BenchSettings, kind: DraftKind) -> ColocatedEngine:
+    return ColocatedEngine(
+        ColocatedSettings(
+            settings.target_dir,
+            kind.draft_dir,
+            ngram=kind.ngram,
+            hybrid=kind.hybrid,
+            dtype=settings.dtype,
+            num_steps=settings.num_steps,
+            tree=kind.tree,
+            adaptive_k=settings.adaptive_k,
+        )
+    )
+
+
+async def _benchmark(settings: BenchSettings, kinds: Sequence[DraftKind], prompts: list[str]) -> list[RunResult]:
+    stacks: list[ServeProcess] = []
+    clients: list[GrpcGenerate] = []
+    engines: list[ColocatedEngine] = []
     if settings.target_threads:
         # The colocated engine and transformers compute on this thread with the target service's thread count.
         torch.set_num_threads(settings.target_threads)
     try:
-        setups: list[tuple[str, Generate]] = [("split", client)]
+        for kind in kinds:
+            if settings.address is None:
+                stacks.append(_start_stack(settings, kind))
+            clients.append(GrpcGenerate(settings.address or stacks[-1].address))
+        setups = [Setup("split", kind.name, client) for kind, client in zip(kinds, clients, strict=True)]
         if settings.colocated:
-            colocated = ColocatedSettings(
-                settings.target_dir,
-                settings.draft_dir,
-                ngram=settings.ngram,
-                dtype=settings.dtype,
-                num_steps=settings.num_steps,
-                tree=settings.tree,
-                adaptive_k=settings.adaptive_k,
-            )
-            engine = ColocatedEngine(colocated)
-            setups.append(("colocated", engine.generate))
+            for kind in kinds:
+                engines.append(_colocated(settings, kind))
+                setups.append(Setup("colocated", kind.name, engines[-1].generate))
         baseline = None
         if settings.transformers:
             baseline = TransformersBaseline(
@@ -108,17 +121,32 @@ async def _benchmark(settings: BenchSettings, prompts: list[str]) -> list[RunRes
             )
         return await _measure(setups, baseline, settings, prompts)
     finally:
-        await client.close()
-        if engine is not None:
+        for client in clients:
+            await client.close()
+        for engine in engines:
             await engine.close()
-        if stack is not None:
+        for stack in stacks:
             stack.stop()
 
 
+def _recorded(value: Any) -> Any:
+    """Settings as JSON values: paths as text, nested dataclasses (already dicts from asdict) element by element."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _recorded(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_recorded(item) for item in value]
+    return value
+
+
 def run_benchmark(settings: BenchSettings) -> Path:
+    kinds = draft_kinds(settings)
     prompts = held_out_prompts(settings.num_prompts)
-    runs = asyncio.run(_benchmark(settings, prompts))
-    recorded = {key: str(value) if isinstance(value, Path) else value for key, value in asdict(settings).items()}
+    runs = asyncio.run(_benchmark(settings, kinds, prompts))
+    recorded = _recorded(asdict(settings))
+    if settings.kinds:
+        recorded["draft_kinds"] = {kind.name: kind.describe() for kind in kinds}
     if settings.save_requests is not None:
         write_requests(settings.save_requests, runs, recorded)
     return write(settings.out_dir, runs, recorded)

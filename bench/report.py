@@ -23,20 +23,30 @@ TANDEM_SETUPS = ("split", "colocated")
 PLOT_NAME = "acceptance_per_position.png"
 
 
-def runs_of(runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int) -> list[RunResult]:
-    """Every run of one configuration, in the order they ran."""
-    return [run for run in runs if (run.label, run.speculative, run.concurrency) == (label, speculative, concurrency)]
+def runs_of(
+    runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int, kind: str = ""
+) -> list[RunResult]:
+    """Every run of one configuration, in the order they ran (`kind`: a speculative run's draft kind)."""
+    key = (label, speculative, concurrency, kind)
+    return [run for run in runs if (run.label, run.speculative, run.concurrency, run.kind) == key]
 
 
-def find(runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int) -> RunResult | None:
+def find(
+    runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int, kind: str = ""
+) -> RunResult | None:
     """The median run of a configuration by tokens/s (the lower median of an even count: always a real run)."""
-    matching = sorted(runs_of(runs, label, speculative, concurrency), key=lambda run: run.tokens_per_second)
+    matching = sorted(runs_of(runs, label, speculative, concurrency, kind), key=lambda run: run.tokens_per_second)
     return matching[(len(matching) - 1) // 2] if matching else None
 
 
-def rates(runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int) -> list[float]:
+def rates(runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int, kind: str = "") -> list[float]:
     """Tokens/s of every run of a configuration, in the order they ran."""
-    return [round(run.tokens_per_second, 2) for run in runs_of(runs, label, speculative, concurrency)]
+    return [round(run.tokens_per_second, 2) for run in runs_of(runs, label, speculative, concurrency, kind)]
+
+
+def setup_name(label: str, kind: str) -> str:
+    """A row's setup as the table and the plot name it: "split", or "split tree" beside other draft kinds."""
+    return f"{label} {kind}" if kind else label
 
 
 def _ratio(mine: RunResult | None, theirs: RunResult | None) -> float | None:
@@ -56,14 +66,20 @@ def _tandem_target_only(runs: Sequence[RunResult]) -> RunResult | None:
 
 
 def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
-    """One row per (Tandem setup, concurrency): speculative vs target-only on the same servers, split vs colocated,
-    and both against transformers (batch 1: the ratios at a higher concurrency compare batched with sequential)."""
+    """One row per (Tandem setup, draft kind, concurrency): speculative vs target-only on the same servers (for every
+    kind, the setup's one target-only run), split vs colocated, and both against transformers (batch 1: the ratios
+    at a higher concurrency compare batched with sequential)."""
     greedy = _transformers(runs, Method.GREEDY)
     prompt_lookup = _transformers(runs, Method.PROMPT_LOOKUP)
+    kinds = list(dict.fromkeys(run.kind for run in runs if run.speculative and run.label in TANDEM_SETUPS))
     rows = []
     for label in TANDEM_SETUPS:
-        for concurrency in sorted({run.concurrency for run in runs if run.label == label}):
-            speculative = find(runs, label, True, concurrency)
+        for kind, concurrency in [
+            (kind, concurrency)
+            for kind in kinds
+            for concurrency in sorted({run.concurrency for run in runs if run.label == label})
+        ]:
+            speculative = find(runs, label, True, concurrency, kind)
             target_only = find(runs, label, False, concurrency)
             if speculative is None:
                 continue
@@ -71,13 +87,14 @@ def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
             rows.append(
                 {
                     "setup": label,
+                    "draft": kind,
                     "concurrency": concurrency,
                     "tokens_per_second": round(speculative.tokens_per_second, 2),
-                    "tokens_per_second_runs": rates(runs, label, True, concurrency),
+                    "tokens_per_second_runs": rates(runs, label, True, concurrency, kind),
                     "target_only_tokens_per_second_runs": rates(runs, label, False, concurrency),
                     "target_only_tokens_per_second": round(target_only.tokens_per_second, 2) if target_only else None,
                     "speedup": _ratio(speculative, target_only),
-                    "split_over_colocated": _ratio(speculative, find(runs, "colocated", True, concurrency))
+                    "split_over_colocated": _ratio(speculative, find(runs, "colocated", True, concurrency, kind))
                     if label == "split"
                     else None,
                     "vs_transformers_greedy": _ratio(speculative, greedy),
@@ -135,11 +152,20 @@ TABLE_HEADER = (
 
 
 def _drafts(settings: dict[str, Any]) -> str:
-    """Who drafts: n-gram lookup in the orchestrator (`--draft ngram`), or the draft model's replicas."""
+    """Who drafts: the draft kinds measured side by side, n-gram lookup in the orchestrator (`--draft ngram`), or the
+    draft model's replicas."""
+    kinds = settings.get("draft_kinds")
+    if kinds:
+        return "draft kinds: " + "; ".join(f"{name}: {what}" for name, what in kinds.items())
     ngram = settings.get("ngram")
     if ngram:
         return f"n-gram drafts (suffixes of {ngram['max_n']} down to {ngram['min_n']} tokens)"
-    return f"{settings['draft_replicas']} draft replica(s)"
+    hybrid = settings.get("hybrid")
+    merged = ""
+    if hybrid:
+        lengths = hybrid["ngram"]
+        merged = f" with n-gram drafts merged in (suffixes of {lengths['max_n']} down to {lengths['min_n']} tokens)"
+    return f"{settings['draft_replicas']} draft replica(s){merged}"
 
 
 def _steps(settings: dict[str, Any]) -> str:
@@ -165,7 +191,7 @@ def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, An
     for row in rows:
         timing = row["per_round_ms"]
         cells = [
-            row["setup"],
+            setup_name(row["setup"], row["draft"]),
             row["concurrency"],
             row["tokens_per_second"],
             row["target_only_tokens_per_second"],
@@ -230,7 +256,10 @@ def _plot(path: Path, rows: Sequence[dict[str, Any]], settings: dict[str, Any]) 
     if missing is not None:
         return f"\nNo acceptance plot: {missing}.\n"
     series = [
-        Series(f"{row['setup']}, concurrency {row['concurrency']}", tuple(row["acceptance_per_position"]))
+        Series(
+            f"{setup_name(row['setup'], row['draft'])}, concurrency {row['concurrency']}",
+            tuple(row["acceptance_per_position"]),
+        )
         for row in rows
         if row["acceptance_per_position"]
     ]
@@ -242,6 +271,8 @@ def _plot(path: Path, rows: Sequence[dict[str, Any]], settings: dict[str, Any]) 
 
 
 def _draft_name(settings: dict[str, Any]) -> str:
+    if settings.get("draft_kinds"):
+        return "draft kinds " + ", ".join(settings["draft_kinds"])
     if settings.get("ngram"):
         return "n-gram drafts"
     return f"draft {Path(settings['draft_dir']).name}"
@@ -257,6 +288,7 @@ def write_requests(path: Path, runs: Sequence[RunResult], settings: dict[str, An
 def _run_json(run: RunResult) -> dict[str, Any]:
     return {
         "label": run.label,
+        "kind": run.kind,
         "speculative": run.speculative,
         "concurrency": run.concurrency,
         "wall_seconds": run.wall_seconds,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.settings import NgramSettings, SchedulerSettings
+from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
 from tandem.settings import TreeShape
 
 
@@ -13,7 +13,13 @@ from tandem.settings import TreeShape
 class BenchSettings:
     target_dir: Path
     draft_dir: Path | None  # None with ngram
-    ngram: NgramSettings | None = None  # `--draft ngram`: prompt lookup in the orchestrator, no draft model
+    # `--draft ngram`: prompt lookup in the orchestrator, no draft model; with `kinds`, the ngram kind's lookup.
+    ngram: NgramSettings | None = None
+    # `--hybrid-ngram`: prompt lookup merged into the draft model's answers; with `kinds`, the hybrid kind's.
+    hybrid: HybridSettings | None = None
+    # `--kinds`: draft kinds measured side by side on the draft model (bench/kinds.py), each on a stack of its own;
+    # (): the one configuration of the fields above.
+    kinds: tuple[str, ...] = ()
     address: str | None = None  # a running stack; None: start one with `tandem serve`
     num_prompts: int = 32
     max_new_tokens: int = 64

@@ -44,6 +44,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self.model_thread = model_thread  # every runner call goes through it, one at a time
         self.leases = Leases(settings.cache.orphan_timeout_s)  # which orchestrator session drafts which request
         self.propose_listeners: list[Callable[[float], None]] = []  # called with each Propose's compute seconds
+        # Called with the seconds each Propose waited for the target's hidden rows of its requests (see _propose).
+        self.rows_wait_listeners: list[Callable[[float], None]] = []
 
     async def consume(self, stream: AsyncIterator[target_pb2.HiddenStates]) -> None:
         """Stores the target's rows as they arrive, keyed by (request id, round)."""
@@ -89,6 +91,11 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             yield response
 
     async def _propose(self, request: draft_pb2.ProposeRequest, session: str) -> draft_pb2.ProposeResponse:
+        # The hidden-row lag: from the call's arrival until the rows of all its requests reach their rows_end. The
+        # target streams a round's rows when its step ends and the orchestrator proposes only after reading that
+        # step's answer, so the rows normally arrive first and this stays near 0; when it does not, the
+        # target->draft stream is what the round waits for. Calls that fail while waiting are not timed.
+        waiting = time.perf_counter()
         inputs = []
         for item in request.items:
             try:
@@ -97,6 +104,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, f"request {item.request_id!r}: {error}") from None
             inputs.append(ProposeInput(item.request_id, rows, item.num_steps or self.settings.num_steps))
         started = time.perf_counter()
+        for listener in self.rows_wait_listeners:
+            listener(started - waiting)
         try:
             drafts, exhausted = await self._run(propose_what_fits, self.runner, inputs)
         except DraftRequestError as error:

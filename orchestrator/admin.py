@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Collection
+from typing import Protocol
 
 import grpc
 
@@ -26,6 +27,14 @@ def replica_status(replica: Replica, state: str | None = None) -> orchestrator_p
     )
 
 
+class FoundReplicas(Protocol):
+    """Draft discovery (orchestrator.discovery.DraftDiscovery) as AddReplica uses it: its name is an allow rule."""
+
+    async def resolves_to(self, address: str) -> bool: ...
+
+    async def join_now(self, address: str) -> Replica | None: ...
+
+
 def address_allowed(address: str, allowed: Collection[str]) -> bool:
     """Whether `address` ("host:port") matches an entry of `allowed`: the same "host:port", or "host:*"."""
     host, _, port = address.rpartition(":")
@@ -40,12 +49,14 @@ class AdminService(orchestrator_pb2_grpc.OrchestratorAdminServicer):
         scaler: orchestrator_pb2_grpc.ScalerStub | None,
         max_draft_replicas: int,
         allowed_addresses: Collection[str],
+        discovery: FoundReplicas | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.connect = connect
         self.scaler = scaler
         self.max_draft_replicas = max_draft_replicas
         self.allowed_addresses = frozenset(allowed_addresses)
+        self.discovery = discovery  # --draft-dns: AddReplica may also add an address its name resolves to now
 
     async def Scale(
         self, request: orchestrator_pb2.ScaleRequest, context: grpc.aio.ServicerContext
@@ -77,9 +88,12 @@ class AdminService(orchestrator_pb2_grpc.OrchestratorAdminServicer):
         if not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address: empty")
         if not address_allowed(request.address, self.allowed_addresses):
+            if self.discovery is not None and await self.discovery.resolves_to(request.address):
+                return await self._join_found(request.address, self.discovery, context)
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"address: {request.address} is not allowed; allow it with --allow-draft-address",
+                f"address: {request.address} is not allowed; allow it with --allow-draft-address"
+                + (" (or have --draft-dns resolve to it)" if self.discovery is not None else ""),
             )
         try:
             replica_id, backend = await self.connect(request.address)
@@ -94,6 +108,21 @@ class AdminService(orchestrator_pb2_grpc.OrchestratorAdminServicer):
         replica = self.scheduler.replicas.add(replica_id, request.address, backend)
         LOG.info("draft replica %s at %s added", replica_id, request.address)
         self.scheduler.wake()
+        return replica_status(replica)
+
+    async def _join_found(
+        self, address: str, discovery: FoundReplicas, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.ReplicaStatus:
+        """An address of the discovery's name: it joins as the discovery's own, drained when it leaves DNS."""
+        if any(replica.address == address for replica in self.scheduler.replicas.all()):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"address: {address} is already in the pool")
+        replica = await discovery.join_now(address)
+        if replica is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"address: {address} did not join: no draft replica answers there, or its id is taken (see the log)",
+            )
+            raise AssertionError("unreachable")
         return replica_status(replica)
 
     async def RemoveReplica(

@@ -35,6 +35,7 @@ class OpenTask:
 
     prompt: Sequence[int]
     sampling: SamplingParams
+    end_token_ids: frozenset[int] = frozenset()  # a multi-token decode stops after one of these
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class StepTask:
     move: bool = False
     replay: bool = False
     top_logprobs: int | None = None  # report the new tokens' logprobs and this many best tokens; None: no logprobs
+    decode_steps: int = 1  # without drafts: decode up to this many tokens in this one step (a forward pass each)
 
 
 @dataclass(frozen=True)

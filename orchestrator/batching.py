@@ -90,6 +90,7 @@ class Scheduled:
     request: ActiveRequest
     num_tokens: int  # committed tokens to compute
     max_drafts: int  # room reserved for drafts (decoding requests only)
+    decode_steps: int = 1  # without drafts: tokens the step may decode for the request, a forward pass each
 
 
 @dataclass
@@ -126,9 +127,10 @@ def plan_step(
         if not request.decoding or request in plan.preempted:
             continue
         drafts = request.max_drafts(k)
-        if 1 + drafts > tokens_left:
+        rows = 1 + _draft_rows(drafts, settings)
+        if rows > tokens_left:
             break
-        need = growth(request, 1 + drafts)
+        need = growth(request, rows)
         while need > free:
             victim = victims.pop()
             plan.preempted.append(victim)
@@ -138,7 +140,7 @@ def plan_step(
         if request in plan.preempted:
             break
         free -= need
-        tokens_left -= 1 + drafts
+        tokens_left -= rows
         plan.decode.append(Scheduled(request, 1, drafts))
 
     scheduled = {id(entry.request) for entry in plan.decode}
@@ -176,4 +178,34 @@ def plan_step(
         tokens_left -= chunk
         plan.admitted.append(request)
         plan.chunks.append(Scheduled(request, chunk, 0))
+    if not plan.chunks and not waiting and not plan.preempted:
+        plan.decode = _multi_step(plan.decode, pool, free, settings.num_scheduler_steps)
     return plan
+
+
+def _draft_rows(max_drafts: int, settings: SchedulerSettings) -> int:
+    """Rows a round of up to `max_drafts` drafts (its depth) may verify: a chain has one per draft; a tree, or a
+    chain with n-gram branches merged in (--hybrid-ngram), up to settings.max_tree_drafts nodes."""
+    if max_drafts == 0 or (settings.tree.topk == 1 and settings.hybrid is None):
+        return max_drafts
+    return max(max_drafts, settings.max_tree_drafts)
+
+
+def _multi_step(decode: list[Scheduled], pool: KVPool, free: int, steps: int) -> list[Scheduled]:
+    """Lets a step of decoding requests without drafts run several forward passes (each request at most to its
+    max_new_tokens) when the pool holds all of their tokens; `decode` unchanged otherwise.
+
+    Only when nothing else waits for the target (no prompt chunk, no queued request), so that a multi-token step
+    never delays a new request's first token by more than the step it arrived in.
+    """
+    if steps <= 1 or not decode or any(entry.max_drafts for entry in decode):
+        return decode
+    planned = [(entry, min(steps, entry.request.output.remaining)) for entry in decode]
+    # Blocks for the extra tokens beyond the one each entry has room for already.
+    need = sum(
+        pool.blocks(entry.request.kv_length + count) - pool.blocks(entry.request.kv_length + 1)
+        for entry, count in planned
+    )
+    if need > free:
+        return decode
+    return [Scheduled(entry.request, entry.num_tokens, 0, max(1, count)) for entry, count in planned]

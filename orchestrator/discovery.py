@@ -10,8 +10,10 @@ so `kubectl scale` or an HPA changes the replicas with no admin call. Every pass
 - a failed resolution (the DNS server does not answer) changes nothing, while an answer that the name has no address
   (a headless Service without ready pods) drains every replica the name brought.
 
-Replicas given by address (`--draft-address`, AddReplica) are never touched. The resolver is a seam: `DnsResolver`
-asks the system resolver; any object with the same `resolve` works.
+Replicas given by address (`--draft-address`, AddReplica of an allow-listed address) are never touched. The name is
+also an allow rule of AddReplica: an address it resolves to now may be added at once (`join_now`), as a replica of
+this discovery, drained when it leaves DNS. The resolver is a seam: `DnsResolver` asks the system resolver; any
+object with the same `resolve` works.
 """
 
 from __future__ import annotations
@@ -124,6 +126,22 @@ class DraftDiscovery:
         joined = await asyncio.gather(*(self._join(address) for address in sorted(resolved - self._members.keys())))
         if any(joined):
             self.on_join()
+
+    async def resolves_to(self, address: str) -> bool:
+        """Whether the name resolves to `address` now (AddReplica's allow rule for this source); False when the
+        lookup fails."""
+        try:
+            return address in await self.resolver.resolve(self.settings.host, self.settings.port)
+        except ResolveFailed:
+            return False
+
+    async def join_now(self, address: str) -> Replica | None:
+        """Joins `address` now rather than at the next pass (AddReplica); None if it does not answer or answers with
+        an id already in the pool (both logged)."""
+        if not await self._join(address):
+            return None
+        self.on_join()
+        return self._members[address]
 
     async def _join(self, address: str) -> bool:
         try:

@@ -180,6 +180,7 @@ def _step_item(task: StepTask) -> target_pb2.StepItem:
         replay=task.replay,
         logprobs=task.top_logprobs is not None,
         top_logprobs=task.top_logprobs or 0,
+        decode_steps=task.decode_steps,
     )
     if task.open is not None:
         sampling = task.open.sampling
@@ -194,6 +195,7 @@ def _step_item(task: StepTask) -> target_pb2.StepItem:
                     min_tokens=sampling.min_tokens,
                     stop_token_ids=sampling.stop_token_ids,
                 ),
+                end_token_ids=sorted(task.open.end_token_ids),
             )
         )
     return item

@@ -8,8 +8,18 @@ right key, 404 for an unknown model or route, 429 when the waiting queue is full
 after a stream has started is sent as a last event `data: {"error": ...}`, then `data: [DONE]`. A client that
 disconnects cancels its handler (handler_cancellation), which cancels its request and frees its KV.
 
+The server speaks what the public gRPC port speaks (its TransportSecurity's http_server_context): HTTPS with the
+orchestrator's --tls-cert/--tls-key when the public port serves TLS, plain HTTP otherwise. Clients are asked for no
+certificate there, as on the gRPC port (the API key identifies them), and plain HTTP to an HTTPS port gets no answer:
+the API key never crosses the network in the clear. /health and /metrics share the port, so probes and scrapers
+speak HTTPS too.
+
 `access_checks` is the one place to authorize a request: each check sees every /v1 request before its handler
 and raises ApiError to refuse it (bearer_check: the API key).
+
+Every response carries X-Request-Id, errors included: the client's id when it sent a valid one, else one made for
+the request (also when the client's is refused: an id that fails the check is never echoed). A /v1 request with an
+invalid id is refused with 400 naming x-request-id; other routes (probes, scrapes) just get a new id.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from orchestrator.scheduler import QueueFull
 from orchestrator.settings import OrchestratorSettings
 from orchestrator.validation import InvalidRequest, client_request_id
 from tandem.auth import Unauthenticated, check_bearer
+from tandem.transport import TransportSecurity
 
 LOG = logging.getLogger(__name__)
 
@@ -61,6 +72,7 @@ KIND_OF_STATUS = {
 MAX_BODY_BYTES = 64 * 2**20  # above the longest prompt check_bounds would read (context * 64 characters)
 SHUTDOWN_TIMEOUT_S = 1.0  # as the gRPC server's grace
 REQUEST_ID_HEADER = "X-Request-Id"  # the client's id for its request; echoed, and in the response's id
+REQUEST_ID = web.RequestKey("request_id", str)  # the id a request is answered with (HttpApi._identify)
 
 AccessCheck = Callable[[web.Request], None]
 
@@ -92,7 +104,9 @@ class HttpApi:
         self.started = int(time.time())
 
     def application(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._access], client_max_size=MAX_BODY_BYTES)
+        # Outermost first: errors become OpenAI-shaped answers, and the id is known before access is checked.
+        app = web.Application(middlewares=[self._errors, self._identify, self._access], client_max_size=MAX_BODY_BYTES)
+        app.on_response_prepare.append(_echo_request_id)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -114,6 +128,18 @@ class HttpApi:
             kind = KIND_OF_STATUS.get(error.status, "invalid_request_error")
             message = f"{request.method} {request.path}: {error.reason}"
             return web.json_response(ApiError(error.status, message, kind=kind).body(), status=error.status)
+
+    @web.middleware
+    async def _identify(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            request[REQUEST_ID] = client_request_id(request.headers.get(REQUEST_ID_HEADER))
+        except InvalidRequest as error:
+            request[REQUEST_ID] = client_request_id(None)
+            if request.path.startswith("/v1/"):
+                raise from_invalid(error, "prompt") from error
+        return await handler(request)
 
     @web.middleware
     async def _access(
@@ -159,21 +185,27 @@ class HttpApi:
 
     async def _answer(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
         try:
-            request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
+            request_id = request[REQUEST_ID]
             shape = ResponseShape(parsed.chat, self.model_name, request_id, parsed.include_usage)
             tokenizer = self.generation.scheduler.tokenizer
             shaper = LogprobShaper(tokenizer, parsed.chat) if parsed.generate.logprobs else None
-            headers = {REQUEST_ID_HEADER: request_id}
             async with aclosing(self.generation.stream(parsed.generate, request_id)) as outputs:
                 if parsed.stream:
-                    return await _stream(request, outputs, shape, shaper, headers)
-                return web.json_response(await _whole(outputs, shape, shaper), headers=headers)
+                    return await _stream(request, outputs, shape, shaper)
+                return web.json_response(await _whole(outputs, shape, shaper))
         except InvalidRequest as error:
             raise from_invalid(error, "messages" if parsed.chat else "prompt") from error
         except QueueFull as error:
             raise ApiError(429, str(error), kind=KIND_OF_STATUS[429]) from error
         except RequestFailed as failure:
             raise _failure_error(failure) from failure
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Sets X-Request-Id on every response as its headers are sent (a stream's with its first event)."""
+    request_id = request.get(REQUEST_ID)
+    if request_id is not None:
+        response.headers[REQUEST_ID_HEADER] = request_id
 
 
 def _failure_error(failure: RequestFailed) -> ApiError:
@@ -210,7 +242,6 @@ async def _stream(
     outputs: AsyncIterator[Output],
     shape: ResponseShape,
     shaper: LogprobShaper | None,
-    headers: dict[str, str],
 ) -> web.StreamResponse:
     """Server-sent events: one chunk per message, the usage chunk when asked, then [DONE].
 
@@ -222,9 +253,7 @@ async def _stream(
         async for output in outputs:
             first = stream is None
             if stream is None:
-                stream = web.StreamResponse(
-                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
-                )
+                stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                 await stream.prepare(request)
             finish_reason = OPENAI_FINISH_REASONS[output.finish_reason] if output.finish_reason else None
             shaped = shaper.shape(output.logprobs) if shaper is not None else None
@@ -252,21 +281,27 @@ class HttpServer:
         await self.runner.cleanup()
 
 
-async def start_http(api: HttpApi, host: str, port: int) -> HttpServer:
-    """Serves the API on host:port (0: a free port) on the running event loop; returns its URL."""
+async def start_http(api: HttpApi, host: str, port: int, security: TransportSecurity) -> HttpServer:
+    """Serves the API on host:port (0: a free port) on the running event loop, HTTPS where `security` serves TLS;
+    returns its URL."""
+    context = security.http_server_context()  # before binding: unusable certificate files fail here, by name
     runner = web.AppRunner(
         api.application(), handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=context)
     await site.start()
     bound_port = runner.addresses[0][1]
     shown = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL is bracketed
-    return HttpServer(runner, f"http://{shown}:{bound_port}")
+    scheme = "http" if context is None else "https"
+    return HttpServer(runner, f"{scheme}://{shown}:{bound_port}")
 
 
-async def serve_http_api(settings: OrchestratorSettings, host: str, generation: Generation) -> HttpServer | None:
-    """Starts the HTTP API when settings.http.port is set (None otherwise) and writes its URL to the ready file."""
+async def serve_http_api(
+    settings: OrchestratorSettings, host: str, security: TransportSecurity, generation: Generation
+) -> HttpServer | None:
+    """Starts the HTTP API when settings.http.port is set (None otherwise), with the public port's `security`, and
+    writes its URL to the ready file."""
     http = settings.http
     if http.port is None:
         return None
@@ -274,7 +309,7 @@ async def serve_http_api(settings: OrchestratorSettings, host: str, generation: 
     if template is None:
         LOG.warning("the tokenizer has no chat template: /v1/chat/completions answers 400 (see --chat-template)")
     checks = [bearer_check(settings.api_key)] if settings.api_key is not None else []
-    server = await start_http(HttpApi(generation, settings.model_name, template, checks), host, http.port)
+    server = await start_http(HttpApi(generation, settings.model_name, template, checks), host, http.port, security)
     if http.ready_file is not None:
         partial = http.ready_file.with_suffix(".partial")
         partial.write_text(server.url)

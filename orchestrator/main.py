@@ -44,8 +44,9 @@ async def serve_orchestrator(settings: OrchestratorSettings, listen: ListenSetti
     check_admin_settings(settings.admin)
     listen = dataclasses.replace(listen, max_message_bytes=settings.max_request_bytes)
     service, admin, background = await start_orchestrator(settings)
-    # Before the gRPC ready file: once it exists, the HTTP API's does too.
-    http = await serve_http_api(settings, listen.host, service.generation)
+    # Before the gRPC ready file: once it exists, the HTTP API's does too. Same security as the public port: with
+    # its TLS, HTTPS with the same certificate (the API key crosses the network on HTTP too).
+    http = await serve_http_api(settings, listen.host, listen.security, service.generation)
 
     def register(server: grpc.aio.Server) -> None:
         orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(service, server)

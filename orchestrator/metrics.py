@@ -11,19 +11,15 @@ token; mean acceptance length = 1 + num_accepted_tokens / num_drafts.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from orchestrator.output import RequestOutput, Stats
+from orchestrator.acceptance import AcceptanceMonitor, AcceptanceWatch
+from orchestrator.output import RequestOutput
 from orchestrator.scheduler import Scheduler
-
-LOG = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -34,45 +30,13 @@ PROPOSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
-@dataclass(frozen=True)
-class AcceptanceWatch:
-    """The periodic acceptance log line, and when to call acceptance collapsed."""
-
-    interval_s: float = 60.0  # one log line per interval that saw drafts
-    min_drafts: int = 32  # fewer drafts in an interval say too little to warn about
-    # A mean acceptance length below this over an interval means the draft almost never matches: a draft that does
-    # not fit its target (wrong aux layer convention, another target's head) fails this way, silently.
-    collapsed_below: float = 1.1
-
-
-@dataclass
-class AcceptanceWindow:
-    drafts: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def add(self, stats: Stats) -> None:
-        self.drafts += stats.draft_rounds
-        self.accepted += stats.accepted_tokens
-        for position, count in enumerate(stats.accepted_per_position):
-            if position == len(self.accepted_per_position):
-                self.accepted_per_position.append(0)
-            self.accepted_per_position[position] += count
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.accepted / self.drafts if self.drafts else 0.0
-
-
 class Metrics:
     """The orchestrator's metrics; `render()` gives the Prometheus text exposition."""
 
     def __init__(self, scheduler: Scheduler, model_name: str, watch: AcceptanceWatch | None = None) -> None:
         self.model_name = model_name
-        self.watch = watch or AcceptanceWatch()
+        self.acceptance = AcceptanceMonitor(watch or AcceptanceWatch())
         self.registry = CollectorRegistry(auto_describe=True)
-        self.window = AcceptanceWindow()
-        self.collapsed = False
         labels = ["model_name"]
 
         def counter(name: str, documentation: str, extra: tuple[str, ...] = ()) -> Counter:
@@ -82,7 +46,9 @@ class Metrics:
             return Histogram(name, documentation, labels, registry=self.registry, buckets=buckets)
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that ended")
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated for requests that ended")
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Tokens generated for requests that ended, as their usage counts them"
+        )
         self.request_success = counter(
             "vllm:request_success",
             "Requests that ended, by finished_reason: stop (EOS, stop string or stop token), length, abort "
@@ -138,7 +104,7 @@ class Metrics:
         stats = output.stats
         name = self.model_name
         self.prompt_tokens.labels(name).inc(output.prompt_tokens)
-        self.generation_tokens.labels(name).inc(len(output.generated))
+        self.generation_tokens.labels(name).inc(output.completion_tokens)
         self.request_success.labels(name, finished_reason).inc()
         self.num_drafts.labels(name).inc(stats.draft_rounds)
         self.num_draft_tokens.labels(name).inc(stats.draft_tokens)
@@ -161,39 +127,10 @@ class Metrics:
             ("scheduling", stats.scheduling_seconds),
         ):
             self.round_seconds.labels(name, part).inc(seconds)
-        self.window.add(stats)
+        self.acceptance.add(stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-    def close_window(self) -> None:
-        """Logs the acceptance of the interval that ends now and warns when it collapsed to about 1.0."""
-        window, self.window = self.window, AcceptanceWindow()
-        if window.drafts == 0:
-            return
-        rates = " ".join(f"{count / window.drafts:.2f}" for count in window.accepted_per_position)
-        LOG.info(
-            "acceptance: mean length %.2f over %d drafts, per position %s",
-            window.mean_acceptance_length,
-            window.drafts,
-            rates,
-        )
-        if window.drafts < self.watch.min_drafts:
-            return
-        self.collapsed = window.mean_acceptance_length < self.watch.collapsed_below
-        if self.collapsed:
-            LOG.warning(
-                "acceptance collapsed: mean acceptance length %.2f over %d drafts; the draft almost never matches "
-                "the target (check that the head was trained for this target, and --aux-layer-convention)",
-                window.mean_acceptance_length,
-                window.drafts,
-            )
-
-    async def watch_acceptance(self) -> None:
-        """Runs close_window every interval, for as long as the orchestrator serves."""
-        while True:
-            await asyncio.sleep(self.watch.interval_s)
-            self.close_window()
 
 
 class SchedulerCollector(Collector):
@@ -227,7 +164,7 @@ class SchedulerCollector(Collector):
         yield gauge(
             "tandem:acceptance_collapsed",
             "1 when the mean acceptance length of the last interval fell to about 1.0 (see the orchestrator's log)",
-            float(self.metrics.collapsed),
+            float(self.metrics.acceptance.collapsed),
         )
         failures = CounterMetricFamily(
             "tandem:replica_failures",
@@ -236,6 +173,13 @@ class SchedulerCollector(Collector):
         )
         failures.add_metric([name], scheduler.replica_failures)
         yield failures
+        moved = CounterMetricFamily(
+            "tandem:request_reassigns",
+            "Requests moved off a demoted draft replica, to another replica or to target-only",
+            labels=["model_name"],
+        )
+        moved.add_metric([name], scheduler.requests_moved)
+        yield moved
         replicas = GaugeMetricFamily("tandem:draft_replicas", "Draft replicas by state", labels=["model_name", "state"])
         states = [replica.state for replica in scheduler.replicas.all()]
         for state in ("serving", "draining", "demoted"):

@@ -90,6 +90,7 @@ class Scheduler:
         self.last_progress = time.monotonic()  # when the loop last finished a step (health)
         self.target_failure: str | None = None  # why the target's last step or release failed; None once it answers
         self.replica_failures = 0  # demotions since start (metrics)
+        self.requests_moved = 0  # requests moved off a demoted replica since start (metrics)
         self.speculation = SpeculationPolicy(settings.num_steps, settings.adaptive_k)
         self.k_in_use = settings.num_steps  # the last step's k (metrics)
         # Called with (replica id, seconds) after every Propose call that answered (orchestrator.metrics).
@@ -193,7 +194,14 @@ class Scheduler:
         self.target_failure = None
         step_call = time.perf_counter() - step_started
         propose_call = step_started - started
-        self.speculation.observe_target(sum(task.num_tokens + len(task.draft_tokens) for task in tasks), step_call)
+        # A multi-token decode ran one forward pass per token: the cost model is of one pass.
+        passes = max(
+            (len(done.new_tokens) for task, done in zip(tasks, outcome.results, strict=True) if task.decode_steps > 1),
+            default=1,
+        )
+        self.speculation.observe_target(
+            sum(task.num_tokens + len(task.draft_tokens) for task in tasks), step_call / passes
+        )
         decoding = {entry.request.request_id for entry in plan.decode}
         for task, done in zip(tasks, outcome.results, strict=True):
             request = self.running[task.request_id]
@@ -206,13 +214,16 @@ class Scheduler:
             request.opened = True
             if task.move and request.replica == sent_to[task.request_id]:
                 request.needs_move = False
-            request.kv_length += task.num_tokens + done.accepted
+            # The target keeps KV for the computed tokens, the accepted drafts and, after a multi-token decode, every
+            # new token but the last (1 + accepted new tokens after a verification, n after n forward passes).
+            request.kv_length += task.num_tokens + max(done.accepted, len(done.new_tokens) - 1)
             if task.replica is not None and not done.streaming:  # the replica the rows went to has no stream
                 self._replica_failed(task.replica, "not subscribed to the target")
             if task.request_id in decoding:
                 stats = request.output.stats
-                stats.count_round(len(task.draft_tokens), done.accepted)
-                self.speculation.observe_round(len(task.draft_tokens), done.accepted)
+                depth = draft_depth(task.draft_tokens, task.draft_parents)
+                stats.count_round(len(task.draft_tokens), depth, done.accepted)
+                self.speculation.observe_round(depth, done.accepted)
                 timing = timings.get(request.replica or "")
                 draft_compute = timing.compute_seconds if timing else 0.0
                 stats.draft_seconds += draft_compute
@@ -238,12 +249,17 @@ class Scheduler:
             num_tokens=entry.num_tokens,
             draft_tokens=drafts[0] if drafts else (),
             draft_parents=drafts[1] if drafts else (),
-            open=None if request.opened else OpenTask(params.input_ids, params.sampling),
+            open=None if request.opened else OpenTask(params.input_ids, params.sampling, self._end_tokens(params)),
             replica=rows_to,
             move=request.needs_move,
             replay=request.needs_move and rows_to is not None,
             top_logprobs=params.top_logprobs,
+            decode_steps=entry.decode_steps,
         )
+
+    def _end_tokens(self, params: ValidatedRequest) -> frozenset[int]:
+        """The tokens that end a request (RequestOutput stops on the same): a multi-token decode stops there."""
+        return params.stop_token_ids | (frozenset() if params.ignore_eos else self.eos_token_ids)
 
     def _hidden_rows_to(self, replica_id: str | None) -> str | None:
         """Where the target sends a request's hidden rows: its replica, unless that replica drafts from tokens alone
@@ -313,8 +329,7 @@ class Scheduler:
             if parents is None and len(tokens) > task.num_steps:
                 return f"{len(tokens)} drafts for request {task.request_id}, {task.num_steps} asked"
             if parents is not None:
-                max_drafts = self.settings.tree.resolved(self.settings.num_steps).max_drafts
-                fault = tree_fault(tokens, parents, max_drafts)
+                fault = tree_fault(tokens, parents, self.settings.max_tree_drafts)
                 if fault:
                     return f"request {task.request_id}: {fault}"
             if any(not 0 <= token < self.facts.vocab_size for token in tokens):
@@ -341,6 +356,7 @@ class Scheduler:
         self.replicas.demote(replica_id)
         self.replica_failures += 1
         moved = [r for r in (*self.running.values(), *self.waiting) if r.replica == replica_id]
+        self.requests_moved += len(moved)
         LOG.warning("draft replica %s demoted (%s): moving its %d requests", replica_id, reason, len(moved))
         for request in moved:
             self.replicas.release(replica_id)
@@ -464,6 +480,14 @@ class Scheduler:
             request.output.fail(failure)
             self.running.setdefault(request.request_id, request)
         await self._release_finished([r.request_id for r in requests])
+
+
+def draft_depth(tokens: Sequence[int], parents: Sequence[int]) -> int:
+    """How many tokens a round's drafts can add at most: a chain's length, a tree's depth (parents checked)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return max(depths, default=0) if parents else len(tokens)
 
 
 def tree_fault(tokens: Sequence[int], parents: Sequence[int], max_drafts: int) -> str:

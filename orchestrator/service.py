@@ -17,12 +17,13 @@ from orchestrator.batching import KVPool
 from orchestrator.discovery import DnsResolver, DraftDiscovery
 from orchestrator.generation import Generation
 from orchestrator.grpc_backends import GrpcDraft, GrpcTarget
+from orchestrator.hybrid import with_hybrid
 from orchestrator.metrics import Metrics
 from orchestrator.ngram import add_ngram_replica, check_one_draft_kind
 from orchestrator.output import Output, RequestFailed
 from orchestrator.replicas import ReplicaPool
 from orchestrator.scheduler import QueueFull, Scheduler, TargetFacts
-from orchestrator.settings import OrchestratorSettings
+from orchestrator.settings import OrchestratorSettings, SchedulerSettings
 from orchestrator.validation import InvalidRequest, Limits, client_request_id
 from tandem.grpc_util import wait_for_ready
 from tandem.transport import TransportSecurity
@@ -96,9 +97,10 @@ async def connect_replica(
     session: str = "",
     *,
     security: TransportSecurity,
+    scheduler: SchedulerSettings,
 ) -> tuple[str, DraftBackend]:
-    """Connects to a draft replica and returns its id (from GetInfo) and a backend for it; `session` names this
-    orchestrator to the replica (tandem.leases)."""
+    """Connects to a draft replica and returns its id (from GetInfo) and a backend for it (with --hybrid-ngram, one
+    that merges n-gram drafts into its answers); `session` names this orchestrator to the replica (tandem.leases)."""
     channel = security.aio_channel(address)
     stub = draft_pb2_grpc.DraftStub(channel)
     try:
@@ -109,7 +111,7 @@ async def connect_replica(
         await channel.close()  # draft discovery retries an address that does not answer: no channel piles up
         raise
     LOG.info("draft replica %s at %s: %s, %d steps", draft.replica_id, address, draft.architecture, draft.num_steps)
-    return draft.replica_id, GrpcDraft(stub, call_timeout_s, session)
+    return draft.replica_id, with_hybrid(GrpcDraft(stub, call_timeout_s, session), scheduler)
 
 
 async def start_orchestrator(
@@ -128,7 +130,7 @@ async def start_orchestrator(
     session = uuid.uuid4().hex
     for address in settings.draft_addresses:
         replica_id, backend = await connect_replica(
-            address, draft_timeout_s, timeout_s=600.0, session=session, security=security
+            address, draft_timeout_s, timeout_s=600.0, session=session, security=security, scheduler=settings.scheduler
         )
         replicas.add(replica_id, address, backend)
     if settings.ngram is not None:
@@ -148,8 +150,9 @@ async def start_orchestrator(
     metrics = Metrics(scheduler, settings.model_name)
     background = [
         asyncio.create_task(scheduler.run(), name="scheduler loop"),
-        asyncio.create_task(metrics.watch_acceptance(), name="acceptance watch"),
+        asyncio.create_task(metrics.acceptance.run(), name="acceptance watch"),
     ]
+    discovery = None
     if settings.draft_discovery is not None:
         found_by = settings.draft_discovery
         discovered_security = security.with_server_name(found_by.tls_server_name)  # found replicas are dialled by IP
@@ -157,7 +160,12 @@ async def start_orchestrator(
             found_by,
             DnsResolver(),
             lambda address: connect_replica(
-                address, draft_timeout_s, found_by.connect_timeout_s, session, security=discovered_security
+                address,
+                draft_timeout_s,
+                found_by.connect_timeout_s,
+                session,
+                security=discovered_security,
+                scheduler=settings.scheduler,
             ),
             replicas,
             scheduler.wake,
@@ -169,9 +177,12 @@ async def start_orchestrator(
         scaler = orchestrator_pb2_grpc.ScalerStub(scaler_channel)
     admin = AdminService(
         scheduler,
-        lambda address: connect_replica(address, draft_timeout_s, session=session, security=security),
+        lambda address: connect_replica(
+            address, draft_timeout_s, session=session, security=security, scheduler=settings.scheduler
+        ),
         scaler,
         max_draft_replicas=settings.admin.max_draft_replicas,
         allowed_addresses=(*settings.admin.allowed_draft_addresses, *settings.draft_addresses),
+        discovery=discovery,
     )
     return OrchestratorService(Generation(scheduler, limits, metrics)), admin, background

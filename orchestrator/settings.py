@@ -21,10 +21,21 @@ class SchedulerSettings:
     # Tokens one target step computes: verification rows first, then prompt chunks (chunked prefill).
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024  # requests queued for admission; beyond, Generate answers RESOURCE_EXHAUSTED
+    # Forward passes one target step may run when it decodes without drafts and nothing else waits (vLLM's name):
+    # the hop to the target and the scheduling are paid once per this many tokens (orchestrator/batching.py).
+    num_scheduler_steps: int = 4
     target_timeout_s: float = 300.0  # a target step or release that takes longer fails its requests
     draft_timeout_s: float = 10.0  # a Propose that takes longer costs its round's drafts and demotes the replica
     reprobe_s: float = 1.0  # first wait before a demoted replica is probed again (doubling, up to 30 s)
     stall_s: float = 60.0  # health reports NOT_SERVING when the loop has work and made no step for this long
+    hybrid: HybridSettings | None = None  # --hybrid-ngram: prompt-lookup drafts merged into every replica's answer
+
+    @property
+    def max_tree_drafts(self) -> int:
+        """Drafts a round's tree may hold: --speculative-num-draft-tokens - 1, and with --hybrid-ngram the n-gram
+        branch's at most num_steps more."""
+        extra = self.num_steps if self.hybrid is not None else 0
+        return self.tree.resolved(self.num_steps).max_drafts + extra
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,19 @@ class NgramSettings:
             raise ValueError(f"--ngram-min: {self.min_n}; the shortest suffix to look up is at least 1 token")
         if self.max_n < self.min_n:
             raise ValueError(f"--ngram-max: {self.max_n} is below --ngram-min {self.min_n}")
+
+
+@dataclass(frozen=True)
+class HybridSettings:
+    """`--hybrid-ngram`: the prompt-lookup proposal merged into every draft replica's answer (orchestrator/hybrid.py).
+
+    The lookup runs with `ngram`'s suffix lengths (--ngram-max, --ngram-min). The merged tree is the replica's answer
+    whole plus the nodes of the lookup's branch it does not share: at most k (--speculative-num-steps) more drafts.
+    Suffixes of at least 3 tokens by default: shorter ones verified more extra drafts per extra accepted token on the
+    demo pair (docs/architecture.md, "Hybrid drafting").
+    """
+
+    ngram: NgramSettings = field(default_factory=lambda: NgramSettings(max_n=4, min_n=3))
 
 
 @dataclass(frozen=True)
@@ -92,7 +116,7 @@ class HttpSettings:
     """The OpenAI-compatible HTTP API and /metrics (orchestrator/http_api.py), on the gRPC host."""
 
     port: int | None = None  # None: no HTTP server; 0: any free port (written to ready_file)
-    ready_file: Path | None = None  # gets "http://host:port" once the HTTP server listens
+    ready_file: Path | None = None  # gets its URL once it listens (https:// with the public port's TLS)
     # What /v1/chat/completions renders messages with when the tokenizer has no chat template (a Jinja file).
     chat_template: Path | None = None
 

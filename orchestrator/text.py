@@ -95,6 +95,10 @@ class StopStringMatcher:
         self._held = ""
         self._stopped = False
 
+    @property
+    def strings(self) -> tuple[str, ...]:
+        return self._stop
+
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit now, whether a stop string was found)."""
         if self._stopped:

@@ -1,9 +1,13 @@
 """Throwaway certificates for `tandem serve --internal-tls`: a CA and one certificate its services share.
 
-The CA lives as long as the stack: its key is written next to nothing but the files below, in a directory the
-launcher removes on exit, and nothing outside the stack trusts it. Keys are EC P-256 (fast to make) and every
-private key file is created 0600. The leaf certificate is valid for TLS servers and clients (mutual TLS) and names
-the loopback addresses the children bind.
+The CA lives as long as the stack: its key is never written, and nothing outside the stack trusts it. Keys are EC
+P-256 (fast to make) and every private key file is created 0600. The leaf certificate is valid for TLS servers and
+clients (mutual TLS) and names the loopback addresses the children of the process launcher bind, and
+`INTERNAL_NAME`, which services placed on other machines (`--launcher ray` on a joined cluster, bound to their node's
+address) are checked for instead of the address dialled.
+
+`CertificatePems` carries the three files' contents to a service whose machine does not have them (a Ray actor), which
+writes them into a private directory of its own.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography import x509
@@ -19,6 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+INTERNAL_NAME = "tandem-internal"  # the name every service of a stack with throwaway certificates presents
 LOOPBACK_NAMES = ("localhost",)
 LOOPBACK_IPS = ("127.0.0.1", "::1")
 VALID_FOR = datetime.timedelta(days=7)  # a stack that runs longer restarts with fresh ones
@@ -32,6 +37,22 @@ class CertificateFiles:
     ca: Path
     cert: Path
     key: Path
+
+
+@dataclass(frozen=True)
+class CertificatePems:
+    """The contents of CertificateFiles (PEM), for a service on a machine where the files are not."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes = field(repr=False)
+
+    def write(self, directory: Path) -> CertificateFiles:
+        """Writes the three files into `directory` (which should be private to this process), each created 0600."""
+        files = CertificateFiles(ca=directory / "ca.pem", cert=directory / "cert.pem", key=directory / "key.pem")
+        for path, data in ((files.ca, self.ca), (files.cert, self.cert), (files.key, self.key)):
+            _write_private(path, data)
+        return files
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -55,8 +76,8 @@ def _name(common_name: str) -> x509.Name:
 
 def make_certificates(
     directory: Path,
-    common_name: str = "tandem-internal",
-    dns_names: tuple[str, ...] = LOOPBACK_NAMES,
+    common_name: str = INTERNAL_NAME,
+    dns_names: tuple[str, ...] = (INTERNAL_NAME, *LOOPBACK_NAMES),
     ip_addresses: tuple[str, ...] = LOOPBACK_IPS,
 ) -> CertificateFiles:
     """Writes a fresh CA (`ca.pem`) and a leaf (`cert.pem`, `key.pem`) for `dns_names` and `ip_addresses` into

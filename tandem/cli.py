@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -11,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.kinds import KIND_NAMES, TREE_KIND
 from bench.load_settings import LoadSettings
 from bench.settings import BenchSettings
 from draft_server.settings import MTP_FEEDBACKS, MTP_MODES, DraftSettings
@@ -18,6 +20,7 @@ from orchestrator.settings import (
     AdminSettings,
     DiscoverySettings,
     HttpSettings,
+    HybridSettings,
     NgramSettings,
     OrchestratorSettings,
     SchedulerSettings,
@@ -133,28 +136,54 @@ def _draft(given: str) -> Path | str:
 
 def _add_ngram_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--hybrid-ngram",
+        action="store_true",
+        help="merge the prompt-lookup proposal into every draft model's answer as one more branch "
+        "(--ngram-max / --ngram-min apply)",
+    )
+    hybrid = HybridSettings().ngram
+    parser.add_argument(
         "--ngram-max",
         type=_positive,
-        help=f"--draft ngram: the longest suffix looked up, tried first (default {NgramSettings.max_n})",
+        help=f"--draft ngram and --hybrid-ngram: the longest suffix looked up, tried first (default "
+        f"{NgramSettings.max_n}; {hybrid.max_n} with --hybrid-ngram)",
     )
     parser.add_argument(
         "--ngram-min",
         type=_positive,
-        help=f"--draft ngram: the shortest suffix looked up (default {NgramSettings.min_n})",
+        help=f"--draft ngram and --hybrid-ngram: the shortest suffix looked up (default {NgramSettings.min_n}; "
+        f"{hybrid.min_n} with --hybrid-ngram)",
     )
+
+
+def _ngram_lengths(args: argparse.Namespace, defaults: NgramSettings) -> NgramSettings:
+    """`defaults` with the suffix lengths the flags give."""
+    given = {name: value for name, value in (("max_n", args.ngram_max), ("min_n", args.ngram_min)) if value is not None}
+    try:
+        return dataclasses.replace(defaults, **given)
+    except ValueError as error:
+        raise SystemExit(f"tandem: {error}") from None
 
 
 def _ngram(args: argparse.Namespace) -> NgramSettings | None:
     """The n-gram drafter's settings for `--draft ngram`; None for any other draft."""
-    given = {name: value for name, value in (("max_n", args.ngram_max), ("min_n", args.ngram_min)) if value is not None}
     if args.draft != NGRAM:
-        if given:
-            raise SystemExit("tandem: --ngram-max and --ngram-min apply to --draft ngram only")
+        if (args.ngram_max is not None or args.ngram_min is not None) and not args.hybrid_ngram:
+            raise SystemExit("tandem: --ngram-max and --ngram-min apply to --draft ngram and --hybrid-ngram only")
         return None
-    try:
-        return NgramSettings(**given)
-    except ValueError as error:
-        raise SystemExit(f"tandem: {error}") from None
+    if args.hybrid_ngram:
+        raise SystemExit("tandem: --hybrid-ngram merges n-gram drafts into a draft model's; --draft ngram has none")
+    return _ngram_lengths(args, NgramSettings())
+
+
+def _hybrid(args: argparse.Namespace) -> HybridSettings | None:
+    """The settings of `--hybrid-ngram`; None without it."""
+    return _hybrid_settings(args) if args.hybrid_ngram else None
+
+
+def _hybrid_settings(args: argparse.Namespace) -> HybridSettings:
+    defaults = HybridSettings()
+    return dataclasses.replace(defaults, ngram=_ngram_lengths(args, defaults.ngram))
 
 
 def _positive(text: str) -> int:
@@ -240,6 +269,13 @@ def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-waiting", type=_positive, default=SchedulerSettings.max_waiting, help="queued requests before refusing"
     )
+    parser.add_argument(
+        "--num-scheduler-steps",
+        type=_positive,
+        default=SchedulerSettings.num_scheduler_steps,
+        help="forward passes one target step may run when its requests decode without drafts and nothing else "
+        "waits (1: one token per step)",
+    )
 
 
 def _size(text: str) -> int:
@@ -292,6 +328,7 @@ def _serve_security(args: argparse.Namespace) -> ServeSecurity:
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
         internal_tls=args.internal_tls,
+        tls_server_name=args.tls_server_name,
     )
     try:
         security.check()
@@ -299,9 +336,11 @@ def _serve_security(args: argparse.Namespace) -> ServeSecurity:
         raise SystemExit(f"tandem: {error}") from None
     if args.draft_replicas > security.max_draft_replicas:
         raise SystemExit(f"tandem: --draft-replicas {args.draft_replicas} is above --max-draft-replicas")
-    uses_tls = security.internal_tls or security.tls_cert is not None
-    if args.launcher == "ray" and uses_tls:
-        raise SystemExit("tandem: TLS is not available with --launcher ray yet; use --launcher process")
+    if security.tls_server_name is not None and args.launcher != "ray":
+        raise SystemExit(
+            "tandem: --tls-server-name needs --launcher ray: the process launcher's services are on loopback, "
+            "where the certificate names 127.0.0.1"
+        )
     return security
 
 
@@ -313,12 +352,16 @@ def _add_http_options(parser: argparse.ArgumentParser, serve: bool) -> None:
             "--http-port",
             type=int,
             default=ServeSettings.http_port,
-            help="port of the OpenAI-compatible HTTP API and /metrics (default: a free port, printed)",
+            help="port of the OpenAI-compatible HTTP API and /metrics, HTTPS when the public port serves TLS "
+            "(default: a free port, printed)",
         )
         http.add_argument("--no-http", action="store_true", help="serve gRPC only")
     else:
         http.add_argument(
-            "--http-port", type=int, help="serve the OpenAI-compatible HTTP API and /metrics here (0: free)"
+            "--http-port",
+            type=int,
+            help="serve the OpenAI-compatible HTTP API and /metrics here (0: free), HTTPS with --tls-cert/--tls-key "
+            "unless --public-plaintext",
         )
         parser.add_argument("--http-ready-file", type=Path, help="write the HTTP API's URL here once it listens")
     parser.add_argument(
@@ -419,6 +462,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="encrypt the services' own traffic with a throwaway CA (mutual TLS); the public port stays plaintext",
     )
+    serve_parser.add_argument(
+        "--tls-server-name",
+        default=ServeSecurity.tls_server_name,
+        help="with --launcher ray and --tls-cert: check the services' certificates for NAME instead of the address "
+        "dialled (on several machines services bind their node's address)",
+    )
 
     target_parser = commands.add_parser("target", help="run the target service")
     target_parser.add_argument("--model", type=Path, required=True)
@@ -506,6 +555,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft", type=_draft, help="draft directory, demo:<name> or ngram (default: demo:eagle3)"
     )
     _add_ngram_options(bench_parser)
+    bench_parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=KIND_NAMES,
+        help="measure these draft kinds side by side, each on a stack of its own: chain, tree (the shape flags', or "
+        f"topk {TREE_KIND.topk} with {TREE_KIND.num_draft_tokens} draft tokens), ngram, "
+        "hybrid (the --draft model with n-gram drafts merged in)",
+    )
     bench_parser.add_argument("--address", help="a running stack to measure (default: start one)")
     bench_parser.add_argument("--num-prompts", type=int, default=BenchSettings.num_prompts)
     bench_parser.add_argument("--max-new-tokens", type=int, default=BenchSettings.max_new_tokens)
@@ -574,6 +631,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise SystemExit("tandem: --draft ngram drafts in the orchestrator and starts no --draft-replicas")
         else:
             draft_dir = args.draft if args.target is not None else _model_dir(args.draft, DEMO_DRAFT, "--draft")
+        hybrid = _hybrid(args)
+        if hybrid is not None and draft_dir is None:
+            raise SystemExit("tandem: --hybrid-ngram merges n-gram drafts into a draft model's: give --draft DIR")
         if args.ray_address is not None and args.launcher != "ray":
             raise SystemExit("tandem: --ray-address needs --launcher ray")
         try:
@@ -589,6 +649,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             target_dir=target_dir,
             draft_dir=draft_dir,
             ngram=ngram,
+            hybrid=hybrid,
             draft_replicas=args.draft_replicas,
             host=args.host,
             port=args.port,
@@ -600,6 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting,
+            num_scheduler_steps=args.num_scheduler_steps,
             adaptive_k=args.adaptive_k,
             cache=_cache(args, placement.attention_backend),
             launcher=args.launcher,
@@ -626,10 +688,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"tandem: --repeats must be at least 1, got {args.repeats}")
         if args.draft == NGRAM and args.draft_replicas != BenchSettings.draft_replicas:
             raise SystemExit("tandem: --draft ngram drafts in the orchestrator and starts no --draft-replicas")
+        if args.kinds and (args.draft == NGRAM or args.hybrid_ngram or args.address):
+            raise SystemExit(
+                "tandem: --kinds names the draft kinds: give their draft model with --draft (not ngram), no "
+                "--hybrid-ngram (name the hybrid kind) and no --address (each kind starts its own stack)"
+            )
         bench = BenchSettings(
             target_dir=_model_dir(args.target, DEMO_TARGET, "--target"),
             draft_dir=None if args.draft == NGRAM else _model_dir(args.draft, DEMO_DRAFT, "--draft"),
-            ngram=_ngram(args),
+            ngram=_ngram_lengths(args, NgramSettings()) if args.kinds else _ngram(args),
+            hybrid=_hybrid_settings(args) if args.kinds else _hybrid(args),
+            kinds=tuple(args.kinds or ()),
             address=args.address,
             num_prompts=args.num_prompts,
             max_new_tokens=args.max_new_tokens,
@@ -719,7 +788,9 @@ def run_service(args: argparse.Namespace) -> None:
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_waiting=args.max_waiting,
+                num_scheduler_steps=args.num_scheduler_steps,
                 adaptive_k=args.adaptive_k,
+                hybrid=_hybrid(args),
                 target_timeout_s=args.target_timeout,
                 draft_timeout_s=args.draft_timeout,
             ),

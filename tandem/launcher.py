@@ -26,7 +26,7 @@ from types import FrameType
 import grpc
 
 from draft_server.settings import DraftSettings, MTPFeedback, MTPMode
-from orchestrator.settings import NgramSettings, SchedulerSettings
+from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
 from tandem.grpc_util import channel_options
 from tandem.lifetime import start_child
 from tandem.serve_security import ServeSecurity, StackSecurity, without_secrets
@@ -43,6 +43,7 @@ class ServeSettings:
     target_dir: Path
     draft_dir: Path | None  # None: no draft process (target-only, or ngram)
     ngram: NgramSettings | None = None  # --draft ngram: the orchestrator drafts by prompt lookup (draft_dir is None)
+    hybrid: HybridSettings | None = None  # --hybrid-ngram: prompt lookup merged into the draft model's drafts
     draft_replicas: int = 1
     host: str = "127.0.0.1"
     port: int = 50051
@@ -54,6 +55,7 @@ class ServeSettings:
     max_num_seqs: int = SchedulerSettings.max_num_seqs
     max_num_batched_tokens: int = SchedulerSettings.max_num_batched_tokens
     max_waiting: int = SchedulerSettings.max_waiting
+    num_scheduler_steps: int = SchedulerSettings.num_scheduler_steps
     adaptive_k: bool = SchedulerSettings.adaptive_k
     cache: KVCacheSettings = field(default_factory=KVCacheSettings)  # the target's pool, and each replica's
     launcher: str = "process"  # "ray": tandem.ray_launcher
@@ -73,7 +75,16 @@ def ngram_arguments(ngram: NgramSettings | None) -> list[str]:
     """The flags that give `tandem serve` or `tandem orchestrator` these n-gram settings (none: no n-gram drafting)."""
     if ngram is None:
         return []
-    return ["--draft", "ngram", "--ngram-max", str(ngram.max_n), "--ngram-min", str(ngram.min_n)]
+    return ["--draft", "ngram", *ngram_lengths(ngram)]
+
+
+def hybrid_arguments(hybrid: HybridSettings | None) -> list[str]:
+    """The flags that give `tandem serve` or `tandem orchestrator` these hybrid settings (none: no merging)."""
+    return [] if hybrid is None else ["--hybrid-ngram", *ngram_lengths(hybrid.ngram)]
+
+
+def ngram_lengths(ngram: NgramSettings) -> list[str]:
+    return ["--ngram-max", str(ngram.max_n), "--ngram-min", str(ngram.min_n)]
 
 
 class ChildFailed(RuntimeError):
@@ -184,8 +195,10 @@ class Launcher:
             "--max-num-seqs", str(s.max_num_seqs),
             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
             "--max-waiting", str(s.max_waiting),
+            "--num-scheduler-steps", str(s.num_scheduler_steps),
             "--adaptive-k" if s.adaptive_k else "--no-adaptive-k",
             *ngram_arguments(s.ngram),
+            *hybrid_arguments(s.hybrid),
         ]  # fmt: skip
 
     def cache_arguments(self) -> list[str]:
@@ -330,7 +343,8 @@ def ready_line(settings: ServeSettings, address: str, units: str, admin_address:
     if settings.ngram is not None:
         mode = "speculative, n-gram drafts in the orchestrator"
     elif settings.draft_dir is not None:
-        mode = f"speculative, {settings.draft_replicas} draft replicas"
+        merged = " with n-gram drafts merged in" if settings.hybrid is not None else ""
+        mode = f"speculative, {settings.draft_replicas} draft replicas{merged}"
     else:
         mode = "target-only"
     admin = f", admin on {admin_address}" if admin_address else ""

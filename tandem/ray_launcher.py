@@ -6,6 +6,8 @@ and stops the services: per-round traffic stays on their gRPC calls and streams.
 restarted (max_restarts=0). As with the process launcher, a target or orchestrator that dies (or stops
 on its own) is reported and `tandem serve` exits non-zero; a draft replica that dies is reported and
 serving goes on without it (the orchestrator moves its requests to the other replicas or target-only).
+TLS (`--internal-tls`, or `--tls-cert/--tls-key/--tls-ca`) reaches each actor as certificate bytes
+(tandem.actor_security), since an actor may run on a machine without the launcher's files.
 """
 
 from __future__ import annotations
@@ -32,16 +34,17 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from draft_server.settings import DraftSettings
 from orchestrator.settings import AdminSettings, OrchestratorSettings, SchedulerSettings
+from tandem.actor_security import ActorSecurity, ServiceSettings
 from tandem.errors import StartupError
 from tandem.launcher import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, ServeSettings, ready_line
 from tandem.models.aux_layers import Convention
+from tandem.serve_security import StackSecurity
 from tandem.serving import ListenSettings, configure_logging
 from tandem.settings import service_environment
+from tandem.transport import TransportConfigError
 from target_server.settings import TargetSettings
 
 LOG = logging.getLogger(__name__)
-
-ServiceSettings = TargetSettings | DraftSettings | OrchestratorSettings
 
 # Ray's resource counts place actors; they do not limit them. One bundle per target rank, so a TP group
 # lands on one node. A draft replica (one decoder layer) asks for half a CPU; the orchestrator (I/O and
@@ -90,15 +93,19 @@ async def run_service(settings: ServiceSettings, listen: ListenSettings) -> None
 class ServiceActor:
     """One service on an event loop in a thread of this actor; the methods only watch and stop it.
 
-    `host` None binds the address of the actor's node (a joined cluster spans machines).
+    `host` None binds the address of the actor's node (a joined cluster spans machines). The work directory
+    (0700, removed when the service ends) holds the ready file and the certificates `security` writes.
     """
 
-    def __init__(self, name: str, settings: ServiceSettings, host: str | None, port: int) -> None:
+    def __init__(
+        self, name: str, settings: ServiceSettings, host: str | None, port: int, security: ActorSecurity
+    ) -> None:
         configure_logging(name)
         self.name = name
         self._workdir = tempfile.TemporaryDirectory(prefix=f"tandem-{name}-")
         self._ready_file = Path(self._workdir.name) / "address"
         listen = ListenSettings(host=host or ray.util.get_node_ip_address(), port=port, ready_file=self._ready_file)
+        settings, listen = security.secure(settings, listen, Path(self._workdir.name))
         self._lock = threading.Lock()
         self._started = threading.Event()
         self._ended = threading.Event()
@@ -252,8 +259,9 @@ def resources(amounts: Mapping[str, float]) -> str:
 
 
 class RayLauncher:
-    def __init__(self, settings: ServeSettings) -> None:
+    def __init__(self, settings: ServeSettings, security: ActorSecurity) -> None:
         self.settings = settings
+        self.security = security  # what every service actor gets (its certificates as bytes)
         self.services: list[RunningService] = []
         self._actor_class = ray.remote(ServiceActor)
         self._rank_class = ray.remote(RankActor)
@@ -328,7 +336,9 @@ class RayLauncher:
                 max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens,
                 max_waiting=s.max_waiting,
+                num_scheduler_steps=s.num_scheduler_steps,
                 adaptive_k=s.adaptive_k,
+                hybrid=s.hybrid,
             ),
             api_key=s.security.api_key,
             # On loopback of this machine (the orchestrator runs here); Scale answers FAILED_PRECONDITION on Ray.
@@ -423,7 +433,7 @@ class RayLauncher:
     ) -> RunningService:
         # max_concurrency: wait_until_stopped() blocks for the actor's lifetime beside address() and stop().
         actor: Any = self._actor_class.options(max_restarts=0, max_concurrency=4, **options).remote(
-            name, settings, host, port
+            name, settings, host, port, self.security
         )
         essential = not isinstance(settings, DraftSettings)
         service = RunningService(name, actor, actor.wait_until_stopped.remote(), essential)
@@ -526,8 +536,20 @@ def actor_died(error: RayActorError) -> ServiceExit:
     return ServiceExit(1, f"died with its Ray actor ({str(error).splitlines()[0]})")
 
 
+def read_security(settings: ServeSettings) -> ActorSecurity:
+    """The stack's certificates, read here: the user's files, or throwaway ones made in a directory removed at once
+    (the actors write their own copies). TransportConfigError names a file that cannot be read."""
+    with tempfile.TemporaryDirectory(prefix="tandem-serve-") as workdir:
+        return ActorSecurity.of(StackSecurity.prepare(settings.security, Path(workdir)))
+
+
 def serve_on_ray(settings: ServeSettings) -> int:
-    launcher = RayLauncher(settings)
+    try:
+        security = read_security(settings)
+    except TransportConfigError as error:
+        report(f"cannot start: {error}")
+        return 2
+    launcher = RayLauncher(settings, security)
     try:
         launcher.connect()
     except ConnectionError as error:

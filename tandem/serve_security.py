@@ -32,6 +32,9 @@ class ServeSecurity:
     tls_key: Path | None = None
     tls_ca: Path | None = None
     internal_tls: bool = False  # a throwaway CA for the services' own traffic; the public port stays plaintext
+    # The name the services' certificates are checked for, instead of the address dialled (--launcher ray on several
+    # machines: services bind their node's address, which a certificate made beforehand cannot name). None: the address.
+    tls_server_name: str | None = None
 
     def check(self) -> None:
         """Refuses combinations that cannot work; messages name the flags."""
@@ -42,6 +45,11 @@ class ServeSecurity:
             raise ValueError(
                 "tandem serve needs all of --tls-cert, --tls-key and --tls-ca (its services verify each other)"
             )
+        if self.tls_server_name is not None:
+            if not all(given):
+                raise ValueError("--tls-server-name is a name in the certificate of --tls-cert: give the --tls-* files")
+            if not self.tls_server_name.strip():
+                raise ValueError("--tls-server-name: the name is empty")
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,18 @@
-"""Transport security of every gRPC server and channel: plaintext, TLS, or mutual TLS.
+"""Transport security of every gRPC server and channel, and of the HTTP API: plaintext, TLS, or mutual TLS.
 
 One seam: a server binds its port through `security.add_port` and a client opens its channel through
 `security.aio_channel` / `security.channel`; no call site asks which kind it has.
 
 - `Insecure`: plaintext (loopback stacks without `--internal-tls`, tests of other things).
 - `Tls`: the server presents a certificate; a client verifies it against `ca` (None: the system's roots) and, when
-  it has a certificate of its own, presents it. The public Generate port uses it: its clients prove who they are
-  with the API key, not with certificates.
+  it has a certificate of its own, presents it. The public Generate port and the HTTP API beside it use it: their
+  clients prove who they are with the API key, not with certificates (the CA of --tls-ca is the services' own).
 - `Tls(client_auth=True)`, mutual TLS: the server also requires a client certificate signed by `ca`. The internal
   services (target, draft replicas, and the orchestrator as their client) use it when given a CA.
+
+An HTTP server beside a gRPC port (the orchestrator's OpenAI-compatible API) binds with
+`security.http_server_context()`: the same certificate and the same client-certificate rule as that port, so that the
+public port's TLS covers the API key on HTTP too. None: plain HTTP.
 
 A client checks the server's certificate against the name it dials, unless `with_server_name(NAME)` makes it check
 NAME instead: draft discovery dials pods by IP address, while their certificate names the headless Service.
@@ -19,6 +23,7 @@ security stay small, picklable (Ray actors) and free of key material.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,6 +47,11 @@ class TransportSecurity(Protocol):
         """A blocking channel to `address` (channel_options() when options is None)."""
         ...
 
+    def http_server_context(self) -> ssl.SSLContext | None:
+        """What an HTTP server serving beside this port wraps its connections in: the same certificate and the same
+        client-certificate rule (None: plain HTTP). TransportConfigError naming the flag for unusable files."""
+        ...
+
     def describe(self) -> str:
         """A few words for logs: what protects the traffic (never key material)."""
         ...
@@ -56,7 +66,8 @@ def _options(options: Sequence[tuple[str, int]] | None) -> list[tuple[str, int |
     return list(channel_options() if options is None else options)
 
 
-def _read(path: Path, flag: str) -> bytes:
+def read_pem(path: Path, flag: str) -> bytes:
+    """The contents of a certificate or key file; TransportConfigError naming `flag` and the file if unusable."""
     try:
         data = path.read_bytes()
     except OSError as error:
@@ -80,6 +91,9 @@ class Insecure:
 
     def channel(self, address: str, options: Sequence[tuple[str, int]] | None = None) -> grpc.Channel:
         return grpc.insecure_channel(address, options=_options(options))
+
+    def http_server_context(self) -> ssl.SSLContext | None:
+        return None
 
     def describe(self) -> str:
         return "plaintext"
@@ -113,10 +127,10 @@ class Tls:
         """(private key, certificate chain) as PEM, or None without a certificate."""
         if self.cert is None or self.key is None:
             return None
-        return _read(self.key, "--tls-key"), _read(self.cert, "--tls-cert")
+        return read_pem(self.key, "--tls-key"), read_pem(self.cert, "--tls-cert")
 
     def _roots(self) -> bytes | None:
-        return None if self.ca is None else _read(self.ca, "--tls-ca")
+        return None if self.ca is None else read_pem(self.ca, "--tls-ca")
 
     def server_credentials(self) -> grpc.ServerCredentials:
         identity = self._identity()
@@ -133,6 +147,32 @@ class Tls:
 
     def add_port(self, server: grpc.Server | grpc.aio.Server, address: str) -> int:
         return server.add_secure_port(address, self.server_credentials())
+
+    def http_server_context(self) -> ssl.SSLContext | None:
+        if self.cert is None or self.key is None:
+            raise TransportConfigError("serving TLS needs --tls-cert and --tls-key")
+        read_pem(self.cert, "--tls-cert")  # a missing or empty file is named as server_credentials names it
+        read_pem(self.key, "--tls-key")
+        # Purpose.CLIENT_AUTH: a server's context with the default ciphers; no client certificate is asked for
+        # unless client_auth, as gRPC's ssl_server_credentials does.
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2  # gRPC's floor too
+        try:
+            context.load_cert_chain(self.cert, self.key)
+        except ssl.SSLError as error:
+            raise TransportConfigError(
+                f"--tls-cert {self.cert} and --tls-key {self.key}: not a certificate and its private key ({error})"
+            ) from error
+        if self.client_auth:
+            assert self.ca is not None  # __post_init__ refuses client_auth without a CA
+            read_pem(self.ca, "--tls-ca")
+            try:
+                context.load_verify_locations(cafile=self.ca)
+            except ssl.SSLError as error:
+                raise TransportConfigError(f"--tls-ca {self.ca}: not a CA certificate ({error})") from error
+            context.verify_mode = ssl.CERT_REQUIRED
+        context.set_alpn_protocols(["http/1.1"])  # aiohttp serves HTTP/1.1 only
+        return context
 
     def _channel_options(self, options: Sequence[tuple[str, int]] | None) -> list[tuple[str, int | str]]:
         chosen = _options(options)
@@ -169,7 +209,8 @@ def internal_security(cert: Path | None, key: Path | None, ca: Path | None) -> T
 
 
 def public_security(cert: Path | None, key: Path | None) -> TransportSecurity:
-    """The public port's: TLS with cert/key (clients are not asked for certificates), else plaintext."""
+    """The public port's (and its HTTP API's): TLS with cert/key (clients are not asked for certificates), else
+    plaintext."""
     if cert is None and key is None:
         return Insecure()
     return Tls(cert, key)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -72,6 +72,7 @@ class TargetRequest:
     kv: SequenceKV = field(default_factory=SequenceKV)
     prompt_length: int = 0  # tokens[prompt_length:] are the request's new tokens
     tokens_only: bool = False  # the draft takes committed tokens only (rows with zero-width features)
+    end_token_ids: frozenset[int] = frozenset()  # a multi-token decode stops after one of these
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class OpenRequest:
 
     prompt: Sequence[int]
     sampling: SamplingParams
+    end_token_ids: frozenset[int] = frozenset()  # tokens that end the request (EOS, stop ids)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,9 @@ class StepItem:
     # A tree of drafts (tandem.sampling.tree_verify): per draft its parent among them, -1 the last committed token;
     # (): the drafts are a chain.
     draft_parents: Sequence[int] = ()
+    # Without drafts, at the last committed token: decode up to this many tokens in this step, one forward pass
+    # each, stopping after an end token or when the KV pool has no room for the next one.
+    decode_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -170,7 +175,8 @@ class TargetRunner:
 
     @torch.inference_mode()
     def step(self, items: Sequence[StepItem], preempt: Sequence[str] = ()) -> list[ItemResult]:
-        """Frees the KV of `preempt` (tokens kept), then runs the items in one forward pass, one result per item.
+        """Frees the KV of `preempt` (tokens kept), then runs the items in one forward pass, one result per item;
+        items with decode_steps > 1 then go on decoding, one more forward pass of all of them per token.
 
         Items get KV blocks in order: the caller puts the items it cares most about first.
         """
@@ -178,6 +184,36 @@ class TargetRunner:
             request = self.requests.get(request_id)
             if request is not None:
                 self.cache.release(request.kv)
+        results = self._forward_items(items)
+        going = dict(enumerate(items))
+        for done_steps in range(1, max((item.decode_steps for item in items), default=1)):
+            going = {i: item for i, item in going.items() if self._decodes_on(item, results[i], done_steps)}
+            if not going:
+                break
+            more = self._forward_items(
+                [StepItem(item.request_id, 1, top_logprobs=item.top_logprobs) for item in going.values()]
+            )
+            for index, extra in zip(list(going), more, strict=True):
+                if extra.status is ItemStatus.OK:
+                    results[index] = _joined(results[index], extra)
+                else:  # no KV room (or a sampling failure): the tokens so far stand, the decode ends here
+                    del going[index]
+        return results
+
+    def _decodes_on(self, item: StepItem, result: ItemResult, done_steps: int) -> bool:
+        """Whether a multi-token decode item takes another token after `done_steps` forward passes."""
+        if result.status is not ItemStatus.OK or item.draft_tokens or done_steps >= item.decode_steps:
+            return False
+        request = self.requests.get(item.request_id)
+        return (
+            request is not None
+            and bool(result.new_tokens)
+            and result.new_tokens[-1] not in request.end_token_ids
+            and len(request.tokens) < self.max_context
+        )
+
+    def _forward_items(self, items: Sequence[StepItem]) -> list[ItemResult]:
+        """Runs the items in one forward pass, one result per item; an item that cannot run fails alone."""
         results: dict[int, ItemResult] = {}
         planned: list[tuple[int, _Planned]] = []
         seen: set[str] = set()
@@ -253,7 +289,15 @@ class TargetRunner:
             sampling = item.open.sampling
             self._check_ids("sampling.stop_token_ids", sampling.stop_token_ids)
             generator = make_generator(sampling)
-            request = TargetRequest(item.request_id, prompt, sampling, generator, (), prompt_length=len(prompt))
+            request = TargetRequest(
+                item.request_id,
+                prompt,
+                sampling,
+                generator,
+                (),
+                prompt_length=len(prompt),
+                end_token_ids=item.open.end_token_ids,
+            )
         else:
             found = self.requests.get(item.request_id)
             if found is None:
@@ -463,6 +507,24 @@ class TargetRunner:
         )  # [end - first, len(capture) * hidden]
         first = 0 if entry.scratch is not None else start
         return CapturedRows(request.request_id, first, request.tokens[first + 1 : end + 1], features)
+
+
+def _joined(first: ItemResult, then: ItemResult) -> ItemResult:
+    """One result for two consecutive forward passes of a decoding request (no drafts, so nothing accepted)."""
+    captured = first.captured
+    if captured is not None and then.captured is not None:
+        captured = CapturedRows(
+            captured.request_id,
+            captured.start_position,
+            [*captured.next_tokens, *then.captured.next_tokens],
+            torch.cat([captured.features, then.captured.features]),  # rows of consecutive positions
+        )
+    return replace(
+        first,
+        new_tokens=[*first.new_tokens, *then.new_tokens],
+        captured=captured,
+        logprobs=[*first.logprobs, *then.logprobs],
+    )
 
 
 def _tree_of(item: StepItem) -> list[int]:

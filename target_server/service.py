@@ -140,7 +140,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
         open_request = None
         if message.HasField("open"):
             sampling = sampling_from_proto(message.open.sampling)
-            open_request = OpenRequest(list(message.open.prompt), sampling)
+            open_request = OpenRequest(list(message.open.prompt), sampling, frozenset(message.open.end_token_ids))
         sets_replica = open_request is not None or message.set_replica
         subscriber = self._subscriber(message.draft_replica) if sets_replica else None
         return StepItem(
@@ -153,6 +153,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
             tokens_only=subscriber is not None and subscriber.tokens_only,
             top_logprobs=message.top_logprobs if message.logprobs else None,
             draft_parents=list(message.draft_parents),
+            decode_steps=message.decode_steps,
         )
 
     def _result(self, message: target_pb2.StepItem, item: StepItem, result: ItemResult) -> target_pb2.StepResult:

@@ -175,6 +175,28 @@ def eos_token_ids(hf: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(i) for i in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
 
+def read_target_config(model_dir: Path) -> dict[str, Any]:
+    """config.json, with the eos_token_id of generation_config.json (when there is one) added to its own.
+
+    Chat checkpoints often name their end-of-turn token only in generation_config.json, which is what transformers'
+    generate stops at; a target that read config.json alone would run past the end of every answer.
+    """
+    hf = read_hf_config(model_dir)
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return hf
+    try:
+        generation = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"generation_config.json: not valid JSON ({error})") from None
+    eos = generation.get("eos_token_id") if isinstance(generation, dict) else None
+    listed = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(isinstance(token, int) and not isinstance(token, bool) and token >= 0 for token in listed):
+        raise ConfigError(f"generation_config.json: eos_token_id must be a token id or a list of them, got {eos!r}")
+    ids = eos_token_ids(hf)
+    return {**hf, "eos_token_id": [*ids, *(token for token in dict.fromkeys(listed) if token not in ids)]}
+
+
 def require_int(hf: dict[str, Any], key: str) -> int:
     if key not in hf:
         raise ConfigError(f"{key}: missing from config.json")

@@ -25,7 +25,7 @@ from torch import nn
 from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.kv_cache import CacheLayout, PagedKVCache
 from tandem.models import aux_layers, gemma3
-from tandem.models.config import TARGET_FAMILIES, ConfigError, ModelConfig, read_hf_config
+from tandem.models.config import TARGET_FAMILIES, ConfigError, ModelConfig, read_hf_config, read_target_config
 from tandem.models.deepseek_v3 import CHECKPOINT_NAMES as DEEPSEEK_V3_NAMES
 from tandem.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from tandem.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
@@ -148,7 +148,7 @@ def load_target(
     group: ParallelGroup = SINGLE_PROCESS,
 ) -> TargetModel:
     """Builds this rank's model and reads its shard of the checkpoint (all of it with one rank)."""
-    hf = read_hf_config(model_dir)
+    hf = read_target_config(model_dir)
     architecture = _architecture(hf)
     with torch.device("meta"):
         model = architecture.build(hf, group)

@@ -124,3 +124,43 @@ def test_bench_refuses_zero_repeats(tmp_path: Path, llama_target: Path, random_d
     finished = run_to_exit(["bench", "--target", str(llama_target), "--draft", str(random_draft), "--repeats", "0"])
     assert finished.returncode != 0
     assert "--repeats must be at least 1, got 0" in finished.stdout
+
+
+def test_bench_kinds_measures_each_draft_kind_beside_one_target_only_and_transformers(
+    tmp_path: Path, long_context_pair: tuple[Path, Path]
+) -> None:
+    target, draft = long_context_pair
+    out = tmp_path / "results"
+    arguments = ["bench", "--target", str(target), "--draft", str(draft), "--out", str(out)]
+    arguments += ["--kinds", "chain", "tree", "ngram", "hybrid", "--no-adaptive-k", "--speculative-num-steps", "3"]
+    arguments += ["--num-prompts", "2", "--max-new-tokens", "6", "--concurrency", "1"]
+    finished = run_to_exit(arguments, timeout_s=900)
+    assert finished.returncode == 0, finished.stdout
+
+    document = json.loads((out / "latest.json").read_text())
+    assert (out / "latest.json").stat().st_size < 16 * 1024
+    kinds = document["settings"]["draft_kinds"]
+    assert list(kinds) == ["chain", "tree", "ngram", "hybrid"]
+    assert kinds["chain"].endswith(" chain") and kinds["tree"].endswith(" tree of topk 4, 7 drafts")
+    assert "n-gram branch (suffixes of 4 down to 3 tokens)" in kinds["hybrid"]
+    assert kinds["ngram"] == "n-gram drafts (suffixes of 4 down to 1 tokens)"
+    rows = {(row["setup"], row["draft"]): row for row in document["summary"]}
+    assert set(rows) == {(setup, kind) for setup in ("split", "colocated") for kind in kinds}
+    for (setup, kind), row in rows.items():
+        assert row["identical_outputs"] == "2/2", (setup, kind)
+        # One target-only run per setup is every kind's reference; transformers ran in the same run.
+        assert row["target_only_tokens_per_second"] == rows[(setup, "chain")]["target_only_tokens_per_second"]
+        assert row["speedup"] > 0 and row["vs_transformers_greedy"] > 0
+        assert len(row["acceptance_per_position"]) <= 3  # per depth, trees included
+    assert {row["setup"] for row in document["transformers"]} == {"transformers greedy", "transformers prompt-lookup"}
+    table = (out / "latest.md").read_text()
+    for name in ("split chain", "split tree", "split ngram", "split hybrid", "colocated hybrid"):
+        assert f"| {name} | 1 |" in table
+    assert "draft kinds: chain: " in table
+
+
+def test_bench_kinds_refuses_what_names_a_kind_another_way(tmp_path: Path, llama_target: Path) -> None:
+    for extra in (["--draft", "ngram"], ["--hybrid-ngram"], ["--address", "127.0.0.1:1"]):
+        finished = run_to_exit(["bench", "--target", str(llama_target), "--kinds", "chain", *extra])
+        assert finished.returncode != 0
+        assert "--kinds names the draft kinds" in finished.stdout, extra

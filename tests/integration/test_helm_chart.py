@@ -103,7 +103,7 @@ def test_rendered_manifests_are_valid_kubernetes(helm: str, value_set: str) -> N
     manifests = render(helm, VALUE_SETS[value_set])
     kinds = {m["kind"] for m in manifests}
     if value_set.startswith("ray"):
-        assert "RayCluster" in kinds and not kinds & {"StatefulSet", "Deployment", "NetworkPolicy"}
+        assert {"RayCluster", "NetworkPolicy"} <= kinds and not kinds & {"StatefulSet", "Deployment"}
     else:
         assert {"StatefulSet", "Deployment", "Service"} <= kinds and "RayCluster" not in kinds
     for manifest in manifests:
@@ -168,6 +168,78 @@ def test_probes_check_each_service_port(helm: str, value_set: str) -> None:
         assert ("--tls-ca=/etc/tandem/tls/ca.crt" in spec["args"]) == tls
 
 
+def test_the_target_pod_holds_every_tp_rank_with_the_model_volume(helm: str) -> None:
+    manifests = render(helm, VALUE_SETS["gpu-tp2-values"])
+    target = find(manifests, "StatefulSet", f"{PREFIX}-target")
+    assert target["spec"]["replicas"] == 1  # one pod: rank 0 starts the other ranks beside it
+    spec = container(target)
+    assert argument(spec["args"], "--tp") == "2"
+    assert spec["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert argument(spec["args"], "--model") == "/models/Llama-3.1-8B-Instruct"
+    mounts = {mount["name"]: mount for mount in spec["volumeMounts"]}
+    assert mounts["models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert mounts["shm"]["mountPath"] == "/dev/shm"  # the ranks' shared memory
+    volumes = {volume["name"]: volume for volume in target["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "llama-models", "readOnly": True}
+    assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
+
+
+def test_each_block_configures_its_own_pods(helm: str, tmp_path: Path) -> None:
+    blocks = {"target": "StatefulSet", "draft": "Deployment", "orchestrator": "Deployment"}
+    values = {
+        component: {
+            "nodeSelector": {"pool": component},
+            "tolerations": [{"key": component, "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {"matchExpressions": [{"key": "zone", "operator": "In", "values": [component]}]}
+                        ]
+                    }
+                }
+            },
+            "extraEnv": [{"name": "EXTRA", "value": component}],
+            "extraArgs": [f"--orphan-timeout={len(component)}"] if component != "orchestrator" else ["--max-waiting=7"],
+            "resources": {"requests": {"cpu": "3", "memory": f"{len(component)}Gi"}},
+        }
+        for component in blocks
+    }
+    path = tmp_path / "blocks.yaml"
+    path.write_text(yaml.safe_dump(values))
+    manifests = render(helm, ["-f", str(path)])
+    for component, kind in blocks.items():
+        workload = find(manifests, kind, f"{PREFIX}-{component}")
+        pod = workload["spec"]["template"]["spec"]
+        spec = container(workload)
+        assert pod["nodeSelector"] == values[component]["nodeSelector"]
+        assert pod["tolerations"] == values[component]["tolerations"]
+        assert pod["affinity"] == values[component]["affinity"]
+        assert {"name": "EXTRA", "value": component} in spec["env"]
+        assert spec["args"][-1] == values[component]["extraArgs"][0]
+        assert spec["resources"]["requests"] == values[component]["resources"]["requests"]
+
+
+def test_the_disruption_budget_covers_the_drafts_and_the_ingress_the_orchestrator(helm: str) -> None:
+    manifests = render(helm, VALUE_SETS["ingress"])
+    [budget] = [m for m in manifests if m["kind"] == "PodDisruptionBudget"]
+    draft_labels = find(manifests, "Deployment", f"{PREFIX}-draft")["spec"]["template"]["metadata"]["labels"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= draft_labels.items()
+    assert budget["spec"]["maxUnavailable"] == 1
+    for workload in workloads(manifests):
+        if workload["metadata"]["name"] != f"{PREFIX}-draft":
+            labels = workload["spec"]["template"]["metadata"]["labels"]
+            assert not budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    [ingress] = [m for m in manifests if m["kind"] == "Ingress"]
+    backends = [path["backend"]["service"] for rule in ingress["spec"]["rules"] for path in rule["http"]["paths"]]
+    assert backends == [{"name": f"{PREFIX}-orchestrator", "port": {"name": "grpc"}}]
+    # Only the orchestrator's Service is meant to be reached from outside: the others are headless.
+    services = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "Service"}
+    assert {name for name, service in services.items() if service["spec"].get("clusterIP") != "None"} == {
+        f"{PREFIX}-orchestrator"
+    }
+
+
 def test_the_target_startup_probe_allows_minutes_of_loading(helm: str) -> None:
     probe = container(find(render(helm, []), "StatefulSet", f"{PREFIX}-target"))["startupProbe"]
     assert probe["periodSeconds"] * probe["failureThreshold"] >= 20 * 60
@@ -216,8 +288,8 @@ def test_secrets_are_referenced_never_rendered(helm: str) -> None:
         (["--set", "models.source=s3"], "models.source"),
         (["--set", "mode=cloud"], 'mode must be one of the following: "services", "ray"'),
         (
-            ["--set", "mode=ray", "--set", "tls.enabled=true", "--set", "tls.existingSecret=tandem-tls"],
-            "mode ray: tls.enabled is not available with `tandem serve --launcher ray` yet",
+            ["--set", "mode=ray", "--set", "tls.enabled=true"],
+            "tls.existingSecret: the Secret with tls.crt, tls.key and ca.crt is required",
         ),
         (
             ["--set", "mode=ray", "--set", "ray.draftReplicas=5"],
@@ -317,6 +389,34 @@ def test_ray_mode_renders_one_raycluster(helm: str) -> None:
     assert "limits" not in head["resources"] or "nvidia.com/gpu" not in head["resources"]["limits"]
 
 
+def test_ray_mode_with_tls_hands_the_head_the_certificates_and_names_its_service(helm: str) -> None:
+    manifests = render(helm, VALUE_SETS["ray-tls-values"])
+    assert not [m for m in manifests if m["kind"] == "Secret"]
+    [cluster] = [m for m in manifests if m["kind"] == "RayCluster"]
+    serve = " ".join(head_command(cluster)).split(" && exec ")[1].split()
+    assert argument(serve, "--tls-cert") == "/etc/tandem/tls/tls.crt"
+    assert argument(serve, "--tls-key") == "/etc/tandem/tls/tls.key"
+    assert argument(serve, "--tls-ca") == "/etc/tandem/tls/ca.crt"
+    # The actors bind pod addresses: certificates are checked for KubeRay's head Service, which clients dial too.
+    head_service = f"{PREFIX}-head-svc"
+    assert argument(serve, "--tls-server-name") == head_service
+    workers = [group["template"]["spec"]["containers"][0] for group in cluster["spec"]["workerGroupSpecs"]]
+    assert head_service in {argument(worker["args"][0].split(), "--address").split(".")[0] for worker in workers}
+    [head_pod, *worker_pods] = ray_pod_templates(cluster)
+    [head] = head_pod["spec"]["containers"]
+    volumes = {volume["name"]: volume for volume in head_pod["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "tandem-tls"
+    assert {"name": "tls", "mountPath": "/etc/tandem/tls", "readOnly": True} in head["volumeMounts"]
+    # Only the head reads the files: the actors on the workers get the certificates from it, as bytes.
+    for pod in worker_pods:
+        assert "tls" not in {volume["name"] for volume in pod["spec"]["volumes"]}
+    # kubelet's gRPC probe cannot speak TLS.
+    for probe in ("startupProbe", "readinessProbe"):
+        assert head[probe]["tcpSocket"] == {"port": 50051} and "grpc" not in head[probe]
+    [api_key] = [variable for variable in head["env"] if variable["name"] == "TANDEM_API_KEY"]
+    assert api_key["valueFrom"] == {"secretKeyRef": {"name": "tandem-api-key", "key": "api-key"}}
+
+
 def test_ray_mode_on_cpus_gives_the_target_group_a_cpu_per_rank(helm: str) -> None:
     [cluster] = [m for m in render(helm, VALUE_SETS["ray-cpu"]) if m["kind"] == "RayCluster"]
     [target_group, _] = cluster["spec"]["workerGroupSpecs"]
@@ -353,6 +453,33 @@ def test_service_monitors_scrape_each_metrics_port(helm: str) -> None:
     assert "from" not in target_policy["spec"]["ingress"][1]
 
 
+def test_with_tls_the_http_port_is_scraped_over_https(helm: str) -> None:
+    # With --tls-cert the orchestrator's HTTP port (the HTTP API and /metrics) serves HTTPS with the public port's
+    # certificate and asks for no client certificate; the target's and drafts' --metrics-port stay plain HTTP.
+    manifests = render(helm, [*VALUE_SETS["metrics"], *VALUE_SETS["tls"]])
+    monitors = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "ServiceMonitor"}
+    orchestrator_service = find(manifests, "Service", f"{PREFIX}-orchestrator")
+    [endpoint] = monitors.pop(f"{PREFIX}-orchestrator")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {
+        "ca": {"secret": {"name": "tandem-tls", "key": "ca.crt"}},
+        "serverName": orchestrator_service["metadata"]["name"],
+    }
+    [http_port] = [p for p in orchestrator_service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    assert http_port["appProtocol"] == "https"
+    args = container(find(manifests, "Deployment", f"{PREFIX}-orchestrator"))["args"]
+    assert argument(args, "--tls-cert") == "/etc/tandem/tls/tls.crt" and "--public-plaintext" not in args
+    assert argument(args, "--http-port") == str(http_port["port"])
+    assert set(monitors) == {f"{PREFIX}-target", f"{PREFIX}-draft"}
+    for monitor in monitors.values():
+        [endpoint] = monitor["spec"]["endpoints"]
+        assert endpoint["scheme"] == "http" and "tlsConfig" not in endpoint
+    # Without TLS, plain HTTP everywhere.
+    plain = [m for m in render(helm, VALUE_SETS["metrics"]) if m["kind"] == "ServiceMonitor"]
+    assert {e["scheme"] for m in plain for e in m["spec"]["endpoints"]} == {"http"}
+    assert not any("tlsConfig" in e for m in plain for e in m["spec"]["endpoints"])
+
+
 @pytest.mark.parametrize("value_set", ["defaults", "tls"])
 def test_with_tls_draft_certificates_are_checked_for_the_headless_service_name(helm: str, value_set: str) -> None:
     args = container(find(render(helm, VALUE_SETS[value_set]), "Deployment", f"{PREFIX}-orchestrator"))["args"]
@@ -362,3 +489,70 @@ def test_with_tls_draft_certificates_are_checked_for_the_headless_service_name(h
     # Discovery dials the addresses the headless Service resolves to (pod IPs); their certificate names the Service.
     headless_host = argument(args, "--draft-dns").split(".")[0]
     assert argument(args, "--tls-server-name") == headless_host == f"{PREFIX}-draft-headless"
+
+
+def selects(selector: Manifest, labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels, matchExpressions) selects a pod with `labels`."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        matches = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[operator]
+        if not matches:
+            return False
+    return True
+
+
+def ingress_rules(policies: list[Manifest], labels: dict[str, str]) -> list[Manifest]:
+    """The ingress rules that admit traffic to a pod with `labels` (empty: the pod is not isolated)."""
+    return [
+        rule
+        for policy in policies
+        if "Ingress" in policy["spec"]["policyTypes"] and selects(policy["spec"]["podSelector"], labels)
+        for rule in policy["spec"].get("ingress", [])
+    ]
+
+
+@pytest.mark.parametrize(("value_set", "open_ports"), [("ray-values", {50051, 8000}), ("ray-tls-values", {50051})])
+def test_ray_mode_network_policies_admit_only_the_clusters_pods_to_ray(
+    helm: str, value_set: str, open_ports: set[int]
+) -> None:
+    manifests = render(helm, VALUE_SETS[value_set])
+    [cluster] = [m for m in manifests if m["kind"] == "RayCluster"]
+    policies = [m for m in manifests if m["kind"] == "NetworkPolicy"]
+    head_pod, *worker_pods = ray_pod_templates(cluster)
+    ray_labels = [pod["metadata"]["labels"] for pod in (head_pod, *worker_pods)]
+    head_labels = head_pod["metadata"]["labels"]
+    strangers = [
+        {**head_labels, "app.kubernetes.io/component": "orchestrator"},  # a pod of the release that is no Ray pod
+        {**head_labels, "app.kubernetes.io/instance": "another-release"},
+        {"app": "anything"},
+    ]
+    reachable_by_anyone: dict[str, set[int]] = {}
+    for pod in (head_pod, *worker_pods):
+        labels = pod["metadata"]["labels"]
+        rules = ingress_rules(policies, labels)
+        assert rules, f"{labels['app.kubernetes.io/component']} is not isolated"
+        for rule in rules:
+            if "from" not in rule:
+                ports = {port["port"] for port in rule["ports"]}  # a rule for anyone names its ports
+                reachable_by_anyone.setdefault(labels["app.kubernetes.io/component"], set()).update(ports)
+                continue
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}, peer  # pods of this namespace: no ipBlock, no namespaceSelector
+                assert all(selects(peer["podSelector"], other) for other in ray_labels)
+                assert not any(selects(peer["podSelector"], stranger) for stranger in strangers)
+    # Only the orchestrator's public ports answer anyone, on the head; Ray's ports (GCS, dashboard) are not among them.
+    assert reachable_by_anyone == {"ray-head": open_ports}
+    [head] = head_pod["spec"]["containers"]
+    named = {port["name"]: port["containerPort"] for port in head["ports"]}
+    assert not {named["gcs"], named["dashboard"]} & open_ports
+    assert open_ports == {named[name] for name in ("grpc", "http") if name in named}
+    # Turned off, none is rendered.
+    off = render(helm, [*VALUE_SETS[value_set], "--set", "networkPolicy.enabled=false"])
+    assert not [m for m in off if m["kind"] == "NetworkPolicy"]

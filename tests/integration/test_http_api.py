@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+import json
+import re
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
 
 from tandem.settings import DEMO_CHAT_TEMPLATE, DEMO_DRAFT, DEMO_TARGET
 from tests.integration.stack import Stack, generate, serve
@@ -63,6 +68,24 @@ def test_greedy_text_is_the_same_over_grpc_and_http(stack: Stack, client: openai
     assert "".join(chunk.choices[0].text for chunk in chunks) == over_grpc.text
     assert [chunk.choices[0].finish_reason for chunk in chunks][-1] == "length"
     assert all(chunk.choices[0].finish_reason is None for chunk in chunks[:-1])
+    assert all(chunk.usage is None for chunk in chunks)  # no usage chunk unless asked for
+
+    with_usage = list(
+        client.completions.create(**options, stream=True, stream_options={"include_usage": True})  # type: ignore[call-overload]
+    )
+    assert with_usage[-1].choices == []
+    assert with_usage[-1].usage is not None
+    assert with_usage[-1].usage.model_dump() == completion.usage.model_dump()
+    assert "".join(chunk.choices[0].text for chunk in with_usage[:-1]) == over_grpc.text
+
+    # On the wire: server-sent events, each `data: {json}`, the last one `data: [DONE]`.
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}).encode()
+    raw = urllib.request.Request(f"{stack.http_url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(raw, timeout=120) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        events = response.read().decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(event.startswith("data: {") for event in events[:-2])
 
 
 def test_chat_streamed_and_not(stack: Stack, client: openai.OpenAI) -> None:
@@ -129,21 +152,35 @@ def test_stop_token_ids_and_seed_zero(stack: Stack, client: openai.OpenAI) -> No
     ],
 )
 def test_bad_input_is_400_naming_the_field(client: openai.OpenAI, fields: dict[str, object], param: str) -> None:
+    headers = {"X-Request-Id": f"bad-{param}"}
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model=MODEL, prompt=PROMPT, **fields)  # type: ignore[call-overload]
+        client.completions.create(model=MODEL, prompt=PROMPT, **{"extra_headers": headers, **fields})  # type: ignore[call-overload]
     error = caught.value
     assert error.status_code == 400
     assert isinstance(error.body, dict)
     assert error.body["param"] == param
     assert error.body["message"].startswith(f"{param}: "), error.body
+    echoed = error.response.headers["x-request-id"]
+    if param == "x-request-id":
+        assert re.fullmatch("[0-9a-f]{32}", echoed)  # an id that fails the check is not echoed: a new one is made
+    else:
+        assert echoed == f"bad-{param}"
 
 
 def test_unknown_model_and_route(stack: Stack, client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
-        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
+        client.completions.create(
+            model="gpt-4", prompt=PROMPT, max_tokens=4, extra_headers={"X-Request-Id": "trace-404"}
+        )
     assert isinstance(caught.value.body, dict)
     assert caught.value.body["param"] == "model"
     assert caught.value.body["code"] == "model_not_found"
+    assert caught.value.response.headers["x-request-id"] == "trace-404"
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(f"{stack.http_url}/v1/nothing-here", timeout=30)
+    assert missing.value.code == 404
+    assert json.loads(missing.value.read())["error"]["type"] == "not_found_error"
+    assert re.fullmatch("[0-9a-f]{32}", missing.value.headers["X-Request-Id"])
     assert [model.id for model in client.models.list()] == [MODEL]
     with urllib.request.urlopen(f"{stack.http_url}/health", timeout=30) as response:
         assert response.status == 200
@@ -303,3 +340,26 @@ def test_the_client_request_id_is_echoed(client: openai.OpenAI) -> None:
     assert {chunk.id for chunk in chat.parse()} == {"chatcmpl-trace-43"}
     unnamed = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert unnamed.parse().id == "cmpl-" + unnamed.headers["x-request-id"]
+
+
+def test_after_a_stop_string_token_ids_end_with_the_last_token_before_it(stack: Stack, client: openai.OpenAI) -> None:
+    full = generate(stack.address, prompt=PROMPT, max_new_tokens=32, ignore_eos=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(DEMO_TARGET))
+    starts = [len(tokenizer.decode(full.token_ids[:index])) for index in range(len(full.token_ids))]
+    assert tokenizer.decode(full.token_ids) == full.text
+    # A stop string that starts inside a token's text when there is one, so that the cut is not at a boundary.
+    cut = next((start + 1 for start, end in itertools.pairwise(starts) if start >= 4 and end - start > 1), 4)
+    stop = full.text[cut : cut + 3]
+    cut = full.text.index(stop)
+    stopped = generate(stack.address, prompt=PROMPT, max_new_tokens=32, ignore_eos=True, stop=[stop])
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[:cut]
+    kept = [token for token, start in zip(full.token_ids, starts, strict=True) if start < cut]
+    assert stopped.token_ids == kept
+    assert stopped.stats.completion_tokens == len(kept)
+    over_http = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
+    assert over_http.choices[0].text == stopped.text
+    assert over_http.choices[0].finish_reason == "stop"
+    assert over_http.usage is not None and over_http.usage.completion_tokens == len(kept)

@@ -3,19 +3,26 @@
 Two stacks, each started as a user starts it (`tandem serve`):
 - `guarded`: --api-key-file, --admin-token-file, --max-draft-replicas 2 and --internal-tls (throwaway certificates
   for the services' own traffic, plaintext public port);
-- `certified`: --tls-cert/--tls-key/--tls-ca with certificates made here (tandem.certificates): every service and
-  the public port serve TLS, the internal servers ask for client certificates.
+- `certified`: --tls-cert/--tls-key/--tls-ca with certificates made here (tandem.certificates) and --api-key-file:
+  every service, the public port and the HTTP API serve TLS (HTTPS), the internal servers ask for client
+  certificates, the public ones do not.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
+import ssl
 import subprocess
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -52,8 +59,13 @@ def ours(tmp_path_factory: pytest.TempPathFactory) -> CertificateFiles:
 
 
 @pytest.fixture(scope="module")
-def certified(llama_target: Path, random_draft: Path, ours: CertificateFiles) -> Iterator[Stack]:
+def certified(
+    tmp_path_factory: pytest.TempPathFactory, llama_target: Path, random_draft: Path, ours: CertificateFiles
+) -> Iterator[Stack]:
+    key_file = tmp_path_factory.mktemp("certified-secrets") / "api-key"
+    key_file.write_text(API_KEY)
     extra = ["--tls-cert", str(ours.cert), "--tls-key", str(ours.key), "--tls-ca", str(ours.ca)]
+    extra += ["--api-key-file", str(key_file)]
     with serve(llama_target, random_draft, *extra, "--speculative-num-steps", "3") as stack:
         yield stack
 
@@ -91,6 +103,38 @@ def test_generate_needs_the_api_key(guarded: Stack) -> None:
     )
     assert generate(guarded.address, Insecure(), API_KEY) == "length"
     assert not any(API_KEY in line or ADMIN_TOKEN in line for line in guarded.log)  # never logged
+
+
+def test_the_http_api_needs_the_api_key_and_echoes_the_request_id(guarded: Stack) -> None:
+    assert guarded.http_url.startswith("http://"), guarded.http_url
+    body = json.dumps({"prompt": "def f():", "max_tokens": 4}).encode()
+    request = urllib.request.Request(
+        f"{guarded.http_url}/v1/completions", body, {"Content-Type": "application/json", "X-Request-Id": "trace-401"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(request, timeout=60)
+    assert missing.value.code == 401
+    assert missing.value.headers["X-Request-Id"] == "trace-401"
+    error = json.loads(missing.value.read())["error"]
+    assert error["type"] == "authentication_error" and error["message"].startswith("missing credentials")
+
+    wrong = openai.OpenAI(base_url=f"{guarded.http_url}/v1", api_key="not-the-key", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        wrong.completions.create(
+            model="target", prompt="def f():", max_tokens=4, extra_headers={"X-Request-Id": "trace-401-wrong"}
+        )
+    assert caught.value.status_code == 401
+    assert caught.value.response.headers["x-request-id"] == "trace-401-wrong"
+    assert isinstance(caught.value.body, dict) and caught.value.body["message"] == "authorization: the key is not valid"
+
+    client = openai.OpenAI(base_url=f"{guarded.http_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    completion = client.completions.create(
+        model=model, prompt="def f():", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert completion.usage is not None and completion.usage.completion_tokens == 4
+    with urllib.request.urlopen(f"{guarded.http_url}/metrics", timeout=30) as response:  # open without a key
+        assert b"vllm:num_requests_running" in response.read()
 
 
 def test_health_answers_without_a_key(guarded: Stack) -> None:
@@ -188,5 +232,75 @@ def test_mutual_tls_target_serves_only_clients_of_its_ca(
 
 
 def test_public_tls_serves_generate_to_clients_without_certificates(certified: Stack, ours: CertificateFiles) -> None:
-    assert generate(certified.address, Tls(ca=ours.ca)) == "length"
-    assert refusal(lambda: generate(certified.address, Insecure()))[0] == grpc.StatusCode.UNAVAILABLE
+    assert generate(certified.address, Tls(ca=ours.ca), API_KEY) == "length"
+    assert refusal(lambda: generate(certified.address, Tls(ca=ours.ca)))[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert refusal(lambda: generate(certified.address, Insecure(), API_KEY))[0] == grpc.StatusCode.UNAVAILABLE
+
+
+def https_client(url: str, ca: Path | None, key: str) -> openai.OpenAI:
+    """The official client on `url`, trusting `ca` only (None: the system's roots), presenting no certificate."""
+    verify = ssl.create_default_context(cafile=ca) if ca is not None else True
+    return openai.OpenAI(
+        base_url=f"{url}/v1",
+        api_key=key,
+        max_retries=0,
+        timeout=60,
+        http_client=openai.DefaultHttpxClient(verify=verify),
+    )
+
+
+def test_public_tls_serves_the_http_api_over_https_with_the_api_key(certified: Stack, ours: CertificateFiles) -> None:
+    # The public port's TLS covers the HTTP API: same certificate, no client certificate asked (the --tls-ca CA is
+    # the services' own), the API key still required.
+    assert certified.http_url.startswith("https://127.0.0.1:"), certified.http_url
+    client = https_client(certified.http_url, ours.ca, API_KEY)
+    model = client.models.list().data[0].id
+    completion = client.completions.create(
+        model=model, prompt="def f():", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert completion.usage is not None and completion.usage.completion_tokens == 4
+    stream = client.completions.create(
+        model=model,
+        prompt="def f():",
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == completion.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+
+    with pytest.raises(openai.AuthenticationError) as refused:
+        https_client(certified.http_url, ours.ca, "not-the-key").completions.create(model=model, prompt="x")
+    assert refused.value.status_code == 401
+    trusting = ssl.create_default_context(cafile=ours.ca)
+    body = json.dumps({"model": model, "prompt": "x", "max_tokens": 1}).encode()
+    keyless = urllib.request.Request(f"{certified.http_url}/v1/completions", body, {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(keyless, timeout=60, context=trusting)
+    assert missing.value.code == 401
+
+    # Probes and scrapers on the same port speak HTTPS too, without a key.
+    with urllib.request.urlopen(f"{certified.http_url}/health", timeout=30, context=trusting) as response:
+        assert response.read() == b"ok"
+    with urllib.request.urlopen(f"{certified.http_url}/metrics", timeout=30, context=trusting) as response:
+        assert b"vllm:generation_tokens" in response.read()
+    assert not any(API_KEY in line for line in certified.log)
+
+
+def test_the_https_port_answers_no_plain_http_and_presents_its_certificate(
+    certified: Stack, ours: CertificateFiles, tmp_path: Path
+) -> None:
+    plain_url = certified.http_url.replace("https://", "http://", 1)
+    with pytest.raises(openai.APIConnectionError):  # the key was sent in the clear, and nothing answered it
+        https_client(plain_url, None, API_KEY).models.list()
+    with pytest.raises((OSError, http.client.HTTPException)):  # the connection ends without an answer
+        urllib.request.urlopen(f"{plain_url}/health", timeout=30)
+    # A client trusting another CA (or only the system's roots) refuses the server's certificate.
+    theirs = certificates(tmp_path / "theirs")
+    for ca in (theirs.ca, None):
+        with pytest.raises(openai.APIConnectionError) as refused:
+            https_client(certified.http_url, ca, API_KEY).models.list()
+        assert "CERTIFICATE_VERIFY_FAILED" in repr(refused.value.__cause__), repr(refused.value.__cause__)

@@ -15,6 +15,7 @@ from orchestrator.settings import SchedulerSettings
 from orchestrator.text import IncrementalDetokenizer, StopStringMatcher
 from orchestrator.validation import ValidatedRequest
 from tandem.sampling.params import SamplingParams
+from tandem.settings import TreeShape
 from tests.helpers.tokenizer import write_tokenizer
 
 POOL = KVPool(num_blocks=6, block_size=4)
@@ -86,3 +87,41 @@ def test_prefills_that_fill_the_pool_preempt_the_newest_for_the_oldest(tokenizer
     plan = plan_step([older, newer], deque(), KVPool(num_blocks=4, block_size=4), SETTINGS)
     assert plan.preempted == [newer]
     assert [(s.request.request_id, s.num_tokens) for s in plan.chunks] == [("older", 8)]
+
+
+def test_decoding_without_drafts_takes_several_tokens_when_nothing_waits(tokenizer: PreTrainedTokenizerBase) -> None:
+    # Target-only requests (no replica): 4 forward passes per step, as the pool allows; A (kv 9) grows to 13
+    # positions (4 blocks), B (kv 5) to 9 (3 blocks): 7 of 8 blocks.
+    a = request(tokenizer, "A", prompt=8, generated=2, replica=None)
+    b = request(tokenizer, "B", prompt=4, generated=2, replica=None)
+    settings = SchedulerSettings(num_steps=3, max_num_batched_tokens=8, num_scheduler_steps=4)
+    plan = plan_step([a, b], deque(), KVPool(num_blocks=8, block_size=4), settings)
+    assert [(s.request.request_id, s.num_tokens, s.decode_steps) for s in plan.decode] == [("A", 1, 4), ("B", 1, 4)]
+    # One block short of the extra tokens: one token per step.
+    plan = plan_step([a, b], deque(), KVPool(num_blocks=6, block_size=4), settings)
+    assert [s.decode_steps for s in plan.decode] == [1, 1]
+    # A request in the queue is not kept waiting for several passes.
+    plan = plan_step([a, b], deque([request(tokenizer, "C", prompt=3)]), KVPool(num_blocks=8, block_size=4), settings)
+    assert [s.decode_steps for s in plan.decode] == [1, 1] and [r.request_id for r in plan.admitted] == ["C"]
+    # A request with drafts makes the step one verification.
+    drafting = request(tokenizer, "D", prompt=4, generated=2)
+    plan = plan_step([a, drafting], deque(), KVPool(num_blocks=8, block_size=4), settings)
+    assert [(s.max_drafts, s.decode_steps) for s in plan.decode] == [(0, 1), (3, 1)]
+    # Never beyond max_new_tokens (64 here): 2 tokens left, 2 passes.
+    a.output.generated.extend([5] * 60)
+    a.kv_length += 60
+    plan = plan_step([a], deque(), KVPool(num_blocks=32, block_size=4), settings)
+    assert [s.decode_steps for s in plan.decode] == [2]
+
+
+def test_a_tree_round_gets_room_for_every_node(tokenizer: PreTrainedTokenizerBase) -> None:
+    # Topk 4 with 8 draft tokens: a round verifies up to 7 nodes at depth 3. A (kv 9) needs 1 + 7 rows -> 17
+    # positions (5 blocks, 2 more), within a budget of 8 tokens; a chain of 3 would need 13 positions (1 more).
+    tree = SchedulerSettings(num_steps=3, max_num_batched_tokens=8, tree=TreeShape(topk=4, num_draft_tokens=8))
+    decoding = request(tokenizer, "A", prompt=8, generated=2)
+    plan = plan_step([decoding], deque(), KVPool(num_blocks=5, block_size=4), tree)
+    assert [(s.max_drafts, s.decode_steps) for s in plan.decode] == [(3, 1)] and plan.preempted == []
+    # With 4 blocks the tree's rows do not fit (the chain's would): A preempts itself rather than fail at the target.
+    plan = plan_step([decoding], deque(), KVPool(num_blocks=4, block_size=4), tree)
+    assert plan.decode == [] and [r.request_id for r in plan.preempted] == ["A"]
+    assert [s.max_drafts for s in plan_step([decoding], deque(), KVPool(4, 4), SETTINGS).decode] == [3]

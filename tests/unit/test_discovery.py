@@ -201,6 +201,30 @@ def test_a_replica_removed_by_the_admin_rejoins_while_its_address_resolves() -> 
     run(test)
 
 
+def test_an_address_the_name_resolves_to_may_join_between_passes_as_the_discoverys_own() -> None:
+    async def test(s: Setup) -> None:
+        s.replicas.answering = {"10.0.0.1:50062": "draft-a", "10.0.0.9:50062": "draft-z"}
+        s.resolver.addresses = {"10.0.0.1:50062"}
+        assert await s.discovery.resolves_to("10.0.0.1:50062")  # AddReplica's allow rule for this source
+        assert not await s.discovery.resolves_to("10.0.0.9:50062")  # answers, but the name does not give it
+        assert not await s.discovery.resolves_to("10.0.0.1:50063")
+        replica = await s.discovery.join_now("10.0.0.1:50062")
+        assert replica is not None and replica is s.pool.get("draft-a")
+        assert len(s.joins) == 1 and s.discovery.addresses == {"10.0.0.1:50062"}
+        await s.discovery.refresh()  # the next pass finds it there: nothing joins twice
+        assert s.states() == {"10.0.0.1:50062": "draft-a serving"} and len(s.joins) == 1
+        s.resolver.addresses = set()
+        await s.discovery.refresh()
+        await until(lambda: s.pool.get("draft-a") is None)  # drained like any replica the name brought
+        s.resolver.failing = True
+        assert not await s.discovery.resolves_to("10.0.0.1:50062")  # no answer: not allowed
+        s.resolver.failing = False
+        s.resolver.addresses = {"10.0.0.2:50062"}
+        assert await s.discovery.join_now("10.0.0.2:50062") is None  # it does not answer
+
+    run(test)
+
+
 def test_run_refreshes_until_cancelled() -> None:
     async def test(s: Setup) -> None:
         s.replicas.answering = {"10.0.0.1:50062": "draft-a"}

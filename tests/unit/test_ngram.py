@@ -112,7 +112,7 @@ def test_serve_draft_ngram_gives_the_orchestrator_its_sizes_and_starts_no_draft(
 
 def test_ngram_sizes_without_draft_ngram_are_refused() -> None:
     args = build_parser().parse_args(["serve", "--ngram-max", "3"])
-    with pytest.raises(SystemExit, match="--ngram-max and --ngram-min apply to --draft ngram only"):
+    with pytest.raises(SystemExit, match="--ngram-max and --ngram-min apply to --draft ngram and --hybrid-ngram only"):
         _ngram(args)
     args = build_parser().parse_args(["serve", "--draft", "ngram", "--ngram-min", "5"])
     with pytest.raises(SystemExit, match="--ngram-max: 4 is below --ngram-min 5"):

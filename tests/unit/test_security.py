@@ -19,7 +19,7 @@ from orchestrator.admin import address_allowed
 from orchestrator.main import check_admin_settings
 from orchestrator.settings import AdminSettings
 from tandem.auth import Unauthenticated, check_bearer, resolve_secret
-from tandem.certificates import CertificateFiles, make_certificates
+from tandem.certificates import INTERNAL_NAME, CertificateFiles, make_certificates
 from tandem.cli import main as cli_main
 from tandem.errors import StartupError
 from tandem.serve_security import ServeSecurity
@@ -98,7 +98,7 @@ def test_certificates_are_a_ca_and_a_leaf_for_loopback_with_a_private_key_file(t
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     assert not leaf.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert names.get_values_for_type(x509.DNSName) == ["localhost"]
+    assert names.get_values_for_type(x509.DNSName) == [INTERNAL_NAME, "localhost"]
     assert ipaddress.ip_address("127.0.0.1") in names.get_values_for_type(x509.IPAddress)
     usages = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert set(usages) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
@@ -179,7 +179,15 @@ def test_an_admin_port_off_loopback_needs_a_token() -> None:
         (["--internal-tls", "--tls-cert", "c.pem"], "--internal-tls makes its own certificates"),
         (["--tls-cert", "c.pem", "--tls-key", "k.pem"], "needs all of --tls-cert, --tls-key and --tls-ca"),
         (["--draft-replicas", "3", "--max-draft-replicas", "2"], "--draft-replicas 3 is above --max-draft-replicas"),
-        (["--internal-tls", "--launcher", "ray"], "TLS is not available with --launcher ray"),
+        (["--internal-tls", "--tls-server-name", "n"], "--tls-server-name is a name in the certificate of --tls-cert"),
+        (
+            ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem", "--tls-server-name", "n"],
+            "--tls-server-name needs --launcher ray",
+        ),
+        (
+            [*("--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem"), "--tls-server-name", " "],
+            "--tls-server-name: the name is empty",
+        ),
         (["--api-key", "k", "--api-key-file", "f"], "--api-key and --api-key-file: give one of them"),
     ],
 )

@@ -126,3 +126,40 @@ def test_tiny_temperatures_sample_the_argmax(target: LlamaForCausalLM, temperatu
     (result,) = runner.step([StepItem("a", len(PROMPT), open=OpenRequest(PROMPT, sampling), capture=())])
     assert result.status is ItemStatus.OK
     assert result.new_tokens == [greedy_from_scratch(target, PROMPT, 1)[-1]]
+
+
+def test_a_multi_token_decode_equals_one_token_steps(target: LlamaForCausalLM) -> None:
+    """decode_steps 4: four forward passes in one step give the tokens, rows and logprobs of four one-token steps."""
+    one, multi = (TargetRunner(target, CACHE, max_context=64) for _ in range(2))
+    for runner in (one, multi):
+        runner.step([open_item("a", len(PROMPT))])
+    singles = [one.step([StepItem("a", 1, top_logprobs=2)])[0] for _ in range(4)]
+    (joined,) = multi.step([StepItem("a", 1, top_logprobs=2, decode_steps=4)])
+    assert joined.status is ItemStatus.OK and joined.accepted == 0
+    assert joined.new_tokens == [token for result in singles for token in result.new_tokens]
+    assert joined.new_tokens == greedy_from_scratch(target, PROMPT, 5)[len(PROMPT) + 1 :]
+    assert [entry.token_id for entry in joined.logprobs] == joined.new_tokens
+    assert joined.captured is not None
+    assert joined.captured.start_position == len(PROMPT)
+    assert joined.captured.next_tokens == joined.new_tokens
+    expected = torch.cat([result.captured.features for result in singles if result.captured is not None])
+    assert (joined.captured.features - expected).abs().max().item() <= 1e-5
+    assert multi.requests["a"].kv.length == one.requests["a"].kv.length == len(PROMPT) + 4
+
+
+def test_a_multi_token_decode_stops_after_an_end_token_or_without_kv_room(target: LlamaForCausalLM) -> None:
+    prompt = [1, 7, 90, 200, 31, 5, 77]  # greedy: 202, 105, 288, 194, 308, ... (no repeats early on)
+    reference = greedy_from_scratch(target, prompt, 6)[len(prompt) :]
+    assert len(set(reference[:4])) == 4
+    ending = OpenRequest(prompt, GREEDY, end_token_ids=frozenset({reference[3]}))
+    runner = TargetRunner(target, CACHE, max_context=64)
+    runner.step([StepItem("a", len(prompt), open=ending)])
+    (result,) = runner.step([StepItem("a", 1, decode_steps=5)])
+    assert result.new_tokens == reference[1:4]  # the end token is the last one decoded
+    reference = greedy_from_scratch(target, PROMPT, 6)[len(PROMPT) :]
+    # A pool of 3 blocks (12 positions) holds the prompt's 7 and 5 more: the decode ends at the pool, not in error.
+    small = TargetRunner(target, KVCacheSettings(num_blocks=3, block_size=BLOCK_SIZE), max_context=64)
+    small.step([open_item("a", len(PROMPT), capture=())])
+    (result,) = small.step([StepItem("a", 1, decode_steps=10)])
+    assert result.status is ItemStatus.OK and result.new_tokens == reference[1:6]
+    assert small.cache.num_free_blocks == 0 and small.requests["a"].kv.length == 12

@@ -19,6 +19,24 @@
 {{- printf "%s-%s" (include "tandem.fullname" .root) .component | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* mode ray: KubeRay's Service of the head (Generate, and Ray's GCS for the workers). With TLS on, the certificate
+names it: clients dial it, and the services, bound to pod addresses, check each other's certificates for it. */}}
+{{- define "tandem.rayHeadServiceName" -}}
+{{- printf "%s-head-svc" (include "tandem.fullname" .) }}
+{{- end }}
+
+{{/* mode ray: a label selector of the RayCluster's own pods, the head and both worker groups (the component labels
+raycluster.yaml gives their templates). */}}
+{{- define "tandem.rayPodSelector" -}}
+matchLabels:
+  app.kubernetes.io/name: {{ include "tandem.name" . }}
+  app.kubernetes.io/instance: {{ .Release.Name }}
+matchExpressions:
+  - key: app.kubernetes.io/component
+    operator: In
+    values: ["ray-head", "target", "draft"]
+{{- end }}
+
 {{- define "tandem.draftHeadlessName" -}}
 {{- printf "%s-draft-headless" (include "tandem.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
@@ -109,13 +127,29 @@ grpc:
 {{- end }}
 {{- end }}
 
-{{- define "tandem.commonVolumeMounts" -}}
-- name: tmp
-  mountPath: /tmp
+{{/* The TLS Secret's files (tls.crt, tls.key, ca.crt) under tls.mountPath, with tls.enabled. */}}
+{{- define "tandem.tlsVolumeMount" -}}
 {{- if .Values.tls.enabled }}
 - name: tls
   mountPath: {{ .Values.tls.mountPath }}
   readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "tandem.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ required "tls.existingSecret: the Secret with tls.crt, tls.key and ca.crt is required with tls.enabled" .Values.tls.existingSecret }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{- define "tandem.commonVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- with (include "tandem.tlsVolumeMount" . | trim) }}
+{{ . }}
 {{- end }}
 {{- end }}
 
@@ -136,11 +170,8 @@ grpc:
 {{- define "tandem.commonVolumes" -}}
 - name: tmp
   emptyDir: {}
-{{- if .Values.tls.enabled }}
-- name: tls
-  secret:
-    secretName: {{ required "tls.existingSecret: the Secret with tls.crt, tls.key and ca.crt is required with tls.enabled" .Values.tls.existingSecret }}
-    defaultMode: 0440
+{{- with (include "tandem.tlsVolume" . | trim) }}
+{{ . }}
 {{- end }}
 {{- end }}
 
@@ -206,7 +237,8 @@ same paths, since an actor may be placed on any pod of its group. */}}
 {{- end }}
 {{- end }}
 
-{{/* A Prometheus Operator ServiceMonitor scraping /metrics on a component's Service port ("metrics" unless named):
+{{/* A Prometheus Operator ServiceMonitor scraping /metrics on a component's Service port ("metrics" unless named),
+with the endpoint's tlsConfig when given (an https scheme):
 (dict "component" (dict "root" $ "component" "target") "settings" .Values.target.serviceMonitor "scheme" "http") */}}
 {{- define "tandem.serviceMonitor" -}}
 apiVersion: monitoring.coreos.com/v1
@@ -227,4 +259,8 @@ spec:
       path: /metrics
       interval: {{ .settings.interval }}
       scheme: {{ .scheme }}
+      {{- with .tlsConfig }}
+      tlsConfig:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
 {{- end }}
