@@ -33,10 +33,10 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from draft_server.settings import DraftSettings
-from orchestrator.settings import AdminSettings, OrchestratorSettings, SchedulerSettings
+from orchestrator.settings import AdminSettings, HttpSettings, OrchestratorSettings, SchedulerSettings
 from tandem.actor_security import ActorSecurity, ServiceSettings
 from tandem.errors import StartupError
-from tandem.launcher import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, ServeSettings, ready_line
+from tandem.launcher import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, ServeSettings, http_line, ready_line
 from tandem.models.aux_layers import Convention
 from tandem.serve_security import StackSecurity
 from tandem.serving import ListenSettings, configure_logging
@@ -267,6 +267,9 @@ class RayLauncher:
         self._rank_class = ray.remote(RankActor)
         self._placements: list[PlacementGroup] = []
         self._stopping = False
+        # The orchestrator runs on this node (start): it writes its HTTP API's URL here.
+        self._workdir = tempfile.TemporaryDirectory(prefix="tandem-ray-serve-")
+        self.http_url = ""  # the orchestrator's HTTP API, once started with one
 
     def connect(self) -> None:
         address = self.settings.ray_address
@@ -326,6 +329,7 @@ class RayLauncher:
             for replica, options in zip(replicas, draft_options, strict=True)
         ]
         draft_addresses = [self._wait_ready(draft) for draft in drafts]
+        http_ready_file = Path(self._workdir.name) / "orchestrator-http.url"
         orchestrator_settings = OrchestratorSettings(
             target_address=target_address,
             draft_addresses=tuple(draft_addresses),
@@ -348,12 +352,17 @@ class RayLauncher:
                 max_draft_replicas=s.security.max_draft_replicas,
             ),
             ngram=s.ngram,  # drafts in the orchestrator's actor: no draft replica is reserved or started for it
+            http=HttpSettings(s.http_port, http_ready_file, s.chat_template),
+            served_model_name=s.served_model_name,
         )
         # --host/--port name an address of the machine running `tandem serve`, so the orchestrator runs here.
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         orchestrator_options = {"num_cpus": 0, "scheduling_strategy": here}
         orchestrator = self._start("orchestrator", orchestrator_settings, s.host, s.port, orchestrator_options)
-        return self._wait_ready(orchestrator)
+        address = self._wait_ready(orchestrator)
+        if s.http_port is not None:
+            self.http_url = http_ready_file.read_text().strip()  # written before the public address
+        return address
 
     def draft_settings(self, replica_id: str, target_address: str) -> DraftSettings:
         s = self.settings
@@ -499,6 +508,7 @@ class RayLauncher:
             remove_placement_group(group)
         # Ends a cluster that connect() started; only disconnects from a joined one.
         ray.shutdown()
+        self._workdir.cleanup()
 
 
 def rank_bundle(ranks: int) -> dict[str, float]:
@@ -560,6 +570,8 @@ def serve_on_ray(settings: ServeSettings) -> int:
     signal.signal(signal.SIGTERM, launcher.request_stop)
     try:
         address = launcher.start()
+        if launcher.http_url:
+            print(http_line(launcher.http_url), flush=True)  # before the ready line, which tools wait for
         print(ready_line(settings, address, f"{len(launcher.services)} Ray actors"), flush=True)
         return launcher.wait()
     except NoRoom as error:

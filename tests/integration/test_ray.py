@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import openai
 import pytest
 
 from tandem.launcher import ServeProcess
@@ -134,6 +135,18 @@ def test_speculative_equals_target_only_and_sigterm_stops_every_actor(llama_targ
 def test_killed_actors_are_reported_not_restarted(llama_target: Path, random_draft: Path) -> None:
     with serve(llama_target, random_draft, *RAY) as stack:
         services = serving(stack.log)
+        # The orchestrator's actor serves the OpenAI-compatible HTTP API too, the same text as Generate.
+        assert stack.http_url.startswith("http://127.0.0.1:"), "".join(stack.log)
+        http = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        expected = generate(stack.address, prompt="def main():", max_new_tokens=8, ignore_eos=True)
+        served = http.completions.create(
+            model=http.models.list().data[0].id,
+            prompt="def main():",
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert served.choices[0].text == expected.text
         os.kill(services["draft-0"][1], signal.SIGKILL)
         name, reason = endings(stack, 1)[0]
         assert name == "draft-0" and reason.startswith("died with its Ray actor")
