@@ -14,7 +14,7 @@ from orchestrator.speculation import EXPLORE_EVERY
 from tests.integration.stack import Stack, generate, serve, service_addresses
 from tests.integration.test_serving import wait_until_idle
 
-NEW_TOKENS = 40
+NEW_TOKENS = 120  # with k = 0, 4 tokens a step (--num-scheduler-steps): enough steps to explore
 
 
 @pytest.fixture(scope="module")
