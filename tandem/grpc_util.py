@@ -41,7 +41,8 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # Server: by default it answers pings more often than every 5 min with GOAWAY (too_many_pings).
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        # (The C-core constant is GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS; its string has no "recv".)
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         # A restarted peer comes back within seconds; gRPC's default backoff would wait up to 2 min to retry.
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
