@@ -5,7 +5,7 @@ sampled tokens are merged into a model's chain or tree (built like tests/unit/te
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -185,15 +185,6 @@ MODEL_ANSWERS = {
     # Rare and impossible tokens (token 1 at position 1 has probability 0), and a repeated sibling.
     "bad-tree": ([3, 3, 1, 1, 2], [-1, -1, 0, 0, 1]),
 }
-
-
-@pytest.fixture(autouse=True)
-def single_torch_thread() -> Iterator[None]:
-    """The trials run many tiny tensor ops, which intra-op threads only slow down on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def hybrid_round(

@@ -10,7 +10,7 @@ which torch provides, so scipy is not needed. Every run is seeded, so a result d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -103,15 +103,6 @@ def resample_from_target_on_rejection(
         return outcome
     correction = sample_token(target_logits[outcome.accepted], params, generator)
     return VerifyOutcome(accepted=outcome.accepted, tokens=[*outcome.tokens[:-1], correction])
-
-
-@pytest.fixture(autouse=True)
-def single_torch_thread() -> Iterator[None]:
-    """The trials run many tiny tensor ops, which intra-op threads only slow down on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def first_two_tokens(rule: VerifyRule, propose: DraftProposer, num_trials: int, seed: int) -> torch.Tensor:

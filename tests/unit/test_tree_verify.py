@@ -4,7 +4,7 @@ position only, so the first two committed tokens must follow p_0 x p_1 whatever 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -25,15 +25,6 @@ GREEDY = SamplingParams()
 VOCAB = 10
 # node:    0   1  2  3  4      root children 0, 1; node 0's children 2, 3; node 1's child 4
 PARENTS = [-1, -1, 0, 0, 1]
-
-
-@pytest.fixture(autouse=True)
-def single_torch_thread() -> Iterator[None]:
-    """The trials run many tiny tensor ops, which intra-op threads only slow down on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def logits_with_argmax(choices: Sequence[int]) -> torch.Tensor:  # -> [len(choices), VOCAB]
