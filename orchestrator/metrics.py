@@ -149,6 +149,11 @@ class SchedulerCollector(Collector):
             family.add_metric([name], value)
             return family
 
+        def counter(metric: str, documentation: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(metric, documentation, labels=["model_name"])
+            family.add_metric([name], value)
+            return family
+
         yield gauge("vllm:num_requests_running", "Requests in the running batch", len(scheduler.running))
         yield gauge("vllm:num_requests_waiting", "Requests waiting for admission", len(scheduler.waiting))
         pool = scheduler.facts.pool
@@ -166,20 +171,16 @@ class SchedulerCollector(Collector):
             "1 when the mean acceptance length of the last interval fell to about 1.0 (see the orchestrator's log)",
             float(self.metrics.acceptance.collapsed),
         )
-        failures = CounterMetricFamily(
+        yield counter(
             "tandem:replica_failures",
             "Draft replica demotions (failed, timed out or sent bad drafts)",
-            labels=["model_name"],
+            scheduler.replica_failures,
         )
-        failures.add_metric([name], scheduler.replica_failures)
-        yield failures
-        moved = CounterMetricFamily(
+        yield counter(
             "tandem:request_reassigns",
             "Requests moved off a demoted draft replica, to another replica or to target-only",
-            labels=["model_name"],
+            scheduler.requests_moved,
         )
-        moved.add_metric([name], scheduler.requests_moved)
-        yield moved
         replicas = GaugeMetricFamily("tandem:draft_replicas", "Draft replicas by state", labels=["model_name", "state"])
         states = [replica.state for replica in scheduler.replicas.all()]
         for state in ("serving", "draining", "demoted"):
