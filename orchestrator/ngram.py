@@ -2,7 +2,7 @@
 
 A request's next tokens are guessed from its own earlier tokens: the last n tokens (n from max_n down to min_n,
 longest first) are looked up among the request's prompt and output so far, and the tokens that followed their most
-recent earlier occurrence are proposed, at most k of them. Code and structured text repeat themselves, so such
+recent earlier occurrence are proposed, k of them (the copy continues over its own proposal where the tokens end). Code and structured text repeat themselves, so such
 guesses are often right, and they cost a lookup instead of a forward pass.
 
 It runs where the tokens already are: the scheduler hands each ProposeTask its request's tokens, so the drafter holds
@@ -28,8 +28,8 @@ TOKEN_BYTES = array("i").itemsize  # token ids are stored as 32-bit ints: every 
 
 
 def lookup(tokens: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
-    """Up to `num_tokens` tokens that followed the most recent earlier occurrence of the longest suffix of `tokens`
-    whose length is in max_n..min_n; [] when none of those suffixes occurs earlier.
+    """`num_tokens` tokens guessed to follow `tokens`: those that followed the most recent earlier occurrence of the
+    longest suffix of `tokens` whose length is in max_n..min_n; [] when none of those suffixes occurs earlier.
 
     Example, max_n 3, min_n 1, num_tokens 2, tokens (positions under them):
 
@@ -37,8 +37,13 @@ def lookup(tokens: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> li
         0 1 2 3 4 5 6 7 8
 
     The 3-token suffix 9 5 6 occurs nowhere earlier; the 2-token suffix 5 6 occurs at 0 and at 4 (and as the suffix
-    itself at 7, which does not count). The most recent, at 4, was followed by 9 5: the proposal. A proposal stops
-    where the tokens end: in 7 7 7, the suffix 7 7 occurs earlier at 0 only, and is followed by one token, 7.
+    itself at 7, which does not count). The most recent, at 4, was followed by 9 5: the proposal.
+
+    When the copy reaches the end of the tokens it goes on over what it has just proposed (an overlapping copy, as
+    LZ77 decodes one): the guess is that the text keeps repeating with the period it shows. In 1 2 3 1 2 the suffix
+    1 2 occurred at 0, followed by 3 1 2, and then, continuing the copy, by 3 1 2 again: 3 1 2 3 1 for 5 tokens.
+    Taking the most recent occurrence and cutting the proposal where the tokens end proposed only 3 1 2, and in a
+    2-token loop (7 8 7 8) only 2 tokens a round, whatever k is.
     """
     length = len(tokens)
     if num_tokens <= 0 or length < 2:
@@ -48,8 +53,17 @@ def lookup(tokens: Sequence[int], num_tokens: int, min_n: int, max_n: int) -> li
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         start = _last_earlier(data, length, n)
         if start is not None:
-            return list(tokens[start + n : start + n + num_tokens])
+            return _copy_on(tokens, start + n, num_tokens)
     return []
+
+
+def _copy_on(tokens: Sequence[int], start: int, num_tokens: int) -> list[int]:
+    """`num_tokens` tokens copied from `start` on; past the end of `tokens` the copy reads what it has written."""
+    proposal = list(tokens[start : start + num_tokens])
+    period = len(tokens) - start  # > 0: start lies before the end
+    while len(proposal) < num_tokens:
+        proposal.append(proposal[len(proposal) - period])
+    return proposal
 
 
 def _last_earlier(data: bytes, length: int, n: int) -> int | None:

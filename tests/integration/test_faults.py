@@ -1,8 +1,8 @@
 """Faults injected into a running stack whose services run as separate processes, as in a cluster: a draft that
-stops answering (SIGSTOP), a target that hangs (SIGSTOP), a draft that proposes ids outside the vocabulary, an
-orchestrator killed mid-request (SIGKILL), malformed and oversized messages. Each time only the requests concerned
-fail, with the right code and message; greedy outputs stay those of the target alone; every KV block comes back on
-target and draft; the stack serves on.
+stops answering (SIGSTOP), a draft whose KV pool runs out, a target that hangs (SIGSTOP), a draft that proposes ids
+outside the vocabulary, an orchestrator killed mid-request (SIGKILL), malformed and oversized messages. Each time
+only the requests concerned fail, with the right code and message; greedy outputs stay those of the target alone;
+every KV block comes back on target and draft; the stack serves on.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ class Stack:
     draft: Service
     workdir: Path
     tokenizer: Path
+    draft_model: Path
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,7 @@ def stack(llama_target: Path, random_draft: Path, tmp_path_factory: pytest.TempP
             "--replica-id", "draft-0", "--speculative-num-steps", "3", "--kv-blocks", "64", *cache,
         )  # fmt: skip
         with service("draft", draft_command, workdir) as draft:
-            yield Stack(target, draft, workdir, llama_target)
+            yield Stack(target, draft, workdir, llama_target, random_draft)
 
 
 @contextmanager
@@ -160,6 +162,34 @@ def test_a_hung_target_fails_its_requests_loudly_and_health_says_so(stack: Stack
         wait_for(lambda: health(run.address) == health_pb2.HealthCheckResponse.SERVING, "SERVING again")
         assert speculative(run.address, 24).token_ids == expected
         assert_nothing_held(stack)
+
+
+def test_a_draft_out_of_kv_costs_rounds_without_drafts_not_the_replica(stack: Stack) -> None:
+    # A second replica whose pool holds 5 blocks (40 positions): one request of 6 + 30 tokens plus its 3 drafts
+    # fits, three at once do not. Those that do not fit go without drafts for the round (RESOURCE_EXHAUSTED from the
+    # replica, per request), are replayed later; the replica stays in service and every output stays the target's.
+    small_command = tandem_command(
+        "draft", "--model", str(stack.draft_model), "--target-address", stack.target.address, "--port", "0",
+        "--replica-id", "draft-small", "--speculative-num-steps", "3", "--kv-blocks", "5",
+        "--block-size", str(BLOCK_SIZE), "--orphan-timeout", ORPHAN_TIMEOUT,
+    )  # fmt: skip
+    with service("small-draft", small_command, stack.workdir) as small, orchestrator(stack, [small.address]) as run:
+        expected = reference(run.address, 30)
+        with ThreadPoolExecutor(3) as pool:
+            completions = list(pool.map(lambda _: speculative(run.address, 30), range(3)))
+        assert [c.token_ids for c in completions] == [expected] * 3
+        log = "".join(run.log)
+        assert "goes without drafts this round" in log and "KV" in log, log[-2000:]
+        assert "demoted" not in log, log[-2000:]
+        assert sum(c.stats.draft_tokens for c in completions) > 0
+        assert speculative(run.address, 16).stats.draft_tokens > 0  # the replica still drafts
+
+        def small_idle() -> bool:
+            info = draft_info(small.address)
+            return (info.running_requests, info.kv_blocks_free) == (0, info.kv_blocks_total)
+
+        wait_for(small_idle, "the small replica holds no request and its pool is whole again")
+    assert_nothing_held(stack)
 
 
 def test_a_draft_proposing_ids_outside_the_vocabulary_is_demoted_and_outputs_stay_right(stack: Stack) -> None:

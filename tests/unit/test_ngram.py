@@ -31,7 +31,7 @@ def test_a_shorter_suffix_is_tried_when_the_longer_one_occurs_nowhere_earlier() 
 def test_the_most_recent_earlier_match_wins() -> None:
     tokens = [4, 10, 4, 11, 4, 12, 4]
     assert lookup(tokens, 1, min_n=1, max_n=1) == [12]
-    assert lookup(tokens, 3, min_n=1, max_n=1) == [12, 4]  # ends with the tokens
+    assert lookup(tokens, 3, min_n=1, max_n=1) == [12, 4, 12]  # 12 4, then the copy reads its own 12
 
 
 def test_no_match_gives_no_drafts() -> None:
@@ -42,9 +42,15 @@ def test_no_match_gives_no_drafts() -> None:
     assert lookup([], 4, min_n=1, max_n=3) == []
 
 
-def test_a_proposal_is_cut_at_the_end_of_the_tokens() -> None:
-    assert lookup([7, 7, 7], 5, min_n=1, max_n=2) == [7]
-    assert lookup([1, 2, 3, 1, 2], 5, min_n=1, max_n=2) == [3, 1, 2]
+def test_a_copy_that_reaches_the_end_of_the_tokens_goes_on_with_their_period() -> None:
+    # The docstring's example: 1 2 at 0 is followed by 3 1 2, and the copy goes on over its own 3 1.
+    assert lookup([1, 2, 3, 1, 2], 5, min_n=1, max_n=2) == [3, 1, 2, 3, 1]
+    # 7 7 occurs earlier at 0 only, followed by one 7: a period of one token.
+    assert lookup([7, 7, 7], 5, min_n=1, max_n=2) == [7, 7, 7, 7, 7]
+    # A two-token loop gives k tokens a round, not the two that follow the last occurrence.
+    assert lookup([5, 7, 8, 7, 8, 7, 8], 5, min_n=1, max_n=4) == [7, 8, 7, 8, 7]
+    # Without reaching the end, the copy is the tokens that followed, as before.
+    assert lookup([1, 2, 3, 4, 5, 6, 9, 1, 2], 3, min_n=1, max_n=2) == [3, 4, 5]
 
 
 def test_at_most_k_tokens_are_proposed() -> None:
