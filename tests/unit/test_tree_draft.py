@@ -140,6 +140,18 @@ def test_batched_requests_expand_independently(draft: Eagle3Draft) -> None:
     assert trees == [naive_tree(draft, rows_a, 3, 3, 5), naive_tree(draft, rows_b, 3, 2, 5)]
 
 
+def test_proposals_leave_no_autograd_history_in_the_cache(draft: Eagle3Draft) -> None:
+    # The head's parameters require grad, as loaded. A proposal outside inference mode made the cache's in-place
+    # writes part of autograd's graph, which then kept every step of every request alive (memory grew each round).
+    assert any(parameter.requires_grad for parameter in draft.parameters())
+    runner = DraftRunner(draft, CACHE)
+    for start, count, seed in ((0, 9, 7), (9, 2, 8)):
+        propose_trees(runner, [ProposeInput("a", target_rows(start, count, seed=seed), 3)], topk=2, num_draft_tokens=5)
+        runner.propose([ProposeInput("b", target_rows(start, count, seed=seed), 3)])
+        for pool in (runner.cache.keys, runner.cache.values):
+            assert not pool.requires_grad and pool.grad_fn is None
+
+
 def test_bad_shapes_are_refused(draft: Eagle3Draft) -> None:
     rows = target_rows(0, 4, seed=6)
     with pytest.raises(ValueError, match="num_draft_tokens 1"):
