@@ -2,8 +2,9 @@
 
 A request's next tokens are guessed from its own earlier tokens: the last n tokens (n from max_n down to min_n,
 longest first) are looked up among the request's prompt and output so far, and the tokens that followed their most
-recent earlier occurrence are proposed, k of them (the copy continues over its own proposal where the tokens end). Code and structured text repeat themselves, so such
-guesses are often right, and they cost a lookup instead of a forward pass.
+recent earlier occurrence are proposed, k of them (where the tokens end, the copy goes on over its own proposal).
+Code and structured text repeat themselves, so such guesses are often right, and they cost a lookup instead of a
+forward pass.
 
 It runs where the tokens already are: the scheduler hands each ProposeTask its request's tokens, so the drafter holds
 no state (nothing to release, nothing to lose on preemption) and needs no hidden rows from the target. Its replica

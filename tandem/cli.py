@@ -276,6 +276,28 @@ def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
         help="forward passes one target step may run when its requests decode without drafts and nothing else "
         "waits (1: one token per step)",
     )
+    parser.add_argument(
+        "--target-timeout", type=float, default=SchedulerSettings.target_timeout_s, help="seconds per target step"
+    )
+    parser.add_argument(
+        "--draft-timeout", type=float, default=SchedulerSettings.draft_timeout_s, help="seconds per Propose"
+    )
+
+
+def scheduler_settings_of(args: argparse.Namespace) -> SchedulerSettings:
+    """The orchestrator's scheduler settings from the flags _add_scheduler_options and _add_tree_options add."""
+    return SchedulerSettings(
+        num_steps=args.speculative_num_steps,
+        tree=tree_shape_of(args),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting=args.max_waiting,
+        num_scheduler_steps=args.num_scheduler_steps,
+        adaptive_k=args.adaptive_k,
+        hybrid=_hybrid(args),
+        target_timeout_s=args.target_timeout,
+        draft_timeout_s=args.draft_timeout,
+    )
 
 
 def _size(text: str) -> int:
@@ -438,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ngram_options(serve_parser)
     serve_parser.add_argument("--host", default=ServeSettings.host)
     serve_parser.add_argument("--port", type=int, default=ServeSettings.port)
-    serve_parser.add_argument("--speculative-num-steps", type=int, default=ServeSettings.num_steps)
+    serve_parser.add_argument("--speculative-num-steps", type=int, default=SchedulerSettings.num_steps)
     _add_tree_options(serve_parser)
     serve_parser.add_argument("--draft-replicas", type=int, default=ServeSettings.draft_replicas)
     serve_parser.add_argument("--aux-layer-convention", choices=CONVENTIONS, default=ServeSettings.aux_layer_convention)
@@ -522,12 +544,6 @@ def build_parser() -> argparse.ArgumentParser:
     orchestrator_parser.add_argument("--speculative-num-steps", type=int, default=SchedulerSettings.num_steps)
     _add_tree_options(orchestrator_parser)
     _add_scheduler_options(orchestrator_parser)
-    orchestrator_parser.add_argument(
-        "--target-timeout", type=float, default=SchedulerSettings.target_timeout_s, help="seconds per target step"
-    )
-    orchestrator_parser.add_argument(
-        "--draft-timeout", type=float, default=SchedulerSettings.draft_timeout_s, help="seconds per Propose"
-    )
     orchestrator_parser.add_argument(
         "--default-max-new-tokens", type=int, default=OrchestratorSettings.default_max_new_tokens
     )
@@ -649,20 +665,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             target_dir=target_dir,
             draft_dir=draft_dir,
             ngram=ngram,
-            hybrid=hybrid,
             draft_replicas=args.draft_replicas,
             host=args.host,
             port=args.port,
-            num_steps=args.speculative_num_steps,
-            tree=tree_shape_of(args),
+            scheduler=scheduler_settings_of(args),
             aux_layer_convention=args.aux_layer_convention,
             dtype=placement.dtype,
             device=placement.device,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_waiting=args.max_waiting,
-            num_scheduler_steps=args.num_scheduler_steps,
-            adaptive_k=args.adaptive_k,
             cache=_cache(args, placement.attention_backend),
             launcher=args.launcher,
             ray_address=args.ray_address,
@@ -782,18 +791,7 @@ def run_service(args: argparse.Namespace) -> None:
             target_address=args.target_address,
             draft_addresses=tuple(args.draft_address),
             tokenizer_dir=args.tokenizer,
-            scheduler=SchedulerSettings(
-                num_steps=args.speculative_num_steps,
-                tree=tree_shape_of(args),
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_waiting=args.max_waiting,
-                num_scheduler_steps=args.num_scheduler_steps,
-                adaptive_k=args.adaptive_k,
-                hybrid=_hybrid(args),
-                target_timeout_s=args.target_timeout,
-                draft_timeout_s=args.draft_timeout,
-            ),
+            scheduler=scheduler_settings_of(args),
             default_max_new_tokens=args.default_max_new_tokens,
             max_request_bytes=args.max_request_bytes,
             scaler_address=args.scaler_address,

@@ -43,20 +43,15 @@ class ServeSettings:
     target_dir: Path
     draft_dir: Path | None  # None: no draft process (target-only, or ngram)
     ngram: NgramSettings | None = None  # --draft ngram: the orchestrator drafts by prompt lookup (draft_dir is None)
-    hybrid: HybridSettings | None = None  # --hybrid-ngram: prompt lookup merged into the draft model's drafts
     draft_replicas: int = 1
     host: str = "127.0.0.1"
     port: int = 50051
-    num_steps: int = 5
-    tree: TreeShape = field(default_factory=TreeShape)  # resolved against num_steps; topk 1: chains
+    # The orchestrator's: draft steps, tree shape (resolved; topk 1: chains), batching limits, timeouts, --hybrid-ngram.
+    # Drafts take its num_steps and tree too.
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     aux_layer_convention: str = "auto"
     dtype: str = "float32"  # resolved, as device (tandem.devices)
     device: str = "cpu"  # target rank 0's and every draft replica's: "cpu" or "cuda:N"
-    max_num_seqs: int = SchedulerSettings.max_num_seqs
-    max_num_batched_tokens: int = SchedulerSettings.max_num_batched_tokens
-    max_waiting: int = SchedulerSettings.max_waiting
-    num_scheduler_steps: int = SchedulerSettings.num_scheduler_steps
-    adaptive_k: bool = SchedulerSettings.adaptive_k
     cache: KVCacheSettings = field(default_factory=KVCacheSettings)  # the target's pool, and each replica's
     launcher: str = "process"  # "ray": tandem.ray_launcher
     ray_address: str | None = None  # the Ray cluster to join; None: start a local one
@@ -188,7 +183,7 @@ class Launcher:
                     process.wait(timeout=STOP_TIMEOUT_S)
 
     def scheduler_arguments(self) -> list[str]:
-        s = self.settings
+        s = self.settings.scheduler
         return [
             "--speculative-num-steps", str(s.num_steps),
             *tree_arguments(s.tree),
@@ -197,7 +192,9 @@ class Launcher:
             "--max-waiting", str(s.max_waiting),
             "--num-scheduler-steps", str(s.num_scheduler_steps),
             "--adaptive-k" if s.adaptive_k else "--no-adaptive-k",
-            *ngram_arguments(s.ngram),
+            "--target-timeout", str(s.target_timeout_s),
+            "--draft-timeout", str(s.draft_timeout_s),
+            *ngram_arguments(self.settings.ngram),
             *hybrid_arguments(s.hybrid),
         ]  # fmt: skip
 
@@ -237,8 +234,8 @@ class Launcher:
             "--model", str(s.draft_dir),
             "--target-address", target_address,
             "--replica-id", replica_id,
-            "--speculative-num-steps", str(s.num_steps),
-            *tree_arguments(s.tree),
+            "--speculative-num-steps", str(s.scheduler.num_steps),
+            *tree_arguments(s.scheduler.tree),
             "--aux-layer-convention", s.aux_layer_convention,
             "--dtype", s.dtype,
             "--device", s.device,
@@ -343,7 +340,7 @@ def ready_line(settings: ServeSettings, address: str, units: str, admin_address:
     if settings.ngram is not None:
         mode = "speculative, n-gram drafts in the orchestrator"
     elif settings.draft_dir is not None:
-        merged = " with n-gram drafts merged in" if settings.hybrid is not None else ""
+        merged = " with n-gram drafts merged in" if settings.scheduler.hybrid is not None else ""
         mode = f"speculative, {settings.draft_replicas} draft replicas{merged}"
     else:
         mode = "target-only"

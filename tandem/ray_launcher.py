@@ -33,7 +33,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from draft_server.settings import DraftSettings
-from orchestrator.settings import AdminSettings, HttpSettings, OrchestratorSettings, SchedulerSettings
+from orchestrator.settings import AdminSettings, HttpSettings, OrchestratorSettings
 from tandem.actor_security import ActorSecurity, ServiceSettings
 from tandem.errors import StartupError
 from tandem.launcher import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, ServeSettings, http_line, ready_line
@@ -334,16 +334,7 @@ class RayLauncher:
             target_address=target_address,
             draft_addresses=tuple(draft_addresses),
             tokenizer_dir=s.target_dir,
-            scheduler=SchedulerSettings(
-                num_steps=s.num_steps,
-                tree=s.tree,
-                max_num_seqs=s.max_num_seqs,
-                max_num_batched_tokens=s.max_num_batched_tokens,
-                max_waiting=s.max_waiting,
-                num_scheduler_steps=s.num_scheduler_steps,
-                adaptive_k=s.adaptive_k,
-                hybrid=s.hybrid,
-            ),
+            scheduler=s.scheduler,
             api_key=s.security.api_key,
             # On loopback of this machine (the orchestrator runs here); Scale answers FAILED_PRECONDITION on Ray.
             admin=AdminSettings(
@@ -371,8 +362,8 @@ class RayLauncher:
             model_dir=s.draft_dir,
             target_address=target_address,
             replica_id=replica_id,
-            num_steps=s.num_steps,
-            tree=s.tree,
+            num_steps=s.scheduler.num_steps,
+            tree=s.scheduler.tree,
             cache=s.cache,
             aux_layer_convention=cast(Convention, s.aux_layer_convention),  # the CLI offers only CONVENTIONS
             dtype=s.dtype,

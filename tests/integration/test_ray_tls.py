@@ -24,6 +24,7 @@ import pytest
 from tandem.certificates import CertificateFiles, make_certificates
 from tandem.transport import Insecure, Tls, TransportSecurity
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.helpers.secured_calls import call_code
 from tests.integration.stack import generate, run_to_exit, serve
 from tests.integration.test_greedy_equivalence import reference_greedy
 from tests.integration.test_ray import (  # two_cpus: autouse, the same two-CPU machine as test_ray.py
@@ -57,13 +58,11 @@ def private_copies(before: set[Path]) -> set[Path]:
 
 
 def target_info_code(address: str, security: TransportSecurity) -> grpc.StatusCode:
-    with security.channel(address) as channel:
-        try:
-            target_pb2_grpc.TargetStub(channel).GetInfo(target_pb2.TargetInfoRequest(), timeout=10)
-        except grpc.RpcError as error:
-            failed: Any = error  # a grpc.Call as well
-            return failed.code()
-    return grpc.StatusCode.OK
+    return call_code(
+        security,
+        address,
+        lambda channel: target_pb2_grpc.TargetStub(channel).GetInfo(target_pb2.TargetInfoRequest(), timeout=10),
+    )
 
 
 def greedy_over(address: str, security: TransportSecurity) -> list[int]:

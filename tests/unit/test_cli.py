@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import build_parser, main, tree_shape_of
+from tandem.cli import build_parser, main, scheduler_settings_of, tree_shape_of
 from tandem.launcher import Launcher, ServeSettings
 from tandem.settings import TreeShape
 
@@ -48,7 +48,7 @@ def test_tree_flags_reach_the_draft_and_orchestrator_command_lines() -> None:
             "3",
         ]
     )
-    settings = ServeSettings(target_dir=Path("t"), draft_dir=Path("d"), num_steps=3, tree=tree_shape_of(args))
+    settings = ServeSettings(target_dir=Path("t"), draft_dir=Path("d"), scheduler=scheduler_settings_of(args))
     launcher = Launcher(settings)
     for command in (
         launcher.draft_arguments("draft-0", "127.0.0.1:1"),
@@ -70,3 +70,18 @@ def test_tree_flags_reach_the_draft_and_orchestrator_command_lines() -> None:
 def test_inconsistent_tree_flags_stop_the_command_naming_them(flags: list[str], message: str) -> None:
     with pytest.raises(SystemExit, match=message):
         main(["serve", "--speculative-num-steps", "3", *flags])
+
+
+def test_every_scheduler_flag_of_serve_reaches_the_orchestrator_command_line() -> None:
+    flags = [
+        "--speculative-num-steps", "4", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6",
+        "--max-num-seqs", "7", "--max-num-batched-tokens", "300", "--max-waiting", "9", "--num-scheduler-steps", "2",
+        "--adaptive-k", "--target-timeout", "12.5", "--draft-timeout", "3.5", "--hybrid-ngram", "--ngram-max", "5",
+    ]  # fmt: skip
+    scheduler = scheduler_settings_of(build_parser().parse_args(["serve", *flags]))
+    settings = ServeSettings(target_dir=Path("t"), draft_dir=Path("d"), scheduler=scheduler)
+    arguments = Launcher(settings).scheduler_arguments()
+    orchestrator = build_parser().parse_args(["orchestrator", "--target-address", "a", "--tokenizer", "t", *arguments])
+    assert scheduler_settings_of(orchestrator) == scheduler
+    assert (scheduler.num_steps, scheduler.max_num_batched_tokens, scheduler.draft_timeout_s) == (4, 300, 3.5)
+    assert scheduler.hybrid is not None and scheduler.hybrid.ngram.max_n == 5

@@ -160,7 +160,7 @@ def test_serve_hybrid_gives_the_orchestrator_its_sizes() -> None:
     hybrid = _hybrid(args)
     assert hybrid == HybridSettings(NgramSettings(max_n=5, min_n=HybridSettings().ngram.min_n))
     assert _ngram(args) is None
-    settings = ServeSettings(target_dir=Path("t"), draft_dir=Path("d"), hybrid=hybrid)
+    settings = ServeSettings(target_dir=Path("t"), draft_dir=Path("d"), scheduler=SchedulerSettings(hybrid=hybrid))
     arguments = Launcher(settings).scheduler_arguments()
     orchestrator = build_parser().parse_args(["orchestrator", "--target-address", "a", "--tokenizer", "t", *arguments])
     assert _hybrid(orchestrator) == hybrid

@@ -6,14 +6,12 @@ import asyncio
 import ipaddress
 import stat
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.x509.oid import ExtendedKeyUsageOID
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.admin import address_allowed
 from orchestrator.main import check_admin_settings
@@ -25,6 +23,7 @@ from tandem.errors import StartupError
 from tandem.serve_security import ServeSecurity
 from tandem.serving import ListenSettings, start_server
 from tandem.transport import Insecure, Tls, TransportConfigError, TransportSecurity, internal_security
+from tests.helpers.secured_calls import health_code
 
 KEY = "s3cret-key-123"
 
@@ -124,17 +123,6 @@ def test_transport_flags_that_do_not_fit_are_refused_by_name(tmp_path: Path) -> 
         Tls(files.cert, files.key, tmp_path / "nothing.pem", client_auth=True).server_credentials()
 
 
-def _health(security: TransportSecurity, address: str) -> grpc.StatusCode:
-    """The status of a health check through `security` (OK when it was answered)."""
-    with security.channel(address) as channel:
-        try:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        except grpc.RpcError as error:
-            failed: Any = error  # a grpc.Call as well
-            return failed.code()
-    return grpc.StatusCode.OK
-
-
 def test_mutual_tls_server_serves_only_clients_of_its_ca(tmp_path: Path) -> None:
     ours_dir, theirs_dir = tmp_path / "ours", tmp_path / "theirs"
     ours_dir.mkdir()
@@ -154,7 +142,7 @@ def test_mutual_tls_server_serves_only_clients_of_its_ca(tmp_path: Path) -> None
                 "certificate of another CA": Tls(theirs.cert, theirs.key, ours.ca),
                 "trusting another CA": Tls(ours.cert, ours.key, theirs.ca),
             }
-            return {name: await asyncio.to_thread(_health, client, address) for name, client in clients.items()}
+            return {name: await asyncio.to_thread(health_code, client, address) for name, client in clients.items()}
         finally:
             await server.stop(grace=None)
 

@@ -5,29 +5,17 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.certificates import make_certificates
 from tandem.cli import main as cli_main
 from tandem.serving import ListenSettings, start_server
 from tandem.transport import Insecure, Tls, TransportConfigError, TransportSecurity
+from tests.helpers.secured_calls import health_code
 
 SERVICE_NAME = "rel-tandem-draft-headless"  # what the chart's certificate names; never the address dialled
-
-
-def _health(security: TransportSecurity, address: str) -> grpc.StatusCode:
-    """The status of a health check through `security` (OK when it was answered)."""
-    with security.channel(address) as channel:
-        try:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        except grpc.RpcError as error:
-            failed: Any = error  # a grpc.Call as well
-            return failed.code()
-    return grpc.StatusCode.OK
 
 
 def test_a_certificate_for_another_name_is_accepted_only_under_that_name(tmp_path: Path) -> None:
@@ -46,7 +34,7 @@ def test_a_certificate_for_another_name_is_accepted_only_under_that_name(tmp_pat
                 "another name": client.with_server_name("rel-tandem-target"),
                 "service name reset": client.with_server_name(SERVICE_NAME).with_server_name(None),
             }
-            return {name: await asyncio.to_thread(_health, security, address) for name, security in clients.items()}
+            return {name: await asyncio.to_thread(health_code, security, address) for name, security in clients.items()}
         finally:
             await server.stop(grace=None)
 
