@@ -380,12 +380,14 @@ ADMIN = re.compile(r"admin on ([^\s,)]+)")
 class ServeProcess:
     """`tandem serve ...` started as a child process, for tools and tests that need a running stack.
 
-    Collects the merged output in `log` and exposes the public address once the ready line appears.
+    Collects the merged output in `log` and exposes the public address once the ready line appears. The stack ends
+    with the process that started it, however that process ends (tandem.lifetime): a benchmark killed by the OOM
+    killer or by SIGKILL leaves no stack behind.
     """
 
     def __init__(self, arguments: Sequence[str], ready_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         command = [sys.executable, "-m", "tandem.cli", "serve", *arguments]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.process = start_child(command, pipe_output=True)
         self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
         self.address = self._wait_ready(ready_timeout_s)
@@ -397,7 +399,7 @@ class ServeProcess:
     def _pump(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            self.log.append(line)
+            self.log.append(line.decode(errors="replace"))
 
     def _wait_ready(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s

@@ -37,14 +37,18 @@ ON_LINUX = sys.platform.startswith("linux")  # where PR_SET_PDEATHSIG exists
 
 
 def start_child(
-    command: Sequence[str], start_new_session: bool = False, env: Mapping[str, str] | None = None
+    command: Sequence[str],
+    start_new_session: bool = False,
+    env: Mapping[str, str] | None = None,
+    pipe_output: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Starts `command` as a child process that gets SIGTERM when this process ends (see the module docstring).
 
-    `env`: the child's whole environment (None: this process's)."""
+    `env`: the child's whole environment (None: this process's). `pipe_output`: its stdout and stderr, merged, are
+    the returned process's `stdout` pipe (bytes)."""
     if ON_LINUX:
         command = [sys.executable, "-m", __name__, str(os.getpid()), *command]
-    return FORKING_THREAD.popen(command, start_new_session, env)
+    return FORKING_THREAD.popen(command, start_new_session, env, pipe_output)
 
 
 class ForkingThread:
@@ -59,14 +63,23 @@ class ForkingThread:
         self._lock = threading.Lock()
 
     def popen(
-        self, command: Sequence[str], start_new_session: bool, env: Mapping[str, str] | None = None
+        self,
+        command: Sequence[str],
+        start_new_session: bool,
+        env: Mapping[str, str] | None = None,
+        pipe_output: bool = False,
     ) -> subprocess.Popen[bytes]:
         """subprocess.Popen(command) forked on this thread."""
         result: Future[subprocess.Popen[bytes]] = Future()
+        stdout, stderr = (subprocess.PIPE, subprocess.STDOUT) if pipe_output else (None, None)
 
         def fork() -> None:
             try:
-                result.set_result(subprocess.Popen(command, start_new_session=start_new_session, env=env))
+                result.set_result(
+                    subprocess.Popen(
+                        command, start_new_session=start_new_session, env=env, stdout=stdout, stderr=stderr
+                    )
+                )
             except BaseException as error:  # raised on the caller's thread instead
                 result.set_exception(error)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,3 +119,44 @@ def test_every_process_ends_with_a_sigkilled_serve(llama_target: Path, random_dr
         expected.append("rank 1/2: stopped by rank 0")
         logged = wait_until(lambda: all(any(line in entry for entry in stack.log) for line in expected), LOG_TIMEOUT_S)
         assert logged, "".join(stack.log)
+
+
+TOOL = """
+import sys
+from tandem.launcher import ServeProcess
+stack = ServeProcess(sys.argv[1:])
+print(stack.process.pid, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def test_a_stack_started_by_a_tool_ends_with_the_tool(llama_target: Path, random_draft: Path) -> None:
+    """`tandem bench` and the load test start their stack through ServeProcess: killed (SIGKILL, or the OOM killer),
+    they leave no stack behind."""
+    arguments = ["--target", str(llama_target), "--draft", str(random_draft), "--port", "0", "--no-http"]
+    tool = subprocess.Popen(
+        [sys.executable, "-c", TOOL, *arguments], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    processes: list[Process] = []
+    try:
+        assert tool.stdout is not None
+        serve_pid = int(tool.stdout.readline())
+        processes = descendants(tool.pid)
+        assert serve_pid in {process.pid for process in processes}
+        assert sorted(process.name for process in processes) == [
+            "tandem.cli draft",
+            "tandem.cli orchestrator",
+            "tandem.cli serve",
+            "tandem.cli target",
+        ]
+        tool.kill()
+        tool.wait()
+        ended = wait_until(lambda: not any(is_running(process) for process in processes), GONE_TIMEOUT_S)
+        left = [process for process in processes if is_running(process)]
+        assert ended, f"still running {GONE_TIMEOUT_S:.0f} s after the tool was killed: {left}"
+    finally:
+        tool.kill()
+        tool.wait()
+        for process in processes:
+            if is_running(process):
+                os.kill(process.pid, signal.SIGKILL)
