@@ -63,16 +63,18 @@ class Attention(nn.Module):
         cache: PagedKVCache,
     ) -> torch.Tensor:  # -> [num_tokens, output_size]
         num_tokens = hidden.shape[0]
-        query, key, value = self.qkv_proj(hidden).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
-            dim=-1,
-        )
-        query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        packed = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        value = packed[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = self.rotary(metadata.positions, query, key)
+            query = self.q_norm(packed[:, :q_size].view(num_tokens, self.num_heads, self.head_dim))
+            key = self.k_norm(packed[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            query, key = self.rotary(metadata.positions, query, key)
+        else:
+            # Query and key heads sit side by side in the packed projection: one rotation turns them all.
+            heads = packed[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            rotated = self.rotary.rotate(metadata.positions, heads)
+            query, key = rotated[:, : self.num_heads], rotated[:, self.num_heads :]
         attended = metadata.attention.attend(
             query,
             key,

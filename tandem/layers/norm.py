@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -22,6 +23,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
         dtype = hidden.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32 and not self.unit_offset:
+            # Already float32: the same normalisation as below, in one operation instead of nine.
+            return F.rms_norm(hidden, self.weight.shape, self.weight, self.eps)
         hidden = hidden.float()
         hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:

@@ -109,30 +109,50 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotate(positions, query), self.rotate(positions, key)
+
+    def rotate(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        heads: torch.Tensor,  # [num_tokens, any number of heads, head_dim]
+    ) -> torch.Tensor:  # -> the same shape
+        """Rotates every head of each token by its position. Queries and keys that sit side by side in one tensor
+        (the q/k part of a packed projection) go through one call, which is fewer operations than two."""
         cos, sin = self._cos_sin(positions)
         if self.interleaved:
-            return _rotate_interleaved(query, cos, sin), _rotate_interleaved(key, cos, sin)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+            return _rotate_interleaved(heads, cos, sin)
+        return _rotate(heads, cos, sin)
 
     def _cos_sin(
         self, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # -> [num_tokens, 1, head_dim] each (head_dim // 2 interleaved)
+        """cos and sin of every rotated dimension; for rotate-half the sin carries the sign of the dimension's pair
+        partner (negative in the first half), so that a rotation is x * cos + roll(x, head_dim / 2) * sin."""
         if self._last is not None and self._last[0] is positions:
             return self._last[1], self._last[2]
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
-        angles = freqs if self.interleaved else torch.cat((freqs, freqs), dim=-1)
-        angles = angles[:, None, :]
-        cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+        cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        if not self.interleaved:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        cos, sin = cos[:, None, :], sin[:, None, :]
         self._last = (positions, cos, sin)
         return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(
+    x: torch.Tensor,  # [num_tokens, heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    signed_sin: torch.Tensor,  # [num_tokens, 1, head_dim], negative in the first half
+) -> torch.Tensor:
+    # Dimension i < half becomes x_i cos - x_{i+half} sin and dimension i + half becomes x_{i+half} cos + x_i sin:
+    # rolling by half brings each dimension's partner to it, and the signed sin gives the minus.
     half = x.shape[-1] // 2
-    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated_half.float() * sin).to(x.dtype)
+    if x.dtype == torch.float32:
+        return x * cos + x.roll(half, dims=-1) * signed_sin
+    wide = x.float()
+    return (wide * cos + wide.roll(half, dims=-1) * signed_sin).to(x.dtype)
 
 
 def _rotate_interleaved(

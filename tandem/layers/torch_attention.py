@@ -23,6 +23,9 @@ class _SequencePlan:
     rows: slice  # its query rows of the packed batch
     start: int  # KV rows before its new tokens
     context_slots: torch.Tensor | None  # [kv_len] pool slot of every KV row it sees; None: fresh (start == 0)
+    # The same slots as one range of the pool when its pages follow each other (the pool hands out blocks in
+    # order, so a lone request's usually do): its context is then a view of the pool, not a gathered copy.
+    context_range: slice | None
     mask: torch.Tensor | None  # [query_len, kv_len] bool; None: every key visible
     tree: bool
 
@@ -41,10 +44,14 @@ class TorchAttentionStep:
             query_len = rows.stop - rows.start
             start = kv_len - query_len
             tree_mask = page_table.custom_masks[index]
-            context_slots = None
+            context_slots, context_range = None, None
             if start > 0:
                 own_pages = pages[page_bounds[index] : page_bounds[index + 1]]
-                context_slots = (own_pages[:, None] * page_size + offsets).flatten()[:kv_len].to(device)
+                first, count = int(own_pages[0]), len(own_pages)
+                if own_pages.tolist() == list(range(first, first + count)):
+                    context_range = slice(first * page_size, first * page_size + kv_len)
+                else:
+                    context_slots = (own_pages[:, None] * page_size + offsets).flatten()[:kv_len].to(device)
             mask = None
             if tree_mask is not None:
                 seen_context = torch.ones((query_len, start), dtype=torch.bool, device=device)
@@ -53,7 +60,7 @@ class TorchAttentionStep:
                 key_index = torch.arange(kv_len, device=device)
                 query_row = torch.arange(start, kv_len, device=device)
                 mask = key_index[None, :] <= query_row[:, None]
-            self.sequences.append(_SequencePlan(rows, start, context_slots, mask, tree_mask is not None))
+            self.sequences.append(_SequencePlan(rows, start, context_slots, context_range, mask, tree_mask is not None))
         self._windowed_masks: dict[int, list[torch.Tensor | None]] = {}
 
     def attend(
@@ -66,8 +73,8 @@ class TorchAttentionStep:
         scaling: float | None,
         sliding_window: int | None,
     ) -> torch.Tensor:  # -> [num_tokens, num_heads, head_dim]
-        layer_keys.index_copy_(0, self.write_slots, key.to(layer_keys.dtype))
-        layer_values.index_copy_(0, self.write_slots, value.to(layer_values.dtype))
+        layer_keys.index_copy_(0, self.write_slots, _as(key, layer_keys.dtype))
+        layer_values.index_copy_(0, self.write_slots, _as(value, layer_values.dtype))
         masks = self._masks(sliding_window)
         if len(self.sequences) == 1:  # no packing: attend straight into the output
             keys, values = self._context(self.sequences[0], key, value, layer_keys, layer_values)
@@ -86,13 +93,15 @@ class TorchAttentionStep:
         latent_dim: int,
         scaling: float,
     ) -> torch.Tensor:  # -> [num_tokens, num_heads, latent_dim]
-        layer_rows.index_copy_(0, self.write_slots, rows.to(layer_rows.dtype))
+        layer_rows.index_copy_(0, self.write_slots, _as(rows, layer_rows.dtype))
         output = query.new_empty(query.shape[0], query.shape[1], latent_dim)
         for sequence in self.sequences:
-            if sequence.context_slots is None:
+            if sequence.context_range is not None:
+                context = _as(layer_rows[sequence.context_range], query.dtype)
+            elif sequence.context_slots is None:
                 context = rows[sequence.rows]
             else:
-                context = layer_rows.index_select(0, sequence.context_slots).to(query.dtype)
+                context = _as(layer_rows.index_select(0, sequence.context_slots), query.dtype)
             output[sequence.rows] = _attend(
                 query[sequence.rows], context, context[..., :latent_dim], sequence.mask, scaling
             )
@@ -106,11 +115,15 @@ class TorchAttentionStep:
         layer_keys: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
         layer_values: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # -> keys, values [kv_len, num_kv_heads, head_dim]
+        if sequence.context_range is not None:
+            return _as(layer_keys[sequence.context_range], key.dtype), _as(
+                layer_values[sequence.context_range], value.dtype
+            )
         if sequence.context_slots is None:
             # Fresh sequence (prefill from position 0): its KV is exactly this step's keys and values.
             return key[sequence.rows], value[sequence.rows]
-        keys = layer_keys.index_select(0, sequence.context_slots).to(key.dtype)
-        return keys, layer_values.index_select(0, sequence.context_slots).to(value.dtype)
+        keys = _as(layer_keys.index_select(0, sequence.context_slots), key.dtype)
+        return keys, _as(layer_values.index_select(0, sequence.context_slots), value.dtype)
 
     def _masks(self, sliding_window: int | None) -> list[torch.Tensor | None]:
         if sliding_window is None:
@@ -141,6 +154,11 @@ class TorchAttentionBackend:
 
     def plan(self, page_table: PageTable) -> TorchAttentionStep:
         return TorchAttentionStep(page_table)
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """tensor in dtype; a tensor already in it is returned without a call into torch (this runs per layer)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _attend(

@@ -149,3 +149,24 @@ def test_tree_rows_see_the_context_and_their_ancestors_only(tree: str, sliding_w
             sliding_window,
         )
         assert (output[row : row + 1] - expected).abs().max().item() <= TOLERANCE, f"tree row {row}"
+
+
+def test_a_context_in_consecutive_pages_attends_like_a_scattered_one() -> None:
+    # A sequence whose pages follow each other is read as one range of the pool; one whose pages are scattered is
+    # gathered slot by slot. Both must give the same attention.
+    generator = torch.Generator().manual_seed(2)
+    queries = torch.randn(11, NUM_HEADS, HEAD_DIM, generator=generator)
+    keys = torch.randn(11, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    values = torch.randn(11, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    expected = reference_attention(queries[9:], keys, values, torch.arange(9, 11), None, None)
+    for scattered in (False, True):
+        cache = PagedKVCache(1, 16, 4, NUM_KV_HEADS, HEAD_DIM, torch.float32)
+        sequence = SequenceKV()
+        for start, end in ((0, 5), (5, 9), (9, 11)):
+            if scattered and start == 5:
+                cache.plan([(SequenceKV(), 4)])  # another sequence takes the next page: the sequence's skip one
+            metadata = cache.plan([(sequence, end - start)])
+            output = attend(metadata, cache, queries[start:end], keys[start:end], values[start:end], None, None)
+        plan = metadata.attention.sequences[0]
+        assert (plan.context_range is None) == scattered, sequence.block_ids
+        assert (output - expected).abs().max().item() <= TOLERANCE
