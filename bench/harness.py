@@ -29,6 +29,7 @@ class RequestResult:
     scheduling_seconds: float
     latency_seconds: float
     first_token_seconds: float
+    draft_ahead_seconds: float = 0.0  # draft compute done ahead of the Propose that took it (not in the four above)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class RunResult:
             "verify": 1000 * sum(r.verify_seconds for r in self.requests) / rounds,
             "wire": 1000 * sum(r.wire_seconds for r in self.requests) / rounds,
             "scheduling": 1000 * sum(r.scheduling_seconds for r in self.requests) / rounds,
+            "drafted_ahead": 1000 * sum(r.draft_ahead_seconds for r in self.requests) / rounds,
         }
 
 
@@ -141,6 +143,7 @@ async def _one(generate: Generate, request: orchestrator_pb2.GenerateRequest, pr
                 scheduling_seconds=stats.scheduling_seconds,
                 latency_seconds=time.perf_counter() - started,
                 first_token_seconds=first_token or 0.0,
+                draft_ahead_seconds=stats.draft_ahead_seconds,
             )
     raise RuntimeError("a stream ended without finish_reason")
 

@@ -147,8 +147,16 @@ def _identical(mine: RunResult, reference: RunResult) -> str:
 TABLE_HEADER = (
     "| setup | concurrency | tok/s | tok/s (target-only) | speedup | vs HF greedy | vs HF prompt-lookup "
     "| target-only vs HF greedy | split / colocated | identical to target-only | mean acceptance length "
-    "| acceptance per position | per round ms: draft / verify / wire / scheduling | outside compute ms/round |"
+    "| acceptance per position | per round ms: draft / verify / wire / scheduling (+ drafted ahead) "
+    "| outside compute ms/round |"
 )
+
+
+def _per_round(timing: dict[str, float]) -> str:
+    """Where a round's time went; draft compute done ahead (off the round's path) follows in brackets."""
+    phases = " / ".join(f"{timing[phase]:.2f}" for phase in ("draft", "verify", "wire", "scheduling"))
+    ahead = timing.get("drafted_ahead", 0.0)
+    return f"{phases} (+ {ahead:.2f})" if ahead else phases
 
 
 def _drafts(settings: dict[str, Any]) -> str:
@@ -183,7 +191,10 @@ def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, An
         "tok/s: speculative for Tandem rows. HF: Hugging Face transformers `generate` on the same target checkpoint "
         "(AutoModelForCausalLM, SDPA, DynamicCache, same dtype and length), batch 1, one prompt after another; "
         f"prompt-lookup with `prompt_lookup_num_tokens={settings.get('prompt_lookup_num_tokens')}`. Its rows count "
-        "the prompts identical to Tandem's split target-only completions. Outside compute: wire + scheduling.",
+        "the prompts identical to Tandem's split target-only completions. Outside compute: wire + scheduling. "
+        "Drafted ahead: draft compute a replica did as soon as the target's rows arrived, before it was asked, "
+        "while the target's answer and the next Propose travelled; the draft column is what the round still waited "
+        "for.",
         "",
         TABLE_HEADER,
         "|" + "---|" * (TABLE_HEADER.count("|") - 1),
@@ -203,7 +214,7 @@ def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, An
             row["identical_outputs"] or "–",
             row["mean_acceptance_length"],
             " ".join(f"{a:.2f}" for a in row["acceptance_per_position"]),
-            " / ".join(f"{timing[phase]:.2f}" for phase in ("draft", "verify", "wire", "scheduling")),
+            _per_round(timing),
             f"{row['outside_compute_ms_per_round']:.2f}",
         ]
         lines.append(_table_row(cells))

@@ -4,6 +4,12 @@ Start-up: read the target's info, load the draft (draft_server.formats: check co
 capture indices), pull the shared tables the checkpoint lacks from the target, subscribe to the target's
 hidden-state stream. Per round, Propose joins the orchestrator's request with the target's rows for
 the same (request id, round) and runs the runner on one worker thread.
+
+Drafting ahead: rows that carry `draft_ahead` (the orchestrator asked for it in the step item) are drafted as soon
+as the step's last message (`step_end`) arrives, one batch for the step, while the target's answer travels to the
+orchestrator and its Propose travels here. Propose then takes the drafts made ahead (waiting for them if they are
+still being made) when it asks for the same number of steps, the first ones of a longer chain, and drafts again
+from the same rows otherwise. Rows a Propose already waits for are never drafted ahead.
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -30,6 +37,20 @@ from tandem.wire.codec import tensor_from_proto
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
+Key = tuple[str, int]  # (request id, round)
+
+
+@dataclass
+class DraftedAhead:
+    """One request's drafts made ahead, from `rows`, for `num_steps` steps; `done` once the batch ran."""
+
+    rows: TargetRows
+    num_steps: int
+    done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    proposal: Any = None  # the runner's proposal (a list of tokens or a DraftTree)
+    exhausted: str | None = None  # why the pool could not hold the request (it was dropped, like a Propose's)
+    started: float = 0.0  # perf_counter at the start and end of its batch's compute
+    finished: float = 0.0
 
 
 class DraftService(draft_pb2_grpc.DraftServicer):
@@ -39,8 +60,12 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self.runner = runner
         self.prepared = prepared
         self.settings = settings
-        self._rows: dict[tuple[str, int], tuple[TargetRows, float]] = {}
+        self._rows: dict[Key, tuple[TargetRows, float]] = {}
         self._arrived = asyncio.Condition()
+        self._ahead_wanted: dict[Key, int] = {}  # rows of this step to draft ahead, and their steps
+        self._ahead: dict[Key, tuple[DraftedAhead, float]] = {}  # drafts made (or being made) ahead, arrival time
+        self._asked: set[Key] = set()  # rows a Propose is waiting for: never drafted ahead
+        self.drafted_ahead = 0  # proposals answered with drafts made ahead (GetInfo)
         self.model_thread = model_thread  # every runner call goes through it, one at a time
         self.leases = Leases(settings.cache.orphan_timeout_s)  # which orchestrator session drafts which request
         self.propose_listeners: list[Callable[[float], None]] = []  # called with each Propose's compute seconds
@@ -61,7 +86,31 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                     except DraftRequestError as error:
                         LOG.warning("request %s round %d: %s; keeping the later rows", *key, error)
                 self._rows[key] = (rows, time.monotonic())
+                if message.draft_ahead > 0 and key not in self._asked:
+                    self._ahead_wanted[key] = message.draft_ahead
+                if message.step_end and self._ahead_wanted:
+                    self._start_ahead(self._ahead_wanted)
+                    self._ahead_wanted = {}
                 self._arrived.notify_all()
+
+    def _start_ahead(self, wanted: Mapping[Key, int]) -> None:
+        """Takes the rows of `wanted` (key -> steps) and drafts them as one batch on the model thread. Runs under
+        the rows' lock, with no await before the batch is queued on the model thread: a Release handled after this
+        is queued after the batch, so it frees what the batch drafted."""
+        batch: dict[Key, DraftedAhead] = {}
+        for key, steps in wanted.items():
+            if key in self._asked or key not in self._rows:
+                continue
+            batch[key] = DraftedAhead(self._pop_rows(*key), steps)
+        if not batch:
+            return
+        now = time.monotonic()
+        for key, ahead in batch.items():
+            self._ahead[key] = (ahead, now)
+        inputs = [ProposeInput(key[0], ahead.rows, ahead.num_steps) for key, ahead in batch.items()]
+        self.model_thread.start(_timed_proposals, self.runner, inputs).add_done_callback(
+            lambda done: _settle(batch, done)
+        )
 
     async def GetInfo(
         self, request: draft_pb2.DraftInfoRequest, context: grpc.aio.ServicerContext
@@ -75,6 +124,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             running_requests=len(self.runner.requests),
             kv_blocks_total=self.runner.cache.num_blocks,
             kv_blocks_free=self.runner.cache.num_free_blocks,
+            drafted_ahead=self.drafted_ahead,
         )
 
     async def Propose(
@@ -95,24 +145,49 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         # target streams a round's rows when its step ends and the orchestrator proposes only after reading that
         # step's answer, so the rows normally arrive first and this stays near 0; when it does not, the
         # target->draft stream is what the round waits for. Calls that fail while waiting are not timed.
-        waiting = time.perf_counter()
+        arrived = time.perf_counter()
+        steps = {item.request_id: item.num_steps or self.settings.num_steps for item in request.items}
+        ahead: dict[str, DraftedAhead] = {}
         inputs = []
         for item in request.items:
+            made = self._take_ahead(item.request_id, item.round)
+            if made is not None:
+                ahead[item.request_id] = made
+                continue
             try:
                 rows = await self._take_rows(item.request_id, item.round, item.rows_end)
             except DraftRequestError as error:
                 raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, f"request {item.request_id!r}: {error}") from None
-            inputs.append(ProposeInput(item.request_id, rows, item.num_steps or self.settings.num_steps))
-        started = time.perf_counter()
+            inputs.append(ProposeInput(item.request_id, rows, steps[item.request_id]))
+        waited = time.perf_counter()
         for listener in self.rows_wait_listeners:
-            listener(started - waiting)
-        try:
-            drafts, exhausted = await self._run(propose_what_fits, self.runner, inputs)
-        except DraftRequestError as error:
-            raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
-        response = draft_pb2.ProposeResponse(compute_seconds=time.perf_counter() - started)
+            listener(waited - arrived)
+        drafts: dict[str, Any] = {}
+        exhausted: dict[str, str] = {}
+        ahead_seconds = 0.0
+        for request_id, made in ahead.items():
+            await self._drafted(request_id, made)
+            ahead_seconds += max(0.0, min(made.finished, arrived) - made.started)
+            if made.exhausted is not None:
+                exhausted[request_id] = made.exhausted
+            elif (usable := _usable(made, steps[request_id])) is not None:
+                drafts[request_id] = usable
+                self.drafted_ahead += 1
+            else:  # another length than drafted ahead: draft again from the same rows
+                inputs.append(ProposeInput(request_id, made.rows, steps[request_id]))
+        ahead_waited = max((made.finished for made in ahead.values()), default=arrived) - arrived
+        started = time.perf_counter()
+        if inputs:
+            try:
+                more, more_exhausted = await self._run(propose_what_fits, self.runner, inputs)
+            except DraftRequestError as error:
+                raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
+            drafts.update(more)
+            exhausted.update(more_exhausted)
+        compute = max(0.0, ahead_waited) + (time.perf_counter() - started if inputs else 0.0)
+        response = draft_pb2.ProposeResponse(compute_seconds=compute, ahead_seconds=ahead_seconds)
         for listener in self.propose_listeners:
-            listener(response.compute_seconds)
+            listener(response.compute_seconds + response.ahead_seconds)
         now = time.monotonic()
         for item in request.items:
             self.leases.own(session, item.request_id, now)
@@ -128,6 +203,27 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 )
         return response
 
+    def _take_ahead(self, request_id: str, round_number: int) -> DraftedAhead | None:
+        """The drafts made (or being made) ahead for this round, if any."""
+        entry = self._ahead.pop((request_id, round_number), None)
+        return entry[0] if entry is not None else None
+
+    async def _drafted(self, request_id: str, made: DraftedAhead) -> None:
+        """Waits for a draft-ahead batch; raises CallFailed, as a Propose's own drafting would, when it failed."""
+        try:
+            await asyncio.wait_for(asyncio.shield(made.done), self.settings.rows_timeout_s)
+        except TimeoutError:
+            raise CallFailed(
+                grpc.StatusCode.UNAVAILABLE,
+                f"request {request_id!r}: drafting ahead took more than {self.settings.rows_timeout_s} s",
+            ) from None
+        except DraftRequestError as error:
+            raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, f"request {request_id!r}: {error}") from None
+        except Exception as error:
+            raise CallFailed(
+                grpc.StatusCode.INTERNAL, f"request {request_id!r}: drafting ahead failed: {error!r}"
+            ) from None
+
     async def Release(
         self, request: draft_pb2.DraftReleaseRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.DraftReleaseResponse:
@@ -138,6 +234,9 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         async with self._arrived:
             for key in [key for key in self._rows if key[0] in released]:
                 del self._rows[key]
+            for key in [key for key in self._ahead if key[0] in released]:
+                del self._ahead[key]
+            self._ahead_wanted = {key: steps for key, steps in self._ahead_wanted.items() if key[0] not in released}
         await self._run(self.runner.release, list(released))
         self.leases.forget(list(released))
 
@@ -168,6 +267,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
 
         async with self._arrived:
             self._drop_stale_rows()
+            self._asked.add(key)
             try:
                 await asyncio.wait_for(self._arrived.wait_for(arrived), self.settings.rows_timeout_s)
             except TimeoutError:
@@ -176,8 +276,15 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                     f"no hidden states from the target for request {request_id!r} round {round_number} "
                     f"within {self.settings.rows_timeout_s} s",
                 ) from None
-            earlier = sorted(k for k in self._rows if k[0] == request_id and k[1] < round_number)
-            parts = [self._rows.pop(k)[0] for k in (*earlier, key)]
+            finally:
+                self._asked.discard(key)
+            return self._pop_rows(request_id, round_number)
+
+    def _pop_rows(self, request_id: str, round_number: int) -> TargetRows:
+        """Takes the request's rows of this round, after those of earlier rounds it was not asked to draft for
+        (the orchestrator chose k = 0 then); the caller holds the rows' lock."""
+        earlier = sorted(k for k in self._rows if k[0] == request_id and k[1] < round_number)
+        parts = [self._rows.pop(k)[0] for k in (*earlier, (request_id, round_number))]
         rows = parts[0]
         for later in parts[1:]:
             # Rows that start where the earlier ones start, or before, restart the request (a recompute after
@@ -195,9 +302,47 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         oldest = time.monotonic() - self.settings.rows_ttl_s
         for key in [key for key in self._rows if latest[key[0]] < oldest]:
             del self._rows[key]
+        # Drafts made ahead for a round nobody asked for (the request finished, moved, or went on target-only).
+        for key in [key for key, (_, made_at) in self._ahead.items() if made_at < oldest]:
+            del self._ahead[key]
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
         return await self.model_thread.run(function, *args)
+
+
+def _timed_proposals(
+    runner: ProposalRunner, inputs: Sequence[ProposeInput]
+) -> tuple[dict[str, Any], dict[str, str], float, float]:  # -> drafts, exhausted, started, finished
+    started = time.perf_counter()
+    drafts, exhausted = propose_what_fits(runner, inputs)
+    return drafts, exhausted, started, time.perf_counter()
+
+
+def _settle(batch: Mapping[Key, DraftedAhead], done: asyncio.Future[Any]) -> None:
+    """Hands each request of a draft-ahead batch its outcome; a failed batch fails each of them."""
+    error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+    if error is None:
+        drafts, exhausted, started, finished = done.result()
+    for (request_id, _), made in batch.items():
+        if error is not None:
+            made.done.set_exception(error)
+            made.done.exception()  # retrieved: a Propose that asks still gets it; one nobody asks for is not logged
+            continue
+        made.proposal, made.exhausted = drafts.get(request_id), exhausted.get(request_id)
+        made.started, made.finished = started, finished
+        made.done.set_result(None)
+    if error is not None and not isinstance(error, DraftRequestError):
+        LOG.error("drafting ahead for %d requests failed: %r", len(batch), error)
+
+
+def _usable(made: DraftedAhead, num_steps: int) -> Any:
+    """The drafts made ahead as a Propose for num_steps takes them: all when the steps match, the first num_steps
+    of a longer chain; None when they must be drafted again (a longer chain, or a tree of another size)."""
+    if made.num_steps == num_steps:
+        return made.proposal
+    if isinstance(made.proposal, list) and num_steps < made.num_steps:
+        return made.proposal[:num_steps]
+    return None
 
 
 async def start_draft(settings: DraftSettings) -> tuple[DraftService, asyncio.Task[None], grpc.aio.Channel]:

@@ -59,6 +59,9 @@ class StepTask:
     replay: bool = False
     top_logprobs: int | None = None  # report the new tokens' logprobs and this many best tokens; None: no logprobs
     decode_steps: int = 1  # without drafts: decode up to this many tokens in this one step (a forward pass each)
+    # When this item commits tokens, the replica its rows go to may draft this many steps for the next round at once,
+    # before it is asked (0: when asked). A backend whose draft cannot run beside the target ignores it.
+    draft_ahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,9 @@ class ProposedBatch:
     # request id -> its drafts' parents (a tree: the parent's index among them, -1 the last committed token); a
     # request not here has a chain.
     parents: dict[str, list[int]] = field(default_factory=dict)
+    # Draft compute for these requests done before the call (drafted ahead, StepTask.draft_ahead); compute_seconds
+    # is what the call still waited for.
+    ahead_seconds: float = 0.0
 
 
 class TargetBackend(Protocol):

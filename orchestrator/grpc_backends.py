@@ -181,6 +181,7 @@ def _step_item(task: StepTask) -> target_pb2.StepItem:
         logprobs=task.top_logprobs is not None,
         top_logprobs=task.top_logprobs or 0,
         decode_steps=task.decode_steps,
+        draft_ahead=task.draft_ahead,
     )
     if task.open is not None:
         sampling = task.open.sampling
@@ -221,7 +222,7 @@ class GrpcDraft:
         drafts = {r.request_id: list(r.draft_tokens) for r in response.results if not r.HasField("error")}
         exhausted = {r.request_id: r.error.message for r in response.results if r.HasField("error")}
         parents = {r.request_id: list(r.parents) for r in response.results if r.parents}
-        return ProposedBatch(drafts, exhausted, response.compute_seconds, parents)
+        return ProposedBatch(drafts, exhausted, response.compute_seconds, parents, response.ahead_seconds)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         try:

@@ -99,7 +99,7 @@ class HybridDrafter:
             if merged.parents:
                 parents[task.request_id] = merged.parents
         lookups = time.perf_counter() - started
-        return ProposedBatch(drafts, batch.exhausted, batch.compute_seconds + lookups, parents)
+        return ProposedBatch(drafts, batch.exhausted, batch.compute_seconds + lookups, parents, batch.ahead_seconds)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         await self.model.release(request_ids)

@@ -32,6 +32,7 @@ class Stats:
     verify_seconds: float = 0.0
     wire_seconds: float = 0.0
     scheduling_seconds: float = 0.0
+    draft_ahead_seconds: float = 0.0  # draft compute done before the Propose that took it (off the round's path)
     # Latencies of the request as its client sees them, from its arrival at the scheduler.
     queue_seconds: float = 0.0  # arrival to first admission into the running batch
     first_token_seconds: float = 0.0  # arrival to the first message with tokens

@@ -67,6 +67,7 @@ class TargetFacts:
 class ReplicaTiming:
     call_seconds: float  # wall time of the Propose call
     compute_seconds: float  # of which the replica computed
+    ahead_seconds: float = 0.0  # draft compute for the call done before it (drafted ahead)
 
 
 class Scheduler:
@@ -227,6 +228,7 @@ class Scheduler:
                 timing = timings.get(request.replica or "")
                 draft_compute = timing.compute_seconds if timing else 0.0
                 stats.draft_seconds += draft_compute
+                stats.draft_ahead_seconds += timing.ahead_seconds if timing else 0.0
                 stats.verify_seconds += outcome.compute_seconds
                 stats.wire_seconds += (timing.call_seconds - draft_compute if timing else 0.0) + (
                     step_call - outcome.compute_seconds
@@ -255,7 +257,17 @@ class Scheduler:
             replay=request.needs_move and rows_to is not None,
             top_logprobs=params.top_logprobs,
             decode_steps=entry.decode_steps,
+            draft_ahead=self._draft_ahead(entry, rows_to),
         )
+
+    def _draft_ahead(self, entry: Scheduled, rows_to: str | None) -> int:
+        """Steps the request's replica may draft for its next round once this step's rows reach it: the k of this
+        round, within what the request may still generate after at least one more token; 0 when it is not drafting
+        (target-only, a move, its last round) or the setting is off."""
+        request = entry.request
+        if not self.settings.draft_ahead or entry.max_drafts == 0 or rows_to is None or request.needs_move:
+            return 0
+        return max(0, min(self.k_in_use, request.output.remaining - 2))
 
     def _end_tokens(self, params: ValidatedRequest) -> frozenset[int]:
         """The tokens that end a request (RequestOutput stops on the same): a multi-token decode stops there."""
@@ -310,7 +322,7 @@ class Scheduler:
                 LOG.warning("request %s goes without drafts this round: %s", request_id, reason)
                 self.running[request_id].needs_move = True  # the replica dropped its state
             drafts.update({key: (tokens, batch.parents.get(key, [])) for key, tokens in batch.drafts.items()})
-            timings[replica] = ReplicaTiming(call_seconds, batch.compute_seconds)
+            timings[replica] = ReplicaTiming(call_seconds, batch.compute_seconds, batch.ahead_seconds)
             for listener in self.propose_listeners:
                 listener(replica, call_seconds)
             k = max(task.num_steps for task in tasks)

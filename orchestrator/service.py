@@ -62,6 +62,7 @@ def response_message(output: Output) -> orchestrator_pb2.GenerateResponse:
                 verify_seconds=stats.verify_seconds,
                 wire_seconds=stats.wire_seconds,
                 scheduling_seconds=stats.scheduling_seconds,
+                draft_ahead_seconds=stats.draft_ahead_seconds,
             )
         )
     return response

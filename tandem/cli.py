@@ -258,6 +258,13 @@ def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
         "--speculative-num-steps (experimental, off by default: always draft --speculative-num-steps tokens)",
     )
     parser.add_argument(
+        "--draft-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=SchedulerSettings.draft_ahead,
+        help="let a draft replica draft a request's next round as soon as the target's hidden rows reach it, before "
+        "the orchestrator asks (default on; --no-draft-ahead drafts only when asked)",
+    )
+    parser.add_argument(
         "--max-num-seqs", type=_positive, default=SchedulerSettings.max_num_seqs, help="requests running at once"
     )
     parser.add_argument(
@@ -294,6 +301,7 @@ def scheduler_settings_of(args: argparse.Namespace) -> SchedulerSettings:
         max_waiting=args.max_waiting,
         num_scheduler_steps=args.num_scheduler_steps,
         adaptive_k=args.adaptive_k,
+        draft_ahead=args.draft_ahead,
         hybrid=_hybrid(args),
         target_timeout_s=args.target_timeout,
         draft_timeout_s=args.draft_timeout,
@@ -591,6 +599,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=BenchSettings.adaptive_k,
         help="as on tandem serve; --no-adaptive-k measures a fixed k (both setups)",
     )
+    bench_parser.add_argument(
+        "--draft-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=BenchSettings.draft_ahead,
+        help="as on tandem serve, for the started stack (the colocated engine has nothing to overlap)",
+    )
     bench_parser.add_argument("--draft-replicas", type=int, default=BenchSettings.draft_replicas)
     bench_parser.add_argument("--dtype", choices=DTYPES, default=BenchSettings.dtype, help="of target and draft")
     _add_threads(
@@ -715,6 +729,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_steps=args.speculative_num_steps,
             tree=tree_shape_of(args),
             adaptive_k=args.adaptive_k,
+            draft_ahead=args.draft_ahead,
             draft_replicas=args.draft_replicas,
             dtype=args.dtype,
             target_threads=args.target_threads,

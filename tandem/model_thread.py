@@ -67,5 +67,16 @@ class ModelThread:
         finally:
             self.pending -= 1
 
+    def start(self, function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queues function on the model thread now, before the caller next yields to the event loop, and returns
+        its future: work queued by the caller afterwards runs after it."""
+        self.pending += 1
+        future = asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+        future.add_done_callback(self._finished)
+        return future
+
+    def _finished(self, _: asyncio.Future[Any]) -> None:
+        self.pending -= 1
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -124,6 +124,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
         answers = iter(results)
         response = target_pb2.StepResponse(compute_seconds=compute_seconds)
         now = time.monotonic()
+        outbox: dict[str, list[target_pb2.HiddenStates]] = {}  # replica id -> this step's rows for it
         for index, (message, item) in enumerate(zip(request.items, items, strict=True)):
             if item is None:
                 response.results.append(refused[index])
@@ -131,7 +132,12 @@ class TargetService(target_pb2_grpc.TargetServicer):
             result = next(answers)
             if result.status is ItemStatus.OK and item.open is not None:
                 self.leases.own(session, item.request_id, now)
-            response.results.append(self._result(message, item, result))
+            response.results.append(self._result(message, item, result, outbox))
+        for replica, messages in outbox.items():
+            messages[-1].step_end = True
+            subscriber = self.subscribers[replica]
+            for hidden in messages:
+                subscriber.queue.put_nowait(hidden)
         response.kv_blocks_free = self.runner.cache.num_free_blocks
         return response
 
@@ -156,8 +162,14 @@ class TargetService(target_pb2_grpc.TargetServicer):
             decode_steps=message.decode_steps,
         )
 
-    def _result(self, message: target_pb2.StepItem, item: StepItem, result: ItemResult) -> target_pb2.StepResult:
-        """Publishes an item's rows to its replica and answers for it."""
+    def _result(
+        self,
+        message: target_pb2.StepItem,
+        item: StepItem,
+        result: ItemResult,
+        outbox: dict[str, list[target_pb2.HiddenStates]],
+    ) -> target_pb2.StepResult:
+        """Answers for an item, and adds its rows to its replica's messages in `outbox` (replica id -> messages)."""
         if result.status is not ItemStatus.OK:
             code = STATUS_OF_ITEM[result.status]
             return target_pb2.StepResult(
@@ -169,9 +181,11 @@ class TargetService(target_pb2_grpc.TargetServicer):
                 self.replica_of[message.request_id] = message.draft_replica
         replica = self.replica_of.get(message.request_id)
         subscriber = self.subscribers.get(replica) if replica else None
-        if subscriber is not None and result.captured is not None:
-            for chunk in hidden_messages(result.captured, message.round):
-                subscriber.queue.put_nowait(chunk)
+        if replica and subscriber is not None and result.captured is not None:
+            chunks = hidden_messages(result.captured, message.round)
+            if message.draft_ahead > 0 and result.new_tokens:  # the round's rows are complete: it may draft now
+                chunks[-1].draft_ahead = message.draft_ahead
+            outbox.setdefault(replica, []).extend(chunks)
         return target_pb2.StepResult(
             request_id=result.request_id,
             accepted=result.accepted,

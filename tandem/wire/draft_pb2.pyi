@@ -12,7 +12,7 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("replica_id", "architecture", "num_steps", "capture_indices", "running_requests", "kv_blocks_total", "kv_blocks_free", "kind")
+    __slots__ = ("replica_id", "architecture", "num_steps", "capture_indices", "running_requests", "kv_blocks_total", "kv_blocks_free", "kind", "drafted_ahead")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class DraftInfo(_message.Message):
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_AHEAD_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     architecture: str
     num_steps: int
@@ -29,7 +30,8 @@ class DraftInfo(_message.Message):
     kv_blocks_total: int
     kv_blocks_free: int
     kind: str
-    def __init__(self, replica_id: _Optional[str] = ..., architecture: _Optional[str] = ..., num_steps: _Optional[int] = ..., capture_indices: _Optional[_Iterable[int]] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+    drafted_ahead: int
+    def __init__(self, replica_id: _Optional[str] = ..., architecture: _Optional[str] = ..., num_steps: _Optional[int] = ..., capture_indices: _Optional[_Iterable[int]] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kind: _Optional[str] = ..., drafted_ahead: _Optional[int] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
     __slots__ = ("request_id", "round", "num_steps", "rows_end")
@@ -62,14 +64,16 @@ class ProposeResult(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("results", "compute_seconds", "error")
+    __slots__ = ("results", "compute_seconds", "error", "ahead_seconds")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ProposeResult]
     compute_seconds: float
     error: _common_pb2.CallError
-    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...
+    ahead_seconds: float
+    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., ahead_seconds: _Optional[float] = ...) -> None: ...
 
 class DraftReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)

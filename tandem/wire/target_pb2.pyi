@@ -54,7 +54,7 @@ class OpenRequest(_message.Message):
     def __init__(self, prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepItem(_message.Message):
-    __slots__ = ("request_id", "round", "open", "num_tokens", "draft_tokens", "draft_replica", "set_replica", "replay", "logprobs", "top_logprobs", "draft_parents", "decode_steps")
+    __slots__ = ("request_id", "round", "open", "num_tokens", "draft_tokens", "draft_replica", "set_replica", "replay", "logprobs", "top_logprobs", "draft_parents", "decode_steps", "draft_ahead")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class StepItem(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     open: OpenRequest
@@ -79,7 +80,8 @@ class StepItem(_message.Message):
     top_logprobs: int
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     decode_steps: int
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., open: _Optional[_Union[OpenRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_replica: _Optional[str] = ..., set_replica: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ..., decode_steps: _Optional[int] = ...) -> None: ...
+    draft_ahead: int
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., open: _Optional[_Union[OpenRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_replica: _Optional[str] = ..., set_replica: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ..., decode_steps: _Optional[int] = ..., draft_ahead: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("items", "preempt")
@@ -138,18 +140,22 @@ class SubscribeRequest(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., capture_indices: _Optional[_Iterable[int]] = ..., tokens_only: _Optional[bool] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
-    __slots__ = ("request_id", "round", "start_position", "next_tokens", "features")
+    __slots__ = ("request_id", "round", "start_position", "next_tokens", "features", "draft_ahead", "step_end")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    STEP_END_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     start_position: int
     next_tokens: _containers.RepeatedScalarFieldContainer[int]
     features: _common_pb2.Tensor
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    draft_ahead: int
+    step_end: bool
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ahead: _Optional[int] = ..., step_end: _Optional[bool] = ...) -> None: ...
 
 class WeightsRequest(_message.Message):
     __slots__ = ("names", "chunk_bytes")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
-from tests.integration.stack import generate, serve
+from tests.integration.stack import draft_info, generate, serve, service_addresses
 
 NUM_STEPS = 4
 ROUNDS = 4
@@ -34,11 +34,17 @@ def constant_draft(directory: Path, target: Path, first_offset: int) -> Path:
     return write_tiny_eagle3(directory, target, spec)
 
 
-@pytest.mark.parametrize(("first_offset", "accepted_per_round"), [(0, NUM_STEPS), (5, 0)])
-def test_known_acceptance(tmp_path: Path, constant_target: Path, first_offset: int, accepted_per_round: int) -> None:
+@pytest.mark.parametrize(
+    ("first_offset", "accepted_per_round", "draft_ahead"),
+    [(0, NUM_STEPS, "--draft-ahead"), (5, 0, "--draft-ahead"), (0, NUM_STEPS, "--no-draft-ahead")],
+)
+def test_known_acceptance(
+    tmp_path: Path, constant_target: Path, first_offset: int, accepted_per_round: int, draft_ahead: str
+) -> None:
     draft = constant_draft(tmp_path / "draft", constant_target, first_offset)
-    with serve(constant_target, draft, "--speculative-num-steps", str(NUM_STEPS)) as stack:
+    with serve(constant_target, draft, "--speculative-num-steps", str(NUM_STEPS), draft_ahead) as stack:
         completion = generate(stack.address, input_ids=[5, 6, 7, 8], max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        drafted_ahead = draft_info(service_addresses(stack.log)["draft"]).drafted_ahead
     assert completion.token_ids == [0] * MAX_NEW_TOKENS
     stats = completion.stats
     if accepted_per_round == NUM_STEPS:
@@ -57,4 +63,10 @@ def test_known_acceptance(tmp_path: Path, constant_target: Path, first_offset: i
         assert stats.accepted_tokens == 0
         assert list(stats.accepted_per_position) == [0] * NUM_STEPS
     # Both services computed in every round, and the calls cost more than the computation in them.
-    assert stats.draft_seconds > 0 and stats.verify_seconds > 0 and stats.wire_seconds > 0
+    assert stats.draft_seconds + stats.draft_ahead_seconds > 0 and stats.verify_seconds > 0 and stats.wire_seconds > 0
+    # Drafting ahead answers the rounds after the first (whose rows come with the prefill, which is not asked to
+    # draft ahead); the same counts and tokens come out either way.
+    if draft_ahead == "--draft-ahead":
+        assert 0 < drafted_ahead < stats.rounds
+    else:
+        assert drafted_ahead == 0 and stats.draft_ahead_seconds == 0

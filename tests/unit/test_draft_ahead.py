@@ -1,0 +1,226 @@
+"""Drafting ahead in the draft service (draft_server/service.py), on a real tiny EAGLE3 head and its runner.
+
+Rows that carry `draft_ahead` are drafted as one batch when the step's last message (`step_end`) arrives; a Propose
+for the same round takes those drafts (the first ones of a longer chain), drafts again from the same rows when it
+asks for more, and never races a Propose that was already waiting for the rows. Released requests keep no KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_server.formats import prepare_draft
+from draft_server.runner import DraftRunner, ProposeInput, TargetRows
+from draft_server.service import DraftService
+from draft_server.settings import DraftSettings
+from tandem.model_thread import ModelThread
+from tandem.models.registry import load_target
+from tandem.settings import KVCacheSettings
+from tandem.wire import draft_pb2, target_pb2
+from tandem.wire.codec import tensor_to_proto
+from target_server.main import target_info
+from target_server.runner import TargetRunner
+from target_server.service import Subscriber, TargetService
+from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
+
+CACHE = KVCacheSettings(num_blocks=64, block_size=4)
+HIDDEN = 64  # the tiny target's hidden size; the head takes three of its layers
+SESSION = "session"
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_target(tmp_path_factory.mktemp("target"), TinyTargetSpec())
+
+
+@pytest.fixture(scope="module")
+def draft_dir(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = TinyEagle3Spec(draft_vocab_size=48, include_embedding=True, layer_ids=[1, 2, 3])
+    return write_tiny_eagle3(tmp_path_factory.mktemp("draft"), target_dir, spec)
+
+
+def rows_of(start: int, length: int, seed: int) -> TargetRows:
+    generator = torch.Generator().manual_seed(seed)
+    return TargetRows(
+        start_position=start,
+        next_tokens=torch.randint(3, 320, (length,), generator=generator).tolist(),
+        features=torch.randn(length, 3 * HIDDEN, generator=generator),
+    )
+
+
+def message(
+    request_id: str, round_number: int, rows: TargetRows, ahead: int, step_end: bool
+) -> target_pb2.HiddenStates:
+    return target_pb2.HiddenStates(
+        request_id=request_id,
+        round=round_number,
+        start_position=rows.start_position,
+        next_tokens=list(rows.next_tokens),
+        features=tensor_to_proto(rows.features),
+        draft_ahead=ahead,
+        step_end=step_end,
+    )
+
+
+def propose_request(request_id: str, round_number: int, num_steps: int, rows_end: int) -> draft_pb2.ProposeRequest:
+    item = draft_pb2.ProposeItem(request_id=request_id, round=round_number, num_steps=num_steps, rows_end=rows_end)
+    return draft_pb2.ProposeRequest(items=[item])
+
+
+class Stream:
+    """The target's hidden-state stream, fed by the test."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[target_pb2.HiddenStates] = asyncio.Queue()
+
+    async def messages(self) -> AsyncIterator[target_pb2.HiddenStates]:
+        while True:
+            yield await self.queue.get()
+
+
+class Replica:
+    """A DraftService as `tandem draft` builds it, with its consumer running on a test-fed stream."""
+
+    def __init__(self, target_dir: Path, draft_dir: Path) -> None:
+        settings = DraftSettings(model_dir=draft_dir, target_address="", replica_id="r0", cache=CACHE, threads=1)
+        runner = TargetRunner(load_target(target_dir), CACHE, 256)
+        prepared = prepare_draft(settings, target_info(runner, "float32"))
+        self.service = DraftService(prepared.build_runner(CACHE), settings, prepared, ModelThread("draft-test", 1))
+        self.stream = Stream()
+        self.consumer = asyncio.create_task(self.service.consume(self.stream.messages()))
+
+    async def send(self, *messages: target_pb2.HiddenStates) -> None:
+        for item in messages:
+            self.stream.queue.put_nowait(item)
+        while not self.stream.queue.empty():
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.001)  # the consumer handles the last one
+
+    async def drafted_ahead(self) -> None:
+        """Waits until every batch drafted ahead so far has finished."""
+        for made, _ in list(self.service._ahead.values()):
+            await made.done
+
+    async def close(self) -> None:
+        self.consumer.cancel()
+        await self.service.stop()
+
+
+def plain_proposals(draft_dir: Path, target_dir: Path, inputs: Sequence[ProposeInput]) -> list[list[int]]:
+    """What a fresh runner of the same head drafts for the same rows, asked directly."""
+    settings = DraftSettings(model_dir=draft_dir, target_address="", replica_id="plain", cache=CACHE)
+    prepared = prepare_draft(settings, target_info(TargetRunner(load_target(target_dir), CACHE, 256), "float32"))
+    runner = prepared.build_runner(CACHE)
+    assert isinstance(runner, DraftRunner)
+    return [runner.propose([item])[0] for item in inputs]
+
+
+def test_drafts_made_ahead_answer_the_propose_of_their_round(draft_dir: Path, target_dir: Path) -> None:
+    rows = rows_of(0, 6, seed=1)
+    (expected_four,) = plain_proposals(draft_dir, target_dir, [ProposeInput("a", rows, 4)])
+    (expected_five,) = plain_proposals(draft_dir, target_dir, [ProposeInput("b", rows, 5)])
+
+    async def scenario() -> None:
+        replica = Replica(target_dir, draft_dir)
+        try:
+            # Rows that ask for it are not drafted before the step's last message...
+            await replica.send(message("a", 1, rows, ahead=4, step_end=False))
+            assert not replica.service._ahead
+            await replica.send(message("b", 1, rows, ahead=4, step_end=False))
+            await replica.send(message("c", 1, rows, ahead=4, step_end=True))
+            # ...then all of them, in one batch.
+            assert set(replica.service._ahead) == {("a", 1), ("b", 1), ("c", 1)}
+            await replica.drafted_ahead()
+            answer = await replica.service._propose(propose_request("a", 1, 4, 6), SESSION)
+            assert list(answer.results[0].draft_tokens) == expected_four
+            assert answer.ahead_seconds > 0 and answer.compute_seconds == 0
+            # A shorter chain is the start of the one drafted; a longer one is drafted again from the same rows.
+            shorter = await replica.service._propose(propose_request("b", 1, 2, 6), SESSION)
+            assert list(shorter.results[0].draft_tokens) == expected_four[:2]
+            longer = await replica.service._propose(propose_request("c", 1, 5, 6), SESSION)
+            assert list(longer.results[0].draft_tokens) == expected_five
+            assert longer.compute_seconds > 0
+            assert not replica.service._ahead
+        finally:
+            await replica.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_propose_waiting_for_the_rows_is_not_raced_by_drafting_ahead(draft_dir: Path, target_dir: Path) -> None:
+    rows = rows_of(0, 5, seed=2)
+    (expected,) = plain_proposals(draft_dir, target_dir, [ProposeInput("a", rows, 3)])
+
+    async def scenario() -> None:
+        replica = Replica(target_dir, draft_dir)
+        try:
+            asked = asyncio.create_task(replica.service._propose(propose_request("a", 1, 3, 5), SESSION))
+            await asyncio.sleep(0.01)  # the call waits for the rows
+            await replica.send(message("a", 1, rows, ahead=3, step_end=True))
+            answer = await asked
+            assert list(answer.results[0].draft_tokens) == expected
+            assert answer.ahead_seconds == 0 and not replica.service._ahead
+        finally:
+            await replica.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_released_while_drafted_ahead_keeps_no_kv(draft_dir: Path, target_dir: Path) -> None:
+    async def scenario() -> None:
+        replica = Replica(target_dir, draft_dir)
+        runner = replica.service.runner
+        try:
+            await replica.send(
+                message("a", 1, rows_of(0, 9, seed=3), ahead=5, step_end=False),
+                message("b", 1, rows_of(0, 7, seed=4), ahead=5, step_end=True),
+            )
+            batch = [made for made, _ in replica.service._ahead.values()]
+            assert len(batch) == 2
+            # Released right after the batch was queued: the release runs after it on the model thread and frees it.
+            await replica.service._release({"a", "b"})
+            assert all(made.done.done() for made in batch)
+            assert not replica.service._ahead and not runner.requests
+            assert runner.cache.num_free_blocks == runner.cache.num_blocks
+        finally:
+            await replica.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_target_marks_the_step_end_and_the_rounds_that_may_be_drafted_ahead(target_dir: Path) -> None:
+    runner = TargetRunner(load_target(target_dir), CACHE, 256)
+    service = TargetService(runner, target_info(runner, "float32"), ModelThread("target-test", 1), 30.0)
+    service.subscribers["r0"] = Subscriber((1, 2, 3), tokens_only=False)
+
+    def item(request_id: str, num_tokens: int, prompt: Sequence[int] = (), ahead: int = 3) -> target_pb2.StepItem:
+        message = target_pb2.StepItem(
+            request_id=request_id, round=1, num_tokens=num_tokens, draft_replica="r0", draft_ahead=ahead
+        )
+        if prompt:
+            message.open.CopyFrom(target_pb2.OpenRequest(prompt=prompt))
+        return message
+
+    async def scenario() -> list[list[target_pb2.HiddenStates]]:
+        sent = []
+        # "a" computes its whole prompt and commits its first token; "b" only the first chunk of its prompt.
+        for request in (
+            target_pb2.StepRequest(items=[item("a", 4, [5, 6, 7, 8]), item("b", 2, [9, 10, 11])]),
+            target_pb2.StepRequest(items=[item("a", 1, ahead=0), item("b", 1)]),
+        ):
+            response = await service._step(request, SESSION)
+            assert not any(result.HasField("error") for result in response.results)
+            queue = service.subscribers["r0"].queue
+            sent.append([queue.get_nowait() for _ in range(queue.qsize())])
+        await service.stop()
+        return sent
+
+    first, second = asyncio.run(scenario())
+    assert [(m.request_id, m.draft_ahead, m.step_end) for m in first] == [("a", 3, False), ("b", 0, True)]
+    # In the second step "a" decodes without being asked to draft ahead and "b" finishes its prompt.
+    assert [(m.request_id, m.draft_ahead, m.step_end) for m in second] == [("a", 0, False), ("b", 3, True)]
