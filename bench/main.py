@@ -76,7 +76,7 @@ def _start_stack(settings: BenchSettings, kind: DraftKind) -> ServeProcess:
             "--admin-port", "0",
             "--speculative-num-steps", str(settings.num_steps),
             "--adaptive-k" if settings.adaptive_k else "--no-adaptive-k",
-            "--draft-ahead" if settings.draft_ahead else "--no-draft-ahead",
+            "--draft-ahead", str(settings.draft_ahead),
             "--dtype", settings.dtype,
             "--target-threads", str(settings.target_threads),
         ]

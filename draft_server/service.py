@@ -66,6 +66,9 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self._ahead: dict[Key, tuple[DraftedAhead, float]] = {}  # drafts made (or being made) ahead, arrival time
         self._asked: set[Key] = set()  # rows a Propose is waiting for: never drafted ahead
         self.drafted_ahead = 0  # proposals answered with drafts made ahead (GetInfo)
+        # Requests released, by when: rows of theirs that arrive after the release (in flight, or overtaken by it)
+        # are not drafted ahead, which would hold their KV again. A Propose for one (after a preemption) clears it.
+        self._released: dict[str, float] = {}
         self.model_thread = model_thread  # every runner call goes through it, one at a time
         self.leases = Leases(settings.cache.orphan_timeout_s)  # which orchestrator session drafts which request
         self.propose_listeners: list[Callable[[float], None]] = []  # called with each Propose's compute seconds
@@ -99,7 +102,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         is queued after the batch, so it frees what the batch drafted."""
         batch: dict[Key, DraftedAhead] = {}
         for key, steps in wanted.items():
-            if key in self._asked or key not in self._rows:
+            if key in self._asked or key not in self._rows or key[0] in self._released:
                 continue
             batch[key] = DraftedAhead(self._pop_rows(*key), steps)
         if not batch:
@@ -150,15 +153,15 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         ahead: dict[str, DraftedAhead] = {}
         inputs = []
         for item in request.items:
-            made = self._take_ahead(item.request_id, item.round)
-            if made is not None:
-                ahead[item.request_id] = made
-                continue
+            self._released.pop(item.request_id, None)  # asked for again (after a preemption): it is live
             try:
-                rows = await self._take_rows(item.request_id, item.round, item.rows_end)
+                taken = await self._take_rows(item.request_id, item.round, item.rows_end)
             except DraftRequestError as error:
                 raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, f"request {item.request_id!r}: {error}") from None
-            inputs.append(ProposeInput(item.request_id, rows, steps[item.request_id]))
+            if isinstance(taken, DraftedAhead):
+                ahead[item.request_id] = taken
+            else:
+                inputs.append(ProposeInput(item.request_id, taken, steps[item.request_id]))
         waited = time.perf_counter()
         for listener in self.rows_wait_listeners:
             listener(waited - arrived)
@@ -167,7 +170,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         ahead_seconds = 0.0
         for request_id, made in ahead.items():
             await self._drafted(request_id, made)
-            ahead_seconds += max(0.0, min(made.finished, arrived) - made.started)
+            # One batch drafted them all: its time before this call, once (as compute_seconds counts a batch once).
+            ahead_seconds = max(ahead_seconds, min(made.finished, arrived) - made.started)
             if made.exhausted is not None:
                 exhausted[request_id] = made.exhausted
             elif (usable := _usable(made, steps[request_id])) is not None:
@@ -203,11 +207,6 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 )
         return response
 
-    def _take_ahead(self, request_id: str, round_number: int) -> DraftedAhead | None:
-        """The drafts made (or being made) ahead for this round, if any."""
-        entry = self._ahead.pop((request_id, round_number), None)
-        return entry[0] if entry is not None else None
-
     async def _drafted(self, request_id: str, made: DraftedAhead) -> None:
         """Waits for a draft-ahead batch; raises CallFailed, as a Propose's own drafting would, when it failed."""
         try:
@@ -232,6 +231,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
 
     async def _release(self, released: set[str]) -> None:
         async with self._arrived:
+            now = time.monotonic()
+            self._released.update((request_id, now) for request_id in released)
             for key in [key for key in self._rows if key[0] in released]:
                 del self._rows[key]
             for key in [key for key in self._ahead if key[0] in released]:
@@ -254,14 +255,18 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     async def stop(self) -> None:
         self.model_thread.shutdown()
 
-    async def _take_rows(self, request_id: str, round_number: int, rows_end: int) -> TargetRows:
+    async def _take_rows(self, request_id: str, round_number: int, rows_end: int) -> TargetRows | DraftedAhead:
         """The request's rows up to this round: those of rounds it was not asked to draft for (the orchestrator
         chose k = 0 then) come first. Waits until this round's rows reach position `rows_end` (they may come in
-        several messages: prompt chunks, a replay, bounded chunks of many rows). Raises DraftRequestError when they
-        do not join up, CallFailed when the round's rows do not arrive in time."""
+        several messages: prompt chunks, a replay, bounded chunks of many rows), or takes the drafts made ahead from
+        them, checked under the same lock as the wait so that a batch drafting ahead cannot take the rows between the
+        two. Raises DraftRequestError when they do not join up, CallFailed when the round's rows do not arrive in
+        time."""
         key = (request_id, round_number)
 
         def arrived() -> bool:
+            if key in self._ahead:
+                return True
             entry = self._rows.get(key)
             return entry is not None and entry[0].start_position + len(entry[0].next_tokens) >= rows_end
 
@@ -278,7 +283,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 ) from None
             finally:
                 self._asked.discard(key)
-            return self._pop_rows(request_id, round_number)
+            made = self._ahead.pop(key, None)
+            return made[0] if made is not None else self._pop_rows(request_id, round_number)
 
     def _pop_rows(self, request_id: str, round_number: int) -> TargetRows:
         """Takes the request's rows of this round, after those of earlier rounds it was not asked to draft for
@@ -305,6 +311,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         # Drafts made ahead for a round nobody asked for (the request finished, moved, or went on target-only).
         for key in [key for key, (_, made_at) in self._ahead.items() if made_at < oldest]:
             del self._ahead[key]
+        self._released = {request_id: at for request_id, at in self._released.items() if at >= oldest}
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
         return await self.model_thread.run(function, *args)

@@ -80,9 +80,10 @@ class Metrics:
         self.rounds = counter("tandem:rounds", "Draft/verify rounds, counted per request")
         self.round_seconds = counter(
             "tandem:round_seconds",
-            "Time of the rounds of requests that ended, by part: draft (replica compute), verify (target compute), "
-            "wire (the rest of the Propose/Step calls) and scheduling (the orchestrator's own work); a round is "
-            "counted in full for every request in it, so part / tandem:rounds is the mean per round",
+            "Time of the rounds of requests that ended, by part: draft (replica compute the round waited for), verify "
+            "(target compute), wire (the rest of the Propose/Step calls) and scheduling (the orchestrator's own work); "
+            "drafted_ahead (replica compute done before the Propose, off the round's path) is beside them; a round "
+            "is counted in full for every request in it, so part / tandem:rounds is the mean per round",
             ("part",),
         )
         self.propose_seconds = Histogram(
@@ -125,6 +126,7 @@ class Metrics:
             ("verify", stats.verify_seconds),
             ("wire", stats.wire_seconds),
             ("scheduling", stats.scheduling_seconds),
+            ("drafted_ahead", stats.draft_ahead_seconds),
         ):
             self.round_seconds.labels(name, part).inc(seconds)
         self.acceptance.add(stats)

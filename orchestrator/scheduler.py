@@ -175,7 +175,10 @@ class Scheduler:
                 await asyncio.sleep(0.01)
             return
         drafts, timings = await self._propose(plan.decode)
-        tasks = [self._task(entry, drafts.get(entry.request.request_id)) for entry in (*plan.decode, *plan.chunks)]
+        ahead = sum(1 for entry in plan.decode if entry.max_drafts > 0) <= self.settings.draft_ahead
+        tasks = [
+            self._task(entry, drafts.get(entry.request.request_id), ahead) for entry in (*plan.decode, *plan.chunks)
+        ]
         # The replica each request had when its item was built: a replica failing while the results are read moves
         # requests, and what the target said about the old replica must not be held against the new one.
         sent_to = {entry.request.request_id: entry.request.replica for entry in (*plan.decode, *plan.chunks)}
@@ -241,7 +244,12 @@ class Scheduler:
         self.speculation.observe_scheduling((time.perf_counter() - started) - propose_call - step_call)
         await self._release_finished([task.request_id for task in tasks])
 
-    def _task(self, entry: Scheduled, drafts: tuple[list[int], list[int]] | None) -> StepTask:  # (tokens, parents)
+    def _task(
+        self,
+        entry: Scheduled,
+        drafts: tuple[list[int], list[int]] | None,
+        ahead: bool,  # drafts: (tokens, parents)
+    ) -> StepTask:
         request = entry.request
         params = request.params
         rows_to = self._hidden_rows_to(request.replica)
@@ -257,15 +265,15 @@ class Scheduler:
             replay=request.needs_move and rows_to is not None,
             top_logprobs=params.top_logprobs,
             decode_steps=entry.decode_steps,
-            draft_ahead=self._draft_ahead(entry, rows_to),
+            draft_ahead=self._draft_ahead(entry, rows_to) if ahead else 0,
         )
 
     def _draft_ahead(self, entry: Scheduled, rows_to: str | None) -> int:
         """Steps the request's replica may draft for its next round once this step's rows reach it: the k of this
         round, within what the request may still generate after at least one more token; 0 when it is not drafting
-        (target-only, a move, its last round) or the setting is off."""
+        (target-only, a move, its last round)."""
         request = entry.request
-        if not self.settings.draft_ahead or entry.max_drafts == 0 or rows_to is None or request.needs_move:
+        if entry.max_drafts == 0 or rows_to is None or request.needs_move:
             return 0
         return max(0, min(self.k_in_use, request.output.remaining - 2))
 

@@ -29,9 +29,10 @@ class SchedulerSettings:
     reprobe_s: float = 1.0  # first wait before a demoted replica is probed again (doubling, up to 30 s)
     stall_s: float = 60.0  # health reports NOT_SERVING when the loop has work and made no step for this long
     hybrid: HybridSettings | None = None  # --hybrid-ngram: prompt-lookup drafts merged into every replica's answer
-    # Ask a verifying request's replica to draft its next round as soon as the target's rows arrive, while the
-    # target's answer and the next Propose travel (StepTask.draft_ahead).
-    draft_ahead: bool = True
+    # In steps with at most this many drafting requests, ask their replicas to draft the next round as soon as the
+    # target's rows arrive, while the target's answer and the next Propose travel (StepTask.draft_ahead); 0: never.
+    # Larger batches lost on 2 cores: the batch drafted ahead competed with the orchestrator's work on their outputs.
+    draft_ahead: int = 8
 
     @property
     def max_tree_drafts(self) -> int:

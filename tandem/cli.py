@@ -193,6 +193,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: must be 0 or more")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -259,10 +266,12 @@ def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--draft-ahead",
-        action=argparse.BooleanOptionalAction,
+        type=_non_negative,
         default=SchedulerSettings.draft_ahead,
-        help="let a draft replica draft a request's next round as soon as the target's hidden rows reach it, before "
-        "the orchestrator asks (default on; --no-draft-ahead drafts only when asked)",
+        metavar="N",
+        help="in steps with at most N drafting requests, draft replicas draft a request's next round as soon as the "
+        f"target's hidden rows reach them, before the orchestrator asks (default {SchedulerSettings.draft_ahead}; "
+        "0: only when asked)",
     )
     parser.add_argument(
         "--max-num-seqs", type=_positive, default=SchedulerSettings.max_num_seqs, help="requests running at once"
@@ -601,8 +610,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_parser.add_argument(
         "--draft-ahead",
-        action=argparse.BooleanOptionalAction,
+        type=_non_negative,
         default=BenchSettings.draft_ahead,
+        metavar="N",
         help="as on tandem serve, for the started stack (the colocated engine has nothing to overlap)",
     )
     bench_parser.add_argument("--draft-replicas", type=int, default=BenchSettings.draft_replicas)

@@ -192,7 +192,7 @@ class Launcher:
             "--max-waiting", str(s.max_waiting),
             "--num-scheduler-steps", str(s.num_scheduler_steps),
             "--adaptive-k" if s.adaptive_k else "--no-adaptive-k",
-            "--draft-ahead" if s.draft_ahead else "--no-draft-ahead",
+            "--draft-ahead", str(s.draft_ahead),
             "--target-timeout", str(s.target_timeout_s),
             "--draft-timeout", str(s.draft_timeout_s),
             *ngram_arguments(self.settings.ngram),

@@ -36,13 +36,15 @@ def constant_draft(directory: Path, target: Path, first_offset: int) -> Path:
 
 @pytest.mark.parametrize(
     ("first_offset", "accepted_per_round", "draft_ahead"),
-    [(0, NUM_STEPS, "--draft-ahead"), (5, 0, "--draft-ahead"), (0, NUM_STEPS, "--no-draft-ahead")],
+    [(0, NUM_STEPS, "8"), (5, 0, "8"), (0, NUM_STEPS, "0")],
 )
 def test_known_acceptance(
     tmp_path: Path, constant_target: Path, first_offset: int, accepted_per_round: int, draft_ahead: str
 ) -> None:
     draft = constant_draft(tmp_path / "draft", constant_target, first_offset)
-    with serve(constant_target, draft, "--speculative-num-steps", str(NUM_STEPS), draft_ahead) as stack:
+    with serve(
+        constant_target, draft, "--speculative-num-steps", str(NUM_STEPS), "--draft-ahead", draft_ahead
+    ) as stack:
         completion = generate(stack.address, input_ids=[5, 6, 7, 8], max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
         drafted_ahead = draft_info(service_addresses(stack.log)["draft"]).drafted_ahead
     assert completion.token_ids == [0] * MAX_NEW_TOKENS
@@ -66,7 +68,7 @@ def test_known_acceptance(
     assert stats.draft_seconds + stats.draft_ahead_seconds > 0 and stats.verify_seconds > 0 and stats.wire_seconds > 0
     # Drafting ahead answers the rounds after the first (whose rows come with the prefill, which is not asked to
     # draft ahead); the same counts and tokens come out either way.
-    if draft_ahead == "--draft-ahead":
+    if draft_ahead != "0":
         assert 0 < drafted_ahead < stats.rounds
     else:
         assert drafted_ahead == 0 and stats.draft_ahead_seconds == 0

@@ -224,3 +224,42 @@ def test_the_target_marks_the_step_end_and_the_rounds_that_may_be_drafted_ahead(
     assert [(m.request_id, m.draft_ahead, m.step_end) for m in first] == [("a", 3, False), ("b", 0, True)]
     # In the second step "a" decodes without being asked to draft ahead and "b" finishes its prompt.
     assert [(m.request_id, m.draft_ahead, m.step_end) for m in second] == [("a", 0, False), ("b", 3, True)]
+
+
+def test_one_propose_takes_some_requests_drafted_ahead_and_drafts_the_others(draft_dir: Path, target_dir: Path) -> None:
+    first, second = rows_of(0, 5, seed=5), rows_of(0, 8, seed=6)
+    expected = plain_proposals(draft_dir, target_dir, [ProposeInput("a", first, 3), ProposeInput("b", second, 3)])
+
+    async def scenario() -> None:
+        replica = Replica(target_dir, draft_dir)
+        try:
+            # "a" was not asked to draft ahead; "b" was, and its step ended: b is drafted ahead, a waits to be asked.
+            await replica.send(message("a", 1, first, ahead=0, step_end=False))
+            await replica.send(message("b", 1, second, ahead=3, step_end=True))
+            request = draft_pb2.ProposeRequest(
+                items=[
+                    draft_pb2.ProposeItem(request_id="a", round=1, num_steps=3, rows_end=5),
+                    draft_pb2.ProposeItem(request_id="b", round=1, num_steps=3, rows_end=8),
+                ]
+            )
+            answer = await asyncio.wait_for(replica.service._propose(request, SESSION), 30)
+            assert [list(result.draft_tokens) for result in answer.results] == expected
+            assert replica.service.drafted_ahead == 1
+        finally:
+            await replica.close()
+
+    asyncio.run(scenario())
+
+
+def test_rows_of_a_released_request_are_not_drafted_ahead(draft_dir: Path, target_dir: Path) -> None:
+    async def scenario() -> None:
+        replica = Replica(target_dir, draft_dir)
+        try:
+            await replica.service._release({"gone"})
+            # Its last rows overtaken by the release: drafting them would hold KV for a request nobody asks about.
+            await replica.send(message("gone", 4, rows_of(0, 6, seed=7), ahead=3, step_end=True))
+            assert not replica.service._ahead and not replica.service.runner.requests
+        finally:
+            await replica.close()
+
+    asyncio.run(scenario())
