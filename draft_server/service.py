@@ -327,7 +327,11 @@ def _timed_proposals(
 
 def _settle(batch: Mapping[Key, DraftedAhead], done: asyncio.Future[Any]) -> None:
     """Hands each request of a draft-ahead batch its outcome; a failed batch fails each of them."""
-    error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+    if done.cancelled():  # the model thread shut down with the batch still queued
+        for made in batch.values():
+            made.done.cancel()
+        return
+    error = done.exception()
     if error is None:
         drafts, exhausted, started, finished = done.result()
     for (request_id, _), made in batch.items():
