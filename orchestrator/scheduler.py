@@ -203,9 +203,13 @@ class Scheduler:
             (len(done.new_tokens) for task, done in zip(tasks, outcome.results, strict=True) if task.decode_steps > 1),
             default=1,
         )
-        self.speculation.observe_target(
-            sum(task.num_tokens + len(task.draft_tokens) for task in tasks), step_call / passes
-        )
+        if not plan.chunks:
+            # The cost line models decoding steps, which k is chosen for: a step with prompt chunks computes hundreds
+            # of tokens at a cost per token (attention over the prompt) that says nothing about a few more rows to
+            # verify, and fitted in, it made drafts look dear at 8 requests (docs/architecture.md, adaptive k).
+            self.speculation.observe_target(
+                sum(task.num_tokens + len(task.draft_tokens) for task in tasks), step_call / passes
+            )
         decoding = {entry.request.request_id for entry in plan.decode}
         for task, done in zip(tasks, outcome.results, strict=True):
             request = self.running[task.request_id]
