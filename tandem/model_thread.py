@@ -61,11 +61,7 @@ class ModelThread:
         return self._executor.submit(function, *args).result()
 
     async def run(self, function: Callable[..., T], *args: Any) -> T:
-        self.pending += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
-        finally:
-            self.pending -= 1
+        return await self.start(function, *args)
 
     def start(self, function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Queues function on the model thread now, before the caller next yields to the event loop, and returns
