@@ -251,8 +251,8 @@ class Scheduler:
     def _task(
         self,
         entry: Scheduled,
-        drafts: tuple[list[int], list[int]] | None,
-        ahead: bool,  # drafts: (tokens, parents)
+        drafts: tuple[list[int], list[int]] | None,  # (tokens, parents)
+        ahead: bool,  # the step is small enough to draft ahead (settings.draft_ahead)
     ) -> StepTask:
         request = entry.request
         params = request.params

@@ -22,7 +22,8 @@ from tandem.layers.page_table import PageTable
 class _SequencePlan:
     rows: slice  # its query rows of the packed batch
     start: int  # KV rows before its new tokens
-    context_slots: torch.Tensor | None  # [kv_len] pool slot of every KV row it sees; None: fresh (start == 0)
+    # [kv_len] pool slot of every KV row it sees; None: fresh (start == 0), or read as context_range
+    context_slots: torch.Tensor | None
     # The same slots as one range of the pool when its pages follow each other (the pool hands out blocks in
     # order, so a lone request's usually do): its context is then a view of the pool, not a gathered copy.
     context_range: slice | None

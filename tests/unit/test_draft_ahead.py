@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
-import torch
 
 from draft_server.formats import prepare_draft
 from draft_server.runner import DraftRunner, ProposeInput, TargetRows
@@ -27,9 +26,9 @@ from target_server.main import target_info
 from target_server.runner import TargetRunner
 from target_server.service import Subscriber, TargetService
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
+from tests.helpers.target_rows import random_rows
 
 CACHE = KVCacheSettings(num_blocks=64, block_size=4)
-HIDDEN = 64  # the tiny target's hidden size; the head takes three of its layers
 SESSION = "session"
 
 
@@ -42,15 +41,6 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def draft_dir(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = TinyEagle3Spec(draft_vocab_size=48, include_embedding=True, layer_ids=[1, 2, 3])
     return write_tiny_eagle3(tmp_path_factory.mktemp("draft"), target_dir, spec)
-
-
-def rows_of(start: int, length: int, seed: int) -> TargetRows:
-    generator = torch.Generator().manual_seed(seed)
-    return TargetRows(
-        start_position=start,
-        next_tokens=torch.randint(3, 320, (length,), generator=generator).tolist(),
-        features=torch.randn(length, 3 * HIDDEN, generator=generator),
-    )
 
 
 def message(
@@ -106,7 +96,10 @@ class Replica:
         for made, _ in list(self.service._ahead.values()):
             await made.done
 
-    async def close(self) -> None:
+    async def __aenter__(self) -> Replica:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
         self.consumer.cancel()
         await self.service.stop()
 
@@ -121,13 +114,12 @@ def plain_proposals(draft_dir: Path, target_dir: Path, inputs: Sequence[ProposeI
 
 
 def test_drafts_made_ahead_answer_the_propose_of_their_round(draft_dir: Path, target_dir: Path) -> None:
-    rows = rows_of(0, 6, seed=1)
+    rows = random_rows(0, 6, seed=1)
     (expected_four,) = plain_proposals(draft_dir, target_dir, [ProposeInput("a", rows, 4)])
     (expected_five,) = plain_proposals(draft_dir, target_dir, [ProposeInput("b", rows, 5)])
 
     async def scenario() -> None:
-        replica = Replica(target_dir, draft_dir)
-        try:
+        async with Replica(target_dir, draft_dir) as replica:
             # Rows that ask for it are not drafted before the step's last message...
             await replica.send(message("a", 1, rows, ahead=4, step_end=False))
             assert not replica.service._ahead
@@ -146,39 +138,33 @@ def test_drafts_made_ahead_answer_the_propose_of_their_round(draft_dir: Path, ta
             assert list(longer.results[0].draft_tokens) == expected_five
             assert longer.compute_seconds > 0
             assert not replica.service._ahead
-        finally:
-            await replica.close()
 
     asyncio.run(scenario())
 
 
 def test_a_propose_waiting_for_the_rows_is_not_raced_by_drafting_ahead(draft_dir: Path, target_dir: Path) -> None:
-    rows = rows_of(0, 5, seed=2)
+    rows = random_rows(0, 5, seed=2)
     (expected,) = plain_proposals(draft_dir, target_dir, [ProposeInput("a", rows, 3)])
 
     async def scenario() -> None:
-        replica = Replica(target_dir, draft_dir)
-        try:
+        async with Replica(target_dir, draft_dir) as replica:
             asked = asyncio.create_task(replica.service._propose(propose_request("a", 1, 3, 5), SESSION))
             await asyncio.sleep(0.01)  # the call waits for the rows
             await replica.send(message("a", 1, rows, ahead=3, step_end=True))
             answer = await asked
             assert list(answer.results[0].draft_tokens) == expected
             assert answer.ahead_seconds == 0 and not replica.service._ahead
-        finally:
-            await replica.close()
 
     asyncio.run(scenario())
 
 
 def test_a_request_released_while_drafted_ahead_keeps_no_kv(draft_dir: Path, target_dir: Path) -> None:
     async def scenario() -> None:
-        replica = Replica(target_dir, draft_dir)
-        runner = replica.service.runner
-        try:
+        async with Replica(target_dir, draft_dir) as replica:
+            runner = replica.service.runner
             await replica.send(
-                message("a", 1, rows_of(0, 9, seed=3), ahead=5, step_end=False),
-                message("b", 1, rows_of(0, 7, seed=4), ahead=5, step_end=True),
+                message("a", 1, random_rows(0, 9, seed=3), ahead=5, step_end=False),
+                message("b", 1, random_rows(0, 7, seed=4), ahead=5, step_end=True),
             )
             batch = [made for made, _ in replica.service._ahead.values()]
             assert len(batch) == 2
@@ -187,8 +173,6 @@ def test_a_request_released_while_drafted_ahead_keeps_no_kv(draft_dir: Path, tar
             assert all(made.done.done() for made in batch)
             assert not replica.service._ahead and not runner.requests
             assert runner.cache.num_free_blocks == runner.cache.num_blocks
-        finally:
-            await replica.close()
 
     asyncio.run(scenario())
 
@@ -227,12 +211,11 @@ def test_the_target_marks_the_step_end_and_the_rounds_that_may_be_drafted_ahead(
 
 
 def test_one_propose_takes_some_requests_drafted_ahead_and_drafts_the_others(draft_dir: Path, target_dir: Path) -> None:
-    first, second = rows_of(0, 5, seed=5), rows_of(0, 8, seed=6)
+    first, second = random_rows(0, 5, seed=5), random_rows(0, 8, seed=6)
     expected = plain_proposals(draft_dir, target_dir, [ProposeInput("a", first, 3), ProposeInput("b", second, 3)])
 
     async def scenario() -> None:
-        replica = Replica(target_dir, draft_dir)
-        try:
+        async with Replica(target_dir, draft_dir) as replica:
             # "a" was not asked to draft ahead; "b" was, and its step ended: b is drafted ahead, a waits to be asked.
             await replica.send(message("a", 1, first, ahead=0, step_end=False))
             await replica.send(message("b", 1, second, ahead=3, step_end=True))
@@ -245,21 +228,16 @@ def test_one_propose_takes_some_requests_drafted_ahead_and_drafts_the_others(dra
             answer = await asyncio.wait_for(replica.service._propose(request, SESSION), 30)
             assert [list(result.draft_tokens) for result in answer.results] == expected
             assert replica.service.drafted_ahead == 1
-        finally:
-            await replica.close()
 
     asyncio.run(scenario())
 
 
 def test_rows_of_a_released_request_are_not_drafted_ahead(draft_dir: Path, target_dir: Path) -> None:
     async def scenario() -> None:
-        replica = Replica(target_dir, draft_dir)
-        try:
+        async with Replica(target_dir, draft_dir) as replica:
             await replica.service._release({"gone"})
             # Its last rows overtaken by the release: drafting them would hold KV for a request nobody asks about.
-            await replica.send(message("gone", 4, rows_of(0, 6, seed=7), ahead=3, step_end=True))
+            await replica.send(message("gone", 4, random_rows(0, 6, seed=7), ahead=3, step_end=True))
             assert not replica.service._ahead and not replica.service.runner.requests
-        finally:
-            await replica.close()
 
     asyncio.run(scenario())

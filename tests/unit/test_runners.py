@@ -30,6 +30,7 @@ from tests.helpers.checkpoints import (
     write_tiny_eagle3,
     write_tiny_target,
 )
+from tests.helpers.target_rows import random_rows
 
 GREEDY = SamplingParams()
 BLOCK_SIZE = 4
@@ -222,15 +223,6 @@ def draft(draft_dir: Path) -> Eagle3Draft:
     return model
 
 
-def target_rows(start_position: int, length: int, seed: int) -> TargetRows:
-    generator = torch.Generator().manual_seed(seed)
-    return TargetRows(
-        start_position=start_position,
-        next_tokens=torch.randint(3, 320, (length,), generator=generator).tolist(),
-        features=torch.randn(length, 3 * HIDDEN, generator=generator),
-    )
-
-
 def direct_proposal(model: Eagle3Draft, rows: TargetRows, num_steps: int) -> list[int]:
     """The draft chain computed with direct model calls on a fresh cache; rows must start at position 0."""
     layer = model.config.layer
@@ -259,7 +251,7 @@ def concatenated(first: TargetRows, second: TargetRows) -> TargetRows:
 
 def test_propose_ingests_rows_and_drafts_a_chain(draft: Eagle3Draft, draft_dir: Path) -> None:
     runner = DraftRunner(draft, CACHE)
-    rows = target_rows(0, 6, seed=1)
+    rows = random_rows(0, 6, seed=1)
 
     (proposal,) = runner.propose([ProposeInput("a", rows, num_steps=4)])
 
@@ -271,7 +263,7 @@ def test_propose_ingests_rows_and_drafts_a_chain(draft: Eagle3Draft, draft_dir: 
 
 def test_next_ingest_truncates_speculative_kv(draft: Eagle3Draft) -> None:
     runner = DraftRunner(draft, CACHE)
-    first, second = target_rows(0, 6, seed=2), target_rows(6, 2, seed=3)
+    first, second = random_rows(0, 6, seed=2), random_rows(6, 2, seed=3)
     runner.propose([ProposeInput("a", first, num_steps=4)])  # KV up to 9, of which 6..8 speculative
 
     (proposal,) = runner.propose([ProposeInput("a", second, num_steps=3)])
@@ -283,9 +275,9 @@ def test_next_ingest_truncates_speculative_kv(draft: Eagle3Draft) -> None:
 def test_ingest_can_roll_back_to_an_earlier_position(draft: Eagle3Draft) -> None:
     # The target may resend rows the draft already ingested (e.g. after its own retry): they replace the old ones.
     runner = DraftRunner(draft, CACHE)
-    first = target_rows(0, 6, seed=4)
+    first = random_rows(0, 6, seed=4)
     runner.propose([ProposeInput("a", first, num_steps=2)])
-    replacement = target_rows(4, 3, seed=5)
+    replacement = random_rows(4, 3, seed=5)
 
     (proposal,) = runner.propose([ProposeInput("a", replacement, num_steps=2)])
 
@@ -295,22 +287,22 @@ def test_ingest_can_roll_back_to_an_earlier_position(draft: Eagle3Draft) -> None
 
 def test_gap_in_rows_is_refused(draft: Eagle3Draft) -> None:
     runner = DraftRunner(draft, CACHE)
-    runner.propose([ProposeInput("a", target_rows(0, 6, seed=6), num_steps=2)])  # KV up to 7
+    runner.propose([ProposeInput("a", random_rows(0, 6, seed=6), num_steps=2)])  # KV up to 7
     with pytest.raises(DraftRequestError, match=r"'a': rows start at position 9 but the draft holds positions up to 7"):
-        runner.propose([ProposeInput("a", target_rows(9, 2, seed=7), num_steps=2)])
+        runner.propose([ProposeInput("a", random_rows(9, 2, seed=7), num_steps=2)])
 
 
 def test_new_request_must_start_at_zero(draft: Eagle3Draft) -> None:
     runner = DraftRunner(draft, CACHE)
     with pytest.raises(DraftRequestError, match="rows start at position 3 but the draft holds positions up to 0"):
-        runner.propose([ProposeInput("b", target_rows(3, 2, seed=8), num_steps=1)])
+        runner.propose([ProposeInput("b", random_rows(3, 2, seed=8), num_steps=1)])
 
 
 def test_refused_batch_changes_nothing(draft: Eagle3Draft) -> None:
     runner = DraftRunner(draft, CACHE)
-    runner.propose([ProposeInput("a", target_rows(0, 6, seed=6), num_steps=2)])  # KV up to 7
+    runner.propose([ProposeInput("a", random_rows(0, 6, seed=6), num_steps=2)])  # KV up to 7
     free_blocks = runner.cache.num_free_blocks
-    batch = [ProposeInput("a", target_rows(3, 2, seed=7), num_steps=2), ProposeInput("b", target_rows(5, 2, seed=8), 1)]
+    batch = [ProposeInput("a", random_rows(3, 2, seed=7), num_steps=2), ProposeInput("b", random_rows(5, 2, seed=8), 1)]
     with pytest.raises(DraftRequestError, match="'b': rows start at position 5"):
         runner.propose(batch)
     assert runner.requests["a"].kv.length == 7
@@ -320,7 +312,7 @@ def test_refused_batch_changes_nothing(draft: Eagle3Draft) -> None:
 
 def test_batched_requests_with_different_step_counts(draft: Eagle3Draft) -> None:
     runner = DraftRunner(draft, CACHE)
-    rows = [target_rows(0, 5, seed=9), target_rows(0, 3, seed=10), target_rows(0, 7, seed=11)]
+    rows = [random_rows(0, 5, seed=9), random_rows(0, 3, seed=10), random_rows(0, 7, seed=11)]
     num_steps = [2, 4, 3]
 
     proposals = runner.propose([ProposeInput(f"r{index}", rows[index], num_steps[index]) for index in range(len(rows))])
