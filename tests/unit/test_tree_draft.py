@@ -14,7 +14,8 @@ from tandem.models.eagle3 import Eagle3Draft, load_eagle3
 from tandem.settings import KVCacheSettings, TreeShape
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
 from tests.helpers.eagle3_mla_checkpoints import TinyEagle3MLASpec, write_tiny_eagle3_mla
-from tests.unit.test_runners import BLOCK_SIZE, target_rows
+from tests.helpers.target_rows import random_rows
+from tests.unit.test_runners import BLOCK_SIZE
 
 CACHE = KVCacheSettings(num_blocks=64, block_size=BLOCK_SIZE)
 
@@ -113,28 +114,28 @@ def test_runner_tree_equals_the_naive_expansion(
     draft: Eagle3Draft, topk: int, num_steps: int, num_draft_tokens: int
 ) -> None:
     runner = DraftRunner(draft, CACHE)
-    first = target_rows(0, 9, seed=1)
+    first = random_rows(0, 9, seed=1)
     (tree,) = propose_trees(runner, [ProposeInput("a", first, num_steps)], topk, num_draft_tokens)
     assert len(tree.tokens) == num_draft_tokens - 1
     assert all(-1 <= parent < index for index, parent in enumerate(tree.parents))
     assert tree == naive_tree(draft, first, topk, num_steps, num_draft_tokens - 1)
     assert len({(parent, token) for parent, token in zip(tree.parents, tree.tokens, strict=True)}) == len(tree.tokens)
     # The next round truncates the speculative rows: its tree equals a fresh runner's on the same rows.
-    second = target_rows(9, 2, seed=2)
+    second = random_rows(9, 2, seed=2)
     (again,) = propose_trees(runner, [ProposeInput("a", second, num_steps)], topk, num_draft_tokens)
     both = TargetRows(0, [*first.next_tokens, *second.next_tokens], torch.cat([first.features, second.features]))
     assert again == naive_tree(draft, both, topk, num_steps, num_draft_tokens - 1)
 
 
 def test_topk_one_is_the_chain(draft: Eagle3Draft) -> None:
-    rows = target_rows(0, 9, seed=3)
+    rows = random_rows(0, 9, seed=3)
     (tree,) = propose_trees(DraftRunner(draft, CACHE), [ProposeInput("a", rows, 4)], topk=1, num_draft_tokens=5)
     assert [tree.tokens] == DraftRunner(draft, CACHE).propose([ProposeInput("a", rows, 4)])
     assert tree.parents == [-1, 0, 1, 2]
 
 
 def test_batched_requests_expand_independently(draft: Eagle3Draft) -> None:
-    rows_a, rows_b = target_rows(0, 9, seed=4), target_rows(0, 6, seed=5)
+    rows_a, rows_b = random_rows(0, 9, seed=4), random_rows(0, 6, seed=5)
     inputs = [ProposeInput("a", rows_a, 3), ProposeInput("b", rows_b, 2)]
     trees = propose_trees(DraftRunner(draft, CACHE), inputs, topk=3, num_draft_tokens=6)
     assert trees == [naive_tree(draft, rows_a, 3, 3, 5), naive_tree(draft, rows_b, 3, 2, 5)]
@@ -146,14 +147,14 @@ def test_proposals_leave_no_autograd_history_in_the_cache(draft: Eagle3Draft) ->
     assert any(parameter.requires_grad for parameter in draft.parameters())
     runner = DraftRunner(draft, CACHE)
     for start, count, seed in ((0, 9, 7), (9, 2, 8)):
-        propose_trees(runner, [ProposeInput("a", target_rows(start, count, seed=seed), 3)], topk=2, num_draft_tokens=5)
-        runner.propose([ProposeInput("b", target_rows(start, count, seed=seed), 3)])
+        propose_trees(runner, [ProposeInput("a", random_rows(start, count, seed=seed), 3)], topk=2, num_draft_tokens=5)
+        runner.propose([ProposeInput("b", random_rows(start, count, seed=seed), 3)])
         for pool in (runner.cache.keys, runner.cache.values):
             assert not pool.requires_grad and pool.grad_fn is None
 
 
 def test_bad_shapes_are_refused(draft: Eagle3Draft) -> None:
-    rows = target_rows(0, 4, seed=6)
+    rows = random_rows(0, 4, seed=6)
     with pytest.raises(ValueError, match="num_draft_tokens 1"):
         propose_trees(DraftRunner(draft, CACHE), [ProposeInput("a", rows, 2)], topk=2, num_draft_tokens=1)
 
