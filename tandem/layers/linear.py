@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from tandem.layers.matmul import Linear
 from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
 from tandem.parallel.layers import ShardSpec
 
 
-class PackedLinear(nn.Linear):
+class PackedLinear(Linear):
     """A Linear whose output rows are the concatenation of named parts, loaded part by part.
 
     Example: q/k/v with sizes {"q": 64, "k": 32, "v": 32} -> rows 0..63 are q, 64..95 k, 96..127 v.

@@ -23,6 +23,7 @@ from torch import nn
 from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.kv_cache import CacheLayout, PagedKVCache
 from tandem.layers.linear import PackedLinear
+from tandem.layers.matmul import Linear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -80,22 +81,22 @@ class MultiHeadLatentAttention(nn.Module):
         if config.q_lora_rank is None:
             if fused_a_projection:
                 raise ValueError("a fused q/kv down projection needs q_lora_rank")
-            self.q_proj = nn.Linear(input_size, query_size, bias=False)
+            self.q_proj = Linear(input_size, query_size, bias=False)
         else:
             if fused_a_projection:
                 parts = {"q_a": config.q_lora_rank, "kv_a": kv_a_size}
                 self.fused_qkv_a_proj_with_mqa = PackedLinear(input_size, parts, bias=config.attention_bias)
             else:
-                self.q_a_proj = nn.Linear(input_size, config.q_lora_rank, bias=config.attention_bias)
+                self.q_a_proj = Linear(input_size, config.q_lora_rank, bias=config.attention_bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, query_size, bias=False)
+            self.q_b_proj = Linear(config.q_lora_rank, query_size, bias=False)
         if not fused_a_projection:
-            self.kv_a_proj_with_mqa = nn.Linear(input_size, kv_a_size, bias=config.attention_bias)
+            self.kv_a_proj_with_mqa = Linear(input_size, kv_a_size, bias=config.attention_bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             config.kv_lora_rank, config.num_heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(config.num_heads * config.v_head_dim, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = Linear(config.num_heads * config.v_head_dim, config.hidden_size, bias=config.attention_bias)
 
     def forward(
         self,

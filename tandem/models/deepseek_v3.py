@@ -34,6 +34,7 @@ from torch import nn
 
 from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.kv_cache import CacheLayout, PagedKVCache
+from tandem.layers.matmul import Linear
 from tandem.layers.mla import MLAConfig, MultiHeadLatentAttention
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import MixtureOfExperts, MoEConfig
@@ -322,7 +323,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             )
         self.config = config
         self.model = DeepseekV3Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

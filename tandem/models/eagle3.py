@@ -28,6 +28,7 @@ from torch import nn
 
 from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.kv_cache import CacheLayout, PagedKVCache
+from tandem.layers.matmul import Linear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ConfigError, FamilyTraits, ModelConfig, read_hf_config
@@ -198,11 +199,11 @@ class Eagle3Draft(nn.Module):
             else None
         )
         self.norm_before_fc = RMSNorm(aux_width, eps) if config.norm_before_fc else None
-        self.fc = nn.Linear(aux_width, hidden, bias=False)
+        self.fc = Linear(aux_width, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, eps)
         self.layer: Eagle3Layer = config.layer_kind.build(config.layer, 2 * hidden)
         self.norm = RMSNorm(hidden, eps)
-        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.lm_head = Linear(hidden, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
 
     def project_features(self, features: torch.Tensor) -> torch.Tensor:

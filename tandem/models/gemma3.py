@@ -30,6 +30,7 @@ from torch import nn
 from tandem.layers.attention import Attention
 from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.kv_cache import CacheLayout, PagedKVCache
+from tandem.layers.matmul import Linear
 from tandem.layers.mlp import ACTIVATIONS, GatedMLP
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
@@ -222,7 +223,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.config = config
         self.group = group
         self.model = Gemma3Backbone(config, group)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

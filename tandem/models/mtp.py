@@ -44,6 +44,7 @@ from torch import nn
 
 from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.kv_cache import CacheLayout, PagedKVCache
+from tandem.layers.matmul import Linear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import TARGET_FAMILIES, ConfigError, ModelConfig, read_hf_config
@@ -196,7 +197,7 @@ class MTPLayer(nn.Module):
         hidden, eps = config.hidden_size, config.target.rms_norm_eps
         self.enorm = RMSNorm(hidden, eps)
         self.hnorm = RMSNorm(hidden, eps)
-        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.eh_proj = Linear(2 * hidden, hidden, bias=False)
         self.decoder = config.family.build_layer(config.target, config.num_target_layers + index, rotary)
         self.shared_head = SharedHead(hidden, eps)
 
@@ -219,7 +220,7 @@ class MTPModel(nn.Module):
         self.rotary = config.family.build_rotary(config.target)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(MTPLayer(config, index, self.rotary) for index in range(config.num_mtp_layers))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_shared()
         # Shared tables the loader could not fill; running with one is refused rather than drafting from garbage.
         self.unfilled_shared: set[SharedTable] = set()

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.layers.matmul import linear
 from tandem.parallel.group import ParallelGroup, all_gather, all_reduce
 from tandem.parallel.vocab import VocabShard, vocab_shard
 
@@ -59,7 +60,7 @@ class RowParallelLinear(nn.Linear):
         self.local_input_size = local_input_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., input / tp] -> [..., output]
-        partial = F.linear(hidden, self.weight, self.bias if self.group.is_first else None)
+        partial = linear(hidden, self.weight, self.bias if self.group.is_first else None)
         return all_reduce(partial, self.group)
 
     def shard_spec(self, parameter_name: str, part: str | None) -> ShardSpec:
@@ -117,7 +118,7 @@ class ParallelLMHead(nn.Linear):
         self.shard: VocabShard = shard
 
     def forward(self, normed: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab]
-        local = F.pad(F.linear(normed, self.weight), (0, self.shard.padding))  # [..., s]
+        local = F.pad(linear(normed, self.weight), (0, self.shard.padding))  # [..., s]
         return all_gather(local, self.group, dim=-1)[..., : self.vocab_size]  # [..., tp * s] -> [..., vocab]
 
     def shard_spec(self, parameter_name: str, part: str | None) -> ShardSpec:

@@ -1,0 +1,54 @@
+"""tandem.layers.matmul.linear: F.linear's answer, to float32 rounding, on the few-row path and off it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.layers.matmul import FEW_ROWS, Linear, linear
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, FEW_ROWS, FEW_ROWS + 1, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_it_gives_what_f_linear_gives(rows: int, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=generator)
+    bias = torch.randn(96, generator=generator) if with_bias else None
+    x = torch.randn(rows, 40, generator=generator)
+    y = linear(x, weight, bias)
+    assert y.shape == (rows, 96) and y.is_contiguous()
+    torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_strided_input_and_its_rows_are_taken_as_they_are() -> None:
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(32, 24, generator=generator)
+    packed = torch.randn(5, 48, generator=generator)
+    x = packed[:, 24:]  # a column slice: rows are not contiguous
+    torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x[2:3], weight), F.linear(x[2:3], weight), rtol=1e-5, atol=1e-5)
+
+
+def test_other_dtypes_shapes_and_empty_batches_are_f_linear_itself() -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(16, 8, generator=generator)
+    half = torch.randn(4, 8, generator=generator).bfloat16()
+    assert torch.equal(linear(half, weight.bfloat16()), F.linear(half, weight.bfloat16()))
+    batched = torch.randn(2, 3, 8, generator=generator)  # not [rows, in]
+    assert torch.equal(linear(batched, weight), F.linear(batched, weight))
+    assert linear(torch.empty(0, 8), weight).shape == (0, 16)
+
+
+def test_the_module_keeps_nn_linear_parameters_and_gradients_flow() -> None:
+    torch.manual_seed(0)
+    module, reference = Linear(8, 4), torch.nn.Linear(8, 4)
+    reference.load_state_dict(module.state_dict())
+    assert list(module.state_dict()) == ["weight", "bias"]
+    x = torch.randn(3, 8, requires_grad=True)
+    module(x).sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    reference(x).sum().backward()
+    torch.testing.assert_close(x.grad, expected)
+    torch.testing.assert_close(module.weight.grad, reference.weight.grad)
