@@ -80,6 +80,8 @@ class RunResult:
             "wire": 1000 * sum(r.wire_seconds for r in self.requests) / rounds,
             "scheduling": 1000 * sum(r.scheduling_seconds for r in self.requests) / rounds,
             "drafted_ahead": 1000 * sum(r.draft_ahead_seconds for r in self.requests) / rounds,
+            # Wall time of a round as the client saw it: from the first token (the prompt's step) to the last.
+            "round": 1000 * sum(r.latency_seconds - r.first_token_seconds for r in self.requests) / rounds,
         }
 
 

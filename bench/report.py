@@ -112,15 +112,19 @@ def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
 
 
 def outside_compute(per_round: dict[str, float]) -> float:
-    """Milliseconds of a round with neither target nor draft computing: transport, hand-offs and scheduling.
+    """Milliseconds of a round in which neither target nor draft computed: transport, hand-offs, scheduling, and
+    whatever else the stack did between rounds (streaming the tokens out, releasing finished requests).
 
-    Draft compute done ahead ran after the target's compute and before the Propose arrived, so inside the time
-    counted as wire and scheduling (the target's answer travelling, the orchestrator's work, the Propose
-    travelling): that time was not outside compute. Example: wire 2.61 + scheduling 0.03 with 1.69 drafted ahead
-    is 0.95 ms a round in which nothing computed.
+    It is the round's wall time less its compute: the target's, the draft compute the round waited for, and the
+    draft compute done ahead, which ran after the target's compute and before the Propose arrived, so while the
+    target's answer and the Propose travelled (inside the wire time). Example: a 20.3 ms round with 13.1 ms of
+    verification, 4.5 ms of draft waited for and 1.7 ms drafted ahead spent 1.0 ms outside compute, where its wire
+    and scheduling add up to 2.6 ms. Rows without a round time (older records) fall back to wire + scheduling.
     """
-    idle = per_round["wire"] + per_round["scheduling"] - per_round.get("drafted_ahead", 0.0)
-    return max(0.0, idle)
+    if "round" not in per_round:
+        return per_round["wire"] + per_round["scheduling"]
+    compute = per_round["verify"] + per_round["draft"] + per_round.get("drafted_ahead", 0.0)
+    return max(0.0, per_round["round"] - compute)
 
 
 def transformers_summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
@@ -204,8 +208,8 @@ def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, An
         f"prompt-lookup with `prompt_lookup_num_tokens={settings.get('prompt_lookup_num_tokens')}`. Its rows count "
         "the prompts identical to Tandem's split target-only completions. Drafted ahead: draft compute a replica did "
         "as soon as the target's rows arrived, before it was asked, while the target's answer and the next Propose "
-        "travelled; the draft column is what the round still waited for. Outside compute: wire + scheduling less "
-        "the compute drafted ahead during them, the time of a round in which neither model computed.",
+        "travelled; the draft column is what the round still waited for. Outside compute: a round's wall time (first "
+        "token to last, over the rounds) less its verify, draft and drafted-ahead compute.",
         "",
         TABLE_HEADER,
         "|" + "---|" * (TABLE_HEADER.count("|") - 1),
