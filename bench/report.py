@@ -113,7 +113,7 @@ def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
 
 def outside_compute(per_round: dict[str, float]) -> float:
     """Milliseconds of a round in which neither target nor draft computed: transport, hand-offs, scheduling, and
-    whatever else the stack did between rounds (streaming the tokens out, releasing finished requests).
+    whatever else the stack did that the phases leave out (releasing a finished request, for one).
 
     It is the round's wall time less its compute: the target's, the draft compute the round waited for, and the
     draft compute done ahead, which ran after the target's compute and before the Propose arrived, so while the
