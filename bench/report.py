@@ -119,10 +119,8 @@ def outside_compute(per_round: dict[str, float]) -> float:
     draft compute done ahead, which ran after the target's compute and before the Propose arrived, so while the
     target's answer and the Propose travelled (inside the wire time). Example: a 20.3 ms round with 13.1 ms of
     verification, 4.5 ms of draft waited for and 1.7 ms drafted ahead spent 1.0 ms outside compute, where its wire
-    and scheduling add up to 2.6 ms. Rows without a round time (older records) fall back to wire + scheduling.
+    and scheduling add up to 2.6 ms.
     """
-    if "round" not in per_round:
-        return per_round["wire"] + per_round["scheduling"]
     compute = per_round["verify"] + per_round["draft"] + per_round.get("drafted_ahead", 0.0)
     return max(0.0, per_round["round"] - compute)
 
