@@ -53,6 +53,8 @@ REPLICA_ID = "colocated"
 class LocalDraft:
     """A DraftBackend over an in-process draft runner; the target hands it rows directly."""
 
+    pushes = False  # in one process there is nothing to skip
+
     def __init__(self, runner: ProposalRunner, capture: tuple[int, ...], tokens_only: bool) -> None:
         self.runner = runner
         self.capture = capture

@@ -77,6 +77,7 @@ def _start_stack(settings: BenchSettings, kind: DraftKind) -> ServeProcess:
             "--speculative-num-steps", str(settings.num_steps),
             "--adaptive-k" if settings.adaptive_k else "--no-adaptive-k",
             "--draft-ahead", str(settings.draft_ahead),
+            "--push-drafts" if settings.push_drafts else "--no-push-drafts",
             "--dtype", settings.dtype,
             "--target-threads", str(settings.target_threads),
         ]

@@ -28,6 +28,7 @@ class BenchSettings:
     tree: TreeShape = field(default_factory=TreeShape)  # --speculative-eagle-topk / --speculative-num-draft-tokens
     adaptive_k: bool = SchedulerSettings.adaptive_k  # choose k per batch (orchestrator/speculation.py), in both setups
     draft_ahead: int = SchedulerSettings.draft_ahead  # `tandem serve --draft-ahead` of the started stack
+    push_drafts: bool = SchedulerSettings.push_drafts  # `tandem serve --push-drafts` of the started stack
     dtype: str = "float32"  # of target and draft, in both setups
     repeats: int = 1  # runs of each configuration, interleaved across setups and modes; the report takes medians
     draft_replicas: int = 1  # of the split stack started by the benchmark

@@ -17,8 +17,7 @@ ROWS_WAIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 
 
 async def serve_draft(settings: DraftSettings, listen: ListenSettings) -> None:
-    service, consumer, channel = await start_draft(settings)
-    consumer.set_name("hidden-state stream from the target")
+    service, streams, channel = await start_draft(settings)
     timeout_s = settings.cache.orphan_timeout_s
     sweeper = asyncio.create_task(service.sweep(sweep_interval(timeout_s)), name="draft sweep")
     port = settings.metrics_port
@@ -36,7 +35,7 @@ async def serve_draft(settings: DraftSettings, listen: ListenSettings) -> None:
         ["tandem.v1.Draft"],
         listen,
         on_stop=on_stop,
-        background=[consumer, sweeper],
+        background=[*streams, sweeper],
     )
 
 

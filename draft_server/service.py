@@ -10,6 +10,10 @@ as the step's last message (`step_end`) arrives, one batch for the step, while t
 orchestrator and its Propose travels here. Propose then takes the drafts made ahead (waiting for them if they are
 still being made) when it asks for the same number of steps, the first ones of a longer chain, and drafts again
 from the same rows otherwise. Rows a Propose already waits for are never drafted ahead.
+
+Pushing: rows that also carry `push` are drafted ahead the same way, but their drafts go to the target at once, on
+the replica's PushDrafts stream (target_server/pushed.py), and no Propose asks for them: the orchestrator's next item
+for the request tells the target to verify what the replica pushed.
 """
 
 from __future__ import annotations
@@ -65,7 +69,14 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self._ahead_wanted: dict[Key, int] = {}  # rows of this step to draft ahead, and their steps
         self._ahead: dict[Key, tuple[DraftedAhead, float]] = {}  # drafts made (or being made) ahead, arrival time
         self._asked: set[Key] = set()  # rows a Propose is waiting for: never drafted ahead
+        self._to_push: set[Key] = set()  # rows to draft ahead whose drafts go to the target (HiddenStates.push)
+        # What push_drafts writes to the target; None until it runs (the replica then keeps every draft for a Propose).
+        self._pushes: asyncio.Queue[target_pb2.PushedBatch] | None = None
         self.drafted_ahead = 0  # proposals answered with drafts made ahead (GetInfo)
+        self.pushed = 0  # requests whose drafts made ahead went to the target (GetInfo)
+        # Requests dropped for lack of KV room: this replica holds none of their state until their rows start over
+        # (a replay), so rows that continue them are not drafted (a batch with them would fail as a whole).
+        self._dropped: set[str] = set()
         # Requests released, by when: rows of theirs that arrive after the release (in flight, or overtaken by it)
         # are not drafted ahead, which would hold their KV again. A Propose for one (after a preemption) clears it.
         self._released: dict[str, float] = {}
@@ -89,8 +100,12 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                     except DraftRequestError as error:
                         LOG.warning("request %s round %d: %s; keeping the later rows", *key, error)
                 self._rows[key] = (rows, time.monotonic())
+                if message.start_position <= 0:  # the request starts over here (its first rows, or a replay)
+                    self._dropped.discard(message.request_id)
                 if message.draft_ahead > 0 and key not in self._asked:
                     self._ahead_wanted[key] = message.draft_ahead
+                    if message.push and self._pushes is not None:
+                        self._to_push.add(key)
                 if message.step_end and self._ahead_wanted:
                     self._start_ahead(self._ahead_wanted)
                     self._ahead_wanted = {}
@@ -110,10 +125,66 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         now = time.monotonic()
         for key, ahead in batch.items():
             self._ahead[key] = (ahead, now)
-        inputs = [ProposeInput(key[0], ahead.rows, ahead.num_steps) for key, ahead in batch.items()]
-        self.model_thread.start(_timed_proposals, self.runner, inputs).add_done_callback(
-            lambda done: _settle(batch, done)
-        )
+        live = {key: ahead for key, ahead in batch.items() if not self._needs_replay(key[0], ahead.rows)}
+        for key in batch.keys() - live.keys():
+            batch[key].exhausted = "it was dropped for lack of KV room and needs a replay"
+            batch[key].done.set_result(None)
+        if not live:
+            self._push(batch)
+            return
+        inputs = [ProposeInput(key[0], ahead.rows, ahead.num_steps) for key, ahead in live.items()]
+        computing = self.model_thread.start(_timed_proposals, self.runner, inputs)
+        computing.add_done_callback(lambda done: _settle(live, done))
+        computing.add_done_callback(lambda _: self._push(batch))  # after _settle, which gives each its drafts
+
+    def _needs_replay(self, request_id: str, rows: TargetRows) -> bool:
+        return request_id in self._dropped and rows.start_position > 0
+
+    async def push_drafts(self, target: target_pb2_grpc.TargetStub) -> None:
+        """Writes the drafts made ahead for pushing to the target (PushDrafts) for the life of the replica; returns
+        or raises only when the stream ends (the target went away, as the hidden-state stream does then)."""
+        pushes: asyncio.Queue[target_pb2.PushedBatch] = asyncio.Queue()
+
+        async def batches() -> AsyncIterator[target_pb2.PushedBatch]:
+            while True:
+                yield await pushes.get()
+
+        self._pushes = pushes
+        try:
+            await target.PushDrafts(batches())
+        finally:
+            self._pushes = None
+
+    def _push(self, batch: Mapping[Key, DraftedAhead]) -> None:
+        """Sends the target the drafts of a settled draft-ahead batch whose rows asked for it (nothing asks for
+        them here then); a request released meanwhile is skipped."""
+        keys = [key for key in batch if key in self._to_push]
+        self._to_push.difference_update(batch)
+        if not keys or self._pushes is None:
+            return
+        message = target_pb2.PushedBatch(replica_id=self.settings.replica_id)
+        for key in keys:
+            made = batch[key]
+            entry = self._ahead.get(key)
+            if entry is None or entry[0] is not made:  # released (or taken by a Propose after all)
+                continue
+            del self._ahead[key]
+            pushed = target_pb2.PushedDrafts(request_id=key[0], round=key[1])
+            error = _ahead_failure(key[0], made, self.settings.replica_id)
+            if made.exhausted is not None:
+                self._dropped.add(key[0])
+            if error is not None:
+                pushed.error.CopyFrom(error.as_proto())
+            else:
+                proposal = made.proposal
+                tree = proposal if isinstance(proposal, DraftTree) else DraftTree(proposal, [])
+                pushed.draft_tokens.extend(tree.tokens)
+                pushed.parents.extend(tree.parents)
+            message.drafts.append(pushed)
+            message.compute_seconds = made.finished - made.started
+        if message.drafts:
+            self.pushed += len(message.drafts)
+            self._pushes.put_nowait(message)
 
     async def GetInfo(
         self, request: draft_pb2.DraftInfoRequest, context: grpc.aio.ServicerContext
@@ -128,6 +199,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             kv_blocks_total=self.runner.cache.num_blocks,
             kv_blocks_free=self.runner.cache.num_free_blocks,
             drafted_ahead=self.drafted_ahead,
+            pushes_drafts=self._pushes is not None,
+            pushed=self.pushed,
         )
 
     async def Propose(
@@ -196,6 +269,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         for item in request.items:
             self.leases.own(session, item.request_id, now)
             if item.request_id in exhausted:
+                self._dropped.add(item.request_id)
                 reason = f"draft {self.settings.replica_id}: {exhausted[item.request_id]}"
                 failure = CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, reason).as_proto()
                 response.results.append(draft_pb2.ProposeResult(request_id=item.request_id, error=failure))
@@ -233,6 +307,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         async with self._arrived:
             now = time.monotonic()
             self._released.update((request_id, now) for request_id in released)
+            self._dropped.difference_update(released)
             for key in [key for key in self._rows if key[0] in released]:
                 del self._rows[key]
             for key in [key for key in self._ahead if key[0] in released]:
@@ -346,6 +421,20 @@ def _settle(batch: Mapping[Key, DraftedAhead], done: asyncio.Future[Any]) -> Non
         LOG.error("drafting ahead for %d requests failed: %r", len(batch), error)
 
 
+def _ahead_failure(request_id: str, made: DraftedAhead, replica_id: str) -> CallFailed | None:
+    """Why a settled draft-ahead batch gave a request no drafts (as a Propose would have failed), or None."""
+    if made.done.cancelled():
+        return CallFailed(grpc.StatusCode.UNAVAILABLE, f"request {request_id!r}: the replica is stopping")
+    error = made.done.exception()
+    if isinstance(error, DraftRequestError):
+        return CallFailed(grpc.StatusCode.FAILED_PRECONDITION, f"request {request_id!r}: {error}")
+    if error is not None:
+        return CallFailed(grpc.StatusCode.INTERNAL, f"request {request_id!r}: drafting ahead failed: {error!r}")
+    if made.exhausted is not None:
+        return CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"draft {replica_id}: {made.exhausted}")
+    return None
+
+
 def _usable(made: DraftedAhead, num_steps: int) -> Any:
     """The drafts made ahead as a Propose for num_steps takes them: all when the steps match, the first num_steps
     of a longer chain; None when they must be drafted again (a longer chain, or a tree of another size)."""
@@ -356,8 +445,9 @@ def _usable(made: DraftedAhead, num_steps: int) -> Any:
     return None
 
 
-async def start_draft(settings: DraftSettings) -> tuple[DraftService, asyncio.Task[None], grpc.aio.Channel]:
-    """Builds the replica against its target; raises IncompatibleDraft / AuxLayerError on a mismatch."""
+async def start_draft(settings: DraftSettings) -> tuple[DraftService, list[asyncio.Task[None]], grpc.aio.Channel]:
+    """Builds the replica against its target; raises IncompatibleDraft / AuxLayerError on a mismatch. Returns it
+    with its essential tasks: the hidden-state stream from the target and the drafts pushed to it."""
     # Before any torch work on this thread (tandem.model_thread).
     model_thread = ModelThread("draft-model", settings.threads)
     security = settings.target_security
@@ -394,5 +484,6 @@ async def start_draft(settings: DraftSettings) -> tuple[DraftService, asyncio.Ta
             tokens_only=prepared.tokens_only,
         )
     )
-    consumer = asyncio.create_task(service.consume(stream))
-    return service, consumer, channel
+    consumer = asyncio.create_task(service.consume(stream), name="hidden-state stream from the target")
+    pusher = asyncio.create_task(service.push_drafts(target), name="drafts pushed to the target")
+    return service, [consumer, pusher], channel

@@ -56,6 +56,9 @@ class ActiveRequest:
     # replica starts it from scratch (it is new to the request, or it dropped the request's state).
     needs_move: bool = False
     cancelled: bool = False
+    # The round whose drafts the replica pushes to the target (it was asked to, StepTask.push_drafts): the next
+    # round's item tells the target to verify them instead of carrying drafts. None: the replica is asked (Propose).
+    pushed_round: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -127,7 +130,7 @@ def plan_step(
         if not request.decoding or request in plan.preempted:
             continue
         drafts = request.max_drafts(k)
-        rows = 1 + _draft_rows(drafts, settings)
+        rows = 1 + draft_rows(drafts, settings)
         if rows > tokens_left:
             break
         need = growth(request, rows)
@@ -183,7 +186,7 @@ def plan_step(
     return plan
 
 
-def _draft_rows(max_drafts: int, settings: SchedulerSettings) -> int:
+def draft_rows(max_drafts: int, settings: SchedulerSettings) -> int:
     """Rows a round of up to `max_drafts` drafts (its depth) may verify: a chain has one per draft; a tree, or a
     chain with n-gram branches merged in (--hybrid-ngram), up to settings.max_tree_drafts nodes."""
     if max_drafts == 0 or (settings.tree.topk == 1 and settings.hybrid is None):

@@ -13,6 +13,7 @@ from orchestrator.backends import (
     FailureKind,
     ProposedBatch,
     ProposeTask,
+    PushedDone,
     StepDone,
     StepOutcome,
     StepTask,
@@ -63,16 +64,18 @@ class CallStream(Generic[Response]):
         self._stream: Any = None  # a grpc.aio.StreamStreamCall, opened at the first call
         self._lock = asyncio.Lock()
 
-    async def call(self, request: object) -> Response:
+    async def call(self, request: object, timeout_s: float | None = None) -> Response:
+        """Writes `request` and reads its response, within `timeout_s` (default: the stream's)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         async with self._lock:
             stream = await self._written(request)
             try:
-                response = await asyncio.wait_for(stream.read(), self.timeout_s)
+                response = await asyncio.wait_for(stream.read(), timeout_s)
             except TimeoutError:
                 # The late response would answer the next call: this stream is done.
                 self._drop(stream)
                 raise _failure(
-                    self.what, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout_s} s"
+                    self.what, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s} s"
                 ) from None
             except grpc.aio.AioRpcError as error:
                 self._stream = None
@@ -135,17 +138,24 @@ class GrpcTarget:
     """The target over gRPC. `session` names this orchestrator to the target (tandem.leases): when it goes away,
     the target frees its requests."""
 
-    def __init__(self, stub: target_pb2_grpc.TargetStub, timeout_s: float, session: str = "") -> None:
+    def __init__(
+        self, stub: target_pb2_grpc.TargetStub, timeout_s: float, session: str = "", pushed_wait_s: float = 0.0
+    ) -> None:
         self.stub = stub
         self.timeout_s = timeout_s
+        self.pushed_wait_s = pushed_wait_s  # how long the target waits for pushed drafts (the draft timeout)
         self.metadata = session_metadata(session) if session else ()
         self._step: CallStream[target_pb2.StepResponse] = CallStream(
             lambda: stub.StepStream(metadata=self.metadata), "target step", timeout_s
         )
 
     async def step(self, tasks: Sequence[StepTask], preempt: Sequence[str]) -> StepOutcome:
-        request = target_pb2.StepRequest(items=[_step_item(task) for task in tasks], preempt=preempt)
-        response = await self._step.call(request)
+        request = target_pb2.StepRequest(
+            items=[_step_item(task) for task in tasks], preempt=preempt, pushed_wait_seconds=self.pushed_wait_s
+        )
+        # A step that verifies pushed drafts may wait for them on the target before it computes.
+        waits = any(task.pushed_drafts for task in tasks)
+        response = await self._step.call(request, self.timeout_s + (self.pushed_wait_s if waits else 0.0))
         results = [
             StepDone(
                 result.request_id,
@@ -154,10 +164,11 @@ class GrpcTarget:
                 list(result.new_tokens),
                 result.streaming,
                 logprobs_from_proto(result.logprobs),
+                _pushed_done(result) if task.pushed_drafts else None,
             )
-            for result in response.results
+            for task, result in zip(tasks, response.results, strict=True)
         ]
-        return StepOutcome(results, response.compute_seconds)
+        return StepOutcome(results, response.compute_seconds, response.pushed_wait_seconds)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         try:
@@ -166,6 +177,11 @@ class GrpcTarget:
             )
         except grpc.aio.AioRpcError as error:
             raise _backend_error(error, "target release") from None
+
+
+def _pushed_done(result: target_pb2.StepResult) -> PushedDone:
+    failure = _item_failure("pushed drafts", result.draft_error) if result.HasField("draft_error") else None
+    return PushedDone(list(result.pushed_tokens), list(result.pushed_parents), failure, result.draft_compute_seconds)
 
 
 def _step_item(task: StepTask) -> target_pb2.StepItem:
@@ -182,6 +198,9 @@ def _step_item(task: StepTask) -> target_pb2.StepItem:
         top_logprobs=task.top_logprobs or 0,
         decode_steps=task.decode_steps,
         draft_ahead=task.draft_ahead,
+        push_drafts=task.push_drafts,
+        pushed_drafts=task.pushed_drafts,
+        pushed_depth=task.pushed_depth,
     )
     if task.open is not None:
         sampling = task.open.sampling
@@ -205,9 +224,12 @@ def _step_item(task: StepTask) -> target_pb2.StepItem:
 class GrpcDraft:
     """A draft replica over gRPC; `session` as for GrpcTarget."""
 
-    def __init__(self, stub: draft_pb2_grpc.DraftStub, timeout_s: float, session: str = "") -> None:
+    def __init__(
+        self, stub: draft_pb2_grpc.DraftStub, timeout_s: float, session: str = "", pushes: bool = False
+    ) -> None:
         self.stub = stub
         self.timeout_s = timeout_s
+        self.pushes = pushes  # the replica pushes drafts made ahead to the target (DraftInfo.pushes_drafts)
         self.metadata = session_metadata(session) if session else ()
         self._propose: CallStream[draft_pb2.ProposeResponse] = CallStream(
             lambda: stub.ProposeStream(metadata=self.metadata), "draft propose", timeout_s

@@ -75,6 +75,8 @@ def answer_fault(tokens: Sequence[int], parents: Sequence[int] | None, num_steps
 class HybridDrafter:
     """A DraftBackend that merges the n-gram proposal into another backend's answer (module docstring)."""
 
+    pushes = False  # the n-gram branch is merged here, so the drafts come through the orchestrator
+
     def __init__(self, model: DraftBackend, settings: HybridSettings, tree: TreeShape) -> None:
         self.model = model
         self.settings = settings

@@ -33,10 +33,11 @@ from orchestrator.backends import (
     OpenTask,
     ProposedBatch,
     ProposeTask,
+    StepOutcome,
     StepTask,
     TargetBackend,
 )
-from orchestrator.batching import ActiveRequest, KVPool, Scheduled, plan_step
+from orchestrator.batching import ActiveRequest, KVPool, Scheduled, draft_rows, plan_step
 from orchestrator.output import RequestFailed, RequestOutput
 from orchestrator.replicas import ReplicaPool
 from orchestrator.settings import SchedulerSettings
@@ -174,10 +175,13 @@ class Scheduler:
                 # happens when the mirror and the target disagree. Yield instead of spinning.
                 await asyncio.sleep(0.01)
             return
-        drafts, timings = await self._propose(plan.decode)
+        pushed = {entry.request.request_id for entry in plan.decode if self._takes_pushed(entry)}
+        asked = [entry for entry in plan.decode if entry.request.request_id not in pushed]
+        drafts, timings = await self._propose(asked)
         ahead = sum(1 for entry in plan.decode if entry.max_drafts > 0) <= self.settings.draft_ahead
         tasks = [
-            self._task(entry, drafts.get(entry.request.request_id), ahead) for entry in (*plan.decode, *plan.chunks)
+            self._task(entry, drafts.get(entry.request.request_id), ahead, entry.request.request_id in pushed)
+            for entry in (*plan.decode, *plan.chunks)
         ]
         # The replica each request had when its item was built: a replica failing while the results are read moves
         # requests, and what the target said about the old replica must not be held against the new one.
@@ -197,6 +201,7 @@ class Scheduler:
             return
         self.target_failure = None
         step_call = time.perf_counter() - step_started
+        pushed_wait = outcome.pushed_wait_seconds
         propose_call = step_started - started
         # A multi-token decode ran one forward pass per token: the cost model is of one pass.
         passes = max(
@@ -207,10 +212,13 @@ class Scheduler:
             # The cost line models decoding steps, which k is chosen for: a step with prompt chunks computes hundreds
             # of tokens at a cost per token (attention over the prompt) that says nothing about a few more rows to
             # verify, and fitted in, it made drafts look dear at 8 requests (docs/architecture.md, adaptive k).
+            verified = sum(len(done.pushed.tokens) for done in outcome.results if done.pushed is not None)
             self.speculation.observe_target(
-                sum(task.num_tokens + len(task.draft_tokens) for task in tasks), step_call / passes
+                sum(task.num_tokens + len(task.draft_tokens) for task in tasks) + verified,
+                (step_call - pushed_wait) / passes,
             )
         decoding = {entry.request.request_id for entry in plan.decode}
+        self._observe_pushed(tasks, outcome)
         for task, done in zip(tasks, outcome.results, strict=True):
             request = self.running[task.request_id]
             if done.failure is not None:
@@ -222,6 +230,11 @@ class Scheduler:
             request.opened = True
             if task.move and request.replica == sent_to[task.request_id]:
                 request.needs_move = False
+            if done.pushed is not None and done.pushed.failure is not None:
+                self._push_failed(request, sent_to[task.request_id], done.pushed.failure)
+            draft_tokens, draft_parents = task.draft_tokens, task.draft_parents
+            if done.pushed is not None:
+                draft_tokens, draft_parents = done.pushed.tokens, done.pushed.parents
             # The target keeps KV for the computed tokens, the accepted drafts and, after a multi-token decode, every
             # new token but the last (1 + accepted new tokens after a verification, n after n forward passes).
             request.kv_length += task.num_tokens + max(done.accepted, len(done.new_tokens) - 1)
@@ -229,34 +242,68 @@ class Scheduler:
                 self._replica_failed(task.replica, "not subscribed to the target")
             if task.request_id in decoding:
                 stats = request.output.stats
-                depth = draft_depth(task.draft_tokens, task.draft_parents)
-                stats.count_round(len(task.draft_tokens), depth, done.accepted)
+                depth = draft_depth(draft_tokens, draft_parents)
+                stats.count_round(len(draft_tokens), depth, done.accepted)
                 self.speculation.observe_round(depth, done.accepted)
                 timing = timings.get(request.replica or "")
+                if done.pushed is not None:
+                    # The step waited on the target for the drafts; what of their compute it did not wait for ran
+                    # while the target's answer and this step travelled.
+                    waited = min(pushed_wait, done.pushed.compute_seconds)
+                    timing = ReplicaTiming(waited, waited, done.pushed.compute_seconds - waited)
                 draft_compute = timing.compute_seconds if timing else 0.0
                 stats.draft_seconds += draft_compute
                 stats.draft_ahead_seconds += timing.ahead_seconds if timing else 0.0
                 stats.verify_seconds += outcome.compute_seconds
                 stats.wire_seconds += (timing.call_seconds - draft_compute if timing else 0.0) + (
-                    step_call - outcome.compute_seconds
+                    step_call - outcome.compute_seconds - pushed_wait
                 )
                 stats.scheduling_seconds += (time.perf_counter() - started) - propose_call - step_call
             if done.new_tokens:
                 request.round += 1
+                pushes = task.push_drafts and task.draft_ahead > 0 and not request.needs_move
+                request.pushed_round = request.round if pushes else None
                 if not request.cancelled:
                     request.output.emit(done.new_tokens, self.eos_token_ids, done.logprobs)
         self.speculation.observe_scheduling((time.perf_counter() - started) - propose_call - step_call)
         await self._release_finished([task.request_id for task in tasks])
+
+    def _observe_pushed(self, tasks: Sequence[StepTask], outcome: StepOutcome) -> None:
+        """Feeds the cost model the pushed drafts of a step as one Propose: the round waited `pushed_wait_seconds`
+        for them, of which at most their compute was drafting."""
+        pushed = [(task, done.pushed) for task, done in zip(tasks, outcome.results, strict=True) if done.pushed]
+        if pushed:
+            wait = outcome.pushed_wait_seconds
+            compute = max(done.compute_seconds for _, done in pushed)
+            k = max(task.pushed_drafts for task, _ in pushed)
+            self.speculation.observe_propose(len(pushed), k, wait, min(wait, compute))
+
+    def _takes_pushed(self, entry: Scheduled) -> bool:
+        """Whether the request's drafts for this round are the ones its replica pushed to the target."""
+        request = entry.request
+        return entry.max_drafts > 0 and request.pushed_round == request.round and not request.needs_move
+
+    def _push_failed(self, request: ActiveRequest, replica_id: str | None, failure: BackendError) -> None:
+        """A pushed round verified without drafts: the replica dropped the request (no KV room: it starts over from
+        a replay) or failed (not in time, malformed drafts): demoted, as a failed Propose demotes it."""
+        request.pushed_round = None
+        if failure.kind is FailureKind.EXHAUSTED:
+            LOG.warning("request %s goes without drafts this round: %s", request.request_id, failure)
+            request.needs_move = True
+        elif replica_id is not None:
+            self._replica_failed(replica_id, str(failure))
 
     def _task(
         self,
         entry: Scheduled,
         drafts: tuple[list[int], list[int]] | None,  # (tokens, parents)
         ahead: bool,  # the step is small enough to draft ahead (settings.draft_ahead)
+        pushed: bool,  # the request's replica pushed this round's drafts to the target
     ) -> StepTask:
         request = entry.request
         params = request.params
         rows_to = self._hidden_rows_to(request.replica)
+        draft_ahead = self._draft_ahead(entry, rows_to) if ahead else 0
         return StepTask(
             request_id=request.request_id,
             round=request.round + 1,
@@ -269,8 +316,16 @@ class Scheduler:
             replay=request.needs_move and rows_to is not None,
             top_logprobs=params.top_logprobs,
             decode_steps=entry.decode_steps,
-            draft_ahead=self._draft_ahead(entry, rows_to) if ahead else 0,
+            draft_ahead=draft_ahead,
+            push_drafts=draft_ahead > 0 and self._pushes(request.replica),
+            # A chain of at most k; a tree as deep as k, with the nodes the step made room for.
+            pushed_drafts=draft_rows(entry.max_drafts, self.settings) if pushed else 0,
+            pushed_depth=entry.max_drafts if pushed else 0,
         )
+
+    def _pushes(self, replica_id: str | None) -> bool:
+        replica = self.replicas.get(replica_id) if replica_id is not None else None
+        return replica is not None and replica.backend.pushes
 
     def _draft_ahead(self, entry: Scheduled, rows_to: str | None) -> int:
         """Steps the request's replica may draft for its next round once this step's rows reach it: the k of this
@@ -301,6 +356,7 @@ class Scheduler:
             del self.running[request.request_id]
             request.kv_length = 0
             request.needs_move = False  # the draft starts over from the recomputed rows anyway
+            request.pushed_round = None
         await self._release_on_drafts(requests)
         self.waiting.extendleft(requests)  # newest first in `requests`: the oldest ends up at the front
 
@@ -386,6 +442,7 @@ class Scheduler:
             self.replicas.release(replica_id)
             request.replica = self._assign()
             request.needs_move = request.opened
+            request.pushed_round = None
         # What the replica still holds of them is of no use now; a live but slow replica frees it.
         asyncio.get_running_loop().create_task(self._forget_on(replica_id, [r.request_id for r in moved]))
         if replica_id not in self._probes:

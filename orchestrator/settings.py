@@ -33,6 +33,9 @@ class SchedulerSettings:
     # target's rows arrive, while the target's answer and the next Propose travel (StepTask.draft_ahead); 0: never.
     # Larger batches lost on 2 cores: the batch drafted ahead competed with the orchestrator's work on their outputs.
     draft_ahead: int = 8
+    # Replicas that can push (DraftInfo.pushes_drafts) send the drafts they made ahead to the target directly, and the
+    # next round's item tells the target to verify them (StepTask.pushed_drafts): the drafts skip the orchestrator.
+    push_drafts: bool = True
 
     @property
     def max_tree_drafts(self) -> int:

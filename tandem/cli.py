@@ -274,6 +274,14 @@ def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
         "0: only when asked)",
     )
     parser.add_argument(
+        "--push-drafts",
+        action=argparse.BooleanOptionalAction,
+        default=SchedulerSettings.push_drafts,
+        help="replicas send the drafts they made ahead (--draft-ahead) straight to the target, which verifies them "
+        "when the orchestrator's next step says so; --no-push-drafts: the orchestrator fetches them (Propose) and "
+        "carries them to the target",
+    )
+    parser.add_argument(
         "--max-num-seqs", type=_positive, default=SchedulerSettings.max_num_seqs, help="requests running at once"
     )
     parser.add_argument(
@@ -311,6 +319,7 @@ def scheduler_settings_of(args: argparse.Namespace) -> SchedulerSettings:
         num_scheduler_steps=args.num_scheduler_steps,
         adaptive_k=args.adaptive_k,
         draft_ahead=args.draft_ahead,
+        push_drafts=args.push_drafts,
         hybrid=_hybrid(args),
         target_timeout_s=args.target_timeout,
         draft_timeout_s=args.draft_timeout,
@@ -615,6 +624,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="as on tandem serve, for the started stack (the colocated engine has nothing to overlap)",
     )
+    bench_parser.add_argument(
+        "--push-drafts",
+        action=argparse.BooleanOptionalAction,
+        default=BenchSettings.push_drafts,
+        help="as on tandem serve, for the started stack",
+    )
     bench_parser.add_argument("--draft-replicas", type=int, default=BenchSettings.draft_replicas)
     bench_parser.add_argument("--dtype", choices=DTYPES, default=BenchSettings.dtype, help="of target and draft")
     _add_threads(
@@ -740,6 +755,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tree=tree_shape_of(args),
             adaptive_k=args.adaptive_k,
             draft_ahead=args.draft_ahead,
+            push_drafts=args.push_drafts,
             draft_replicas=args.draft_replicas,
             dtype=args.dtype,
             target_threads=args.target_threads,

@@ -135,6 +135,10 @@ class CallFailed(Exception):
     def as_proto(self) -> common_pb2.CallError:
         return common_pb2.CallError(code=self.code.value[0], message=str(self))
 
+    @classmethod
+    def from_proto(cls, error: common_pb2.CallError) -> CallFailed:
+        return cls(STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN), error.message)
+
 
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}  # a CallError's number -> grpc.StatusCode
 

@@ -193,6 +193,7 @@ class Launcher:
             "--num-scheduler-steps", str(s.num_scheduler_steps),
             "--adaptive-k" if s.adaptive_k else "--no-adaptive-k",
             "--draft-ahead", str(s.draft_ahead),
+            "--push-drafts" if s.push_drafts else "--no-push-drafts",
             "--target-timeout", str(s.target_timeout_s),
             "--draft-timeout", str(s.draft_timeout_s),
             *ngram_arguments(self.settings.ngram),

@@ -35,18 +35,17 @@ def constant_draft(directory: Path, target: Path, first_offset: int) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("first_offset", "accepted_per_round", "draft_ahead"),
-    [(0, NUM_STEPS, "8"), (5, 0, "8"), (0, NUM_STEPS, "0")],
+    ("first_offset", "accepted_per_round", "draft_ahead", "push"),
+    [(0, NUM_STEPS, "8", True), (5, 0, "8", True), (0, NUM_STEPS, "8", False), (0, NUM_STEPS, "0", True)],
 )
 def test_known_acceptance(
-    tmp_path: Path, constant_target: Path, first_offset: int, accepted_per_round: int, draft_ahead: str
+    tmp_path: Path, constant_target: Path, first_offset: int, accepted_per_round: int, draft_ahead: str, push: bool
 ) -> None:
     draft = constant_draft(tmp_path / "draft", constant_target, first_offset)
-    with serve(
-        constant_target, draft, "--speculative-num-steps", str(NUM_STEPS), "--draft-ahead", draft_ahead
-    ) as stack:
+    flags = ("--speculative-num-steps", str(NUM_STEPS), "--draft-ahead", draft_ahead)
+    with serve(constant_target, draft, *flags, "--push-drafts" if push else "--no-push-drafts") as stack:
         completion = generate(stack.address, input_ids=[5, 6, 7, 8], max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-        drafted_ahead = draft_info(service_addresses(stack.log)["draft"]).drafted_ahead
+        info = draft_info(service_addresses(stack.log)["draft"])
     assert completion.token_ids == [0] * MAX_NEW_TOKENS
     stats = completion.stats
     if accepted_per_round == NUM_STEPS:
@@ -66,9 +65,11 @@ def test_known_acceptance(
         assert list(stats.accepted_per_position) == [0] * NUM_STEPS
     # Both services computed in every round, and the calls cost more than the computation in them.
     assert stats.draft_seconds + stats.draft_ahead_seconds > 0 and stats.verify_seconds > 0 and stats.wire_seconds > 0
-    # Drafting ahead answers the rounds after the first (whose rows come with the prefill, which is not asked to
-    # draft ahead); the same counts and tokens come out either way.
-    if draft_ahead != "0":
-        assert 0 < drafted_ahead < stats.rounds
+    # Drafting ahead serves the rounds after the first (whose rows come with the prefill, which is not asked to
+    # draft ahead): pushed to the target, or answering a Propose; the same counts and tokens come out either way.
+    if draft_ahead == "0":
+        assert info.drafted_ahead == 0 and info.pushed == 0 and stats.draft_ahead_seconds == 0
+    elif push:
+        assert info.pushes_drafts and 0 < info.pushed < stats.rounds and info.drafted_ahead == 0
     else:
-        assert drafted_ahead == 0 and stats.draft_ahead_seconds == 0
+        assert 0 < info.drafted_ahead < stats.rounds and info.pushed == 0

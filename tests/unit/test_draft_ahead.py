@@ -76,11 +76,11 @@ class Stream:
 class Replica:
     """A DraftService as `tandem draft` builds it, with its consumer running on a test-fed stream."""
 
-    def __init__(self, target_dir: Path, draft_dir: Path) -> None:
-        settings = DraftSettings(model_dir=draft_dir, target_address="", replica_id="r0", cache=CACHE, threads=1)
+    def __init__(self, target_dir: Path, draft_dir: Path, cache: KVCacheSettings = CACHE) -> None:
+        settings = DraftSettings(model_dir=draft_dir, target_address="", replica_id="r0", cache=cache, threads=1)
         runner = TargetRunner(load_target(target_dir), CACHE, 256)
         prepared = prepare_draft(settings, target_info(runner, "float32"))
-        self.service = DraftService(prepared.build_runner(CACHE), settings, prepared, ModelThread("draft-test", 1))
+        self.service = DraftService(prepared.build_runner(cache), settings, prepared, ModelThread("draft-test", 1))
         self.stream = Stream()
         self.consumer = asyncio.create_task(self.service.consume(self.stream.messages()))
 
@@ -241,3 +241,103 @@ def test_rows_of_a_released_request_are_not_drafted_ahead(draft_dir: Path, targe
             assert not replica.service._ahead and not replica.service.runner.requests
 
     asyncio.run(scenario())
+
+
+class TargetEnd:
+    """The target's end of the replica's PushDrafts stream in these tests: it keeps what the replica writes."""
+
+    def __init__(self) -> None:
+        self.batches: list[target_pb2.PushedBatch] = []
+        self.arrived = asyncio.Event()
+
+    async def PushDrafts(self, batches: AsyncIterator[target_pb2.PushedBatch]) -> target_pb2.PushDraftsResponse:
+        async for batch in batches:
+            self.batches.append(batch)
+            self.arrived.set()
+        return target_pb2.PushDraftsResponse()
+
+
+def test_rows_that_ask_for_it_are_pushed_to_the_target_and_not_kept(draft_dir: Path, target_dir: Path) -> None:
+    first, second = random_rows(0, 5, seed=8), random_rows(0, 7, seed=9)
+    expected = plain_proposals(draft_dir, target_dir, [ProposeInput("a", first, 3), ProposeInput("b", second, 4)])
+
+    async def scenario() -> None:
+        async with Replica(target_dir, draft_dir) as replica:
+            target = TargetEnd()
+            pusher = asyncio.create_task(replica.service.push_drafts(target))  # type: ignore[arg-type]
+            await asyncio.sleep(0)
+            # "a" asks for its drafts pushed; "b" is drafted ahead in the same batch but kept for a Propose.
+            pushed = message("a", 2, first, ahead=3, step_end=False)
+            pushed.push = True
+            await replica.send(pushed, message("b", 2, second, ahead=4, step_end=True))
+            await asyncio.wait_for(target.arrived.wait(), 30)
+            (batch,) = target.batches
+            assert batch.replica_id == "r0" and batch.compute_seconds > 0
+            assert [(d.request_id, d.round, list(d.draft_tokens)) for d in batch.drafts] == [("a", 2, expected[0])]
+            assert set(replica.service._ahead) == {("b", 2)} and replica.service.pushed == 1
+            answer = await replica.service._propose(propose_request("b", 2, 4, 7), SESSION)
+            assert list(answer.results[0].draft_tokens) == expected[1]
+            pusher.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_without_its_push_stream_keeps_the_drafts_for_a_propose(draft_dir: Path, target_dir: Path) -> None:
+    rows = random_rows(0, 6, seed=10)
+    (expected,) = plain_proposals(draft_dir, target_dir, [ProposeInput("a", rows, 3)])
+
+    async def scenario() -> None:
+        async with Replica(target_dir, draft_dir) as replica:
+            pushed = message("a", 1, rows, ahead=3, step_end=True)
+            pushed.push = True
+            await replica.send(pushed)
+            answer = await replica.service._propose(propose_request("a", 1, 3, 6), SESSION)
+            assert list(answer.results[0].draft_tokens) == expected and replica.service.pushed == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_request_dropped_for_kv_room_is_pushed_as_needing_a_replay(draft_dir: Path, target_dir: Path) -> None:
+    # 10 blocks of 4 positions: one request of 24 rows and its drafts fits, two do not.
+    small = KVCacheSettings(num_blocks=10, block_size=4)
+
+    def pushed_message(request_id: str, round_number: int, rows: TargetRows, step_end: bool) -> target_pb2.HiddenStates:
+        sent = message(request_id, round_number, rows, ahead=3, step_end=step_end)
+        sent.push = True
+        return sent
+
+    async def scenario() -> list[target_pb2.PushedBatch]:
+        async with Replica(target_dir, draft_dir, small) as replica:
+            target = TargetEnd()
+            pusher = asyncio.create_task(replica.service.push_drafts(target))  # type: ignore[arg-type]
+            await asyncio.sleep(0)
+            await replica.send(
+                pushed_message("a", 1, random_rows(0, 24, seed=11), step_end=False),
+                pushed_message("b", 1, random_rows(0, 24, seed=12), step_end=True),
+            )
+            while len(target.batches) < 1:
+                await asyncio.wait_for(target.arrived.wait(), 30)
+                target.arrived.clear()
+            # The next round's rows continue both; "b" holds nothing here any more, so it is not drafted (which
+            # would fail the whole batch) but pushed as needing a replay, and "a" is drafted as usual.
+            await replica.send(
+                pushed_message("a", 2, random_rows(24, 1, seed=13), step_end=False),
+                pushed_message("b", 2, random_rows(24, 1, seed=14), step_end=True),
+            )
+            while len(target.batches) < 2:
+                await asyncio.wait_for(target.arrived.wait(), 30)
+                target.arrived.clear()
+            # Once there is room, rows that start over (a replay) are drafted again.
+            await replica.service._release({"a"})
+            await replica.send(pushed_message("b", 3, random_rows(0, 25, seed=15), step_end=True))
+            while len(target.batches) < 3:
+                await asyncio.wait_for(target.arrived.wait(), 30)
+                target.arrived.clear()
+            pusher.cancel()
+            return target.batches
+
+    first, second, third = asyncio.run(scenario())
+    outcome = [[(d.request_id, d.HasField("error"), len(d.draft_tokens)) for d in b.drafts] for b in (first, second)]
+    assert outcome == [[("a", False, 3), ("b", True, 0)], [("a", False, 3), ("b", True, 0)]]
+    assert "needs a replay" in second.drafts[1].error.message
+    assert [(d.request_id, d.HasField("error")) for d in third.drafts] == [("b", False)]

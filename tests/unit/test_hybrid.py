@@ -83,6 +83,8 @@ def test_the_merge_is_the_trie_union_and_keeps_the_answer_whole(
 class CannedReplica:
     """A DraftBackend answering what it is given, as a replica over gRPC would (tests only)."""
 
+    pushes = False
+
     def __init__(self, answer: ProposedBatch) -> None:
         self.answer = answer
         self.released: list[str] = []
