@@ -155,7 +155,7 @@ class Scheduler:
                     await self._settle_owed()
                     continue
             self._wake.clear()
-            await self._drop_cancelled()
+            self._drop_cancelled()
             self._return_orphans()
             if self.waiting or self.running:
                 await self._step()
@@ -198,7 +198,7 @@ class Scheduler:
                 # request of it there, opened or not (releasing an id the target does not hold does nothing).
                 for request in scheduled:
                     request.opened = True
-            await self._fail(scheduled, RequestFailed(error.kind, str(error)))
+            self._fail(scheduled, RequestFailed(error.kind, str(error)))
             return
         self.target_failure = None
         step_call = time.perf_counter() - step_started
@@ -226,7 +226,7 @@ class Scheduler:
                 if done.failure.kind == FailureKind.EXHAUSTED:
                     LOG.info("request %s waits for KV room: %s", request.request_id, done.failure)
                     continue
-                await self._fail([request], RequestFailed(done.failure.kind, str(done.failure)))
+                self._fail([request], RequestFailed(done.failure.kind, str(done.failure)))
                 continue
             request.opened = True
             if task.move and request.replica == sent_to[task.request_id]:
@@ -267,7 +267,7 @@ class Scheduler:
                 if not request.cancelled:
                     request.output.emit(done.new_tokens, self.eos_token_ids, done.logprobs)
         self.speculation.observe_scheduling((time.perf_counter() - started) - propose_call - step_call)
-        await self._release_finished([task.request_id for task in tasks])
+        self._release_finished([task.request_id for task in tasks])
 
     def _observe_pushed(self, tasks: Sequence[StepTask], outcome: StepOutcome) -> None:
         """Feeds the cost model the pushed drafts of a step as one Propose: the round waited `pushed_wait_seconds`
@@ -483,16 +483,17 @@ class Scheduler:
                 request.replica = self._assign()
                 request.needs_move = request.opened
 
-    async def _drop_cancelled(self) -> None:
+    def _drop_cancelled(self) -> None:
         for request in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(request)
             self.running[request.request_id] = request  # released below like a running one
         cancelled = [r for r in self.running.values() if r.cancelled]
         for request in cancelled:
             request.output.finished = True
-        await self._release_finished([r.request_id for r in cancelled])
+        self._release_finished([r.request_id for r in cancelled])
 
-    async def _release_finished(self, request_ids: Sequence[str]) -> None:
+    def _release_finished(self, request_ids: Sequence[str]) -> None:
+        """Drops finished requests from the running set and starts their releases on target and replicas."""
         done = [self.running[i] for i in request_ids if i in self.running and self.running[i].finished]
         if not done:
             return
@@ -561,12 +562,12 @@ class Scheduler:
         places = set(self._owed) | ({TARGET} if self.target_failure is not None else set())
         await asyncio.gather(*(self._release_on(where, (), probe=where == TARGET) for where in places))
 
-    async def _fail(self, requests: Sequence[ActiveRequest], failure: RequestFailed) -> None:
+    def _fail(self, requests: Sequence[ActiveRequest], failure: RequestFailed) -> None:
         LOG.error("%d requests failed: %s", len(requests), failure)
         for request in requests:
             request.output.fail(failure)
             self.running.setdefault(request.request_id, request)
-        await self._release_finished([r.request_id for r in requests])
+        self._release_finished([r.request_id for r in requests])
 
 
 def draft_depth(tokens: Sequence[int], parents: Sequence[int]) -> int:
