@@ -170,18 +170,19 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 continue
             del self._ahead[key]
             pushed = target_pb2.PushedDrafts(request_id=key[0], round=key[1])
-            error = _ahead_failure(key[0], made, self.settings.replica_id)
-            if made.exhausted is not None:
+            error = _batch_failure(key[0], made)
+            if error is None and made.exhausted is not None:
                 self._dropped.add(key[0])
+                error = self._no_room(made.exhausted)
             if error is not None:
                 pushed.error.CopyFrom(error.as_proto())
             else:
-                proposal = made.proposal
-                tree = proposal if isinstance(proposal, DraftTree) else DraftTree(proposal, [])
+                tree = _as_tree(made.proposal)
                 pushed.draft_tokens.extend(tree.tokens)
                 pushed.parents.extend(tree.parents)
             message.drafts.append(pushed)
-            message.compute_seconds = made.finished - made.started
+            # One batch drafted them all; a request not drafted (it needs a replay) has no compute of its own.
+            message.compute_seconds = max(message.compute_seconds, made.finished - made.started)
         if message.drafts:
             self.pushed += len(message.drafts)
             self._pushes.put_nowait(message)
@@ -270,12 +271,10 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             self.leases.own(session, item.request_id, now)
             if item.request_id in exhausted:
                 self._dropped.add(item.request_id)
-                reason = f"draft {self.settings.replica_id}: {exhausted[item.request_id]}"
-                failure = CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, reason).as_proto()
+                failure = self._no_room(exhausted[item.request_id]).as_proto()
                 response.results.append(draft_pb2.ProposeResult(request_id=item.request_id, error=failure))
             else:
-                proposal = drafts[item.request_id]
-                tree = proposal if isinstance(proposal, DraftTree) else DraftTree(proposal, [])
+                tree = _as_tree(drafts[item.request_id])
                 response.results.append(
                     draft_pb2.ProposeResult(request_id=item.request_id, draft_tokens=tree.tokens, parents=tree.parents)
                 )
@@ -290,12 +289,12 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 f"request {request_id!r}: drafting ahead took more than {self.settings.rows_timeout_s} s",
             ) from None
-        except DraftRequestError as error:
-            raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, f"request {request_id!r}: {error}") from None
         except Exception as error:
-            raise CallFailed(
-                grpc.StatusCode.INTERNAL, f"request {request_id!r}: drafting ahead failed: {error!r}"
-            ) from None
+            raise _drafting_failure(request_id, error) from None
+
+    def _no_room(self, reason: str) -> CallFailed:
+        """What a request this replica had no KV room for answers (it dropped the request's state)."""
+        return CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"draft {self.settings.replica_id}: {reason}")
 
     async def Release(
         self, request: draft_pb2.DraftReleaseRequest, context: grpc.aio.ServicerContext
@@ -421,18 +420,23 @@ def _settle(batch: Mapping[Key, DraftedAhead], done: asyncio.Future[Any]) -> Non
         LOG.error("drafting ahead for %d requests failed: %r", len(batch), error)
 
 
-def _ahead_failure(request_id: str, made: DraftedAhead, replica_id: str) -> CallFailed | None:
-    """Why a settled draft-ahead batch gave a request no drafts (as a Propose would have failed), or None."""
+def _batch_failure(request_id: str, made: DraftedAhead) -> CallFailed | None:
+    """Why a settled draft-ahead batch failed for a request (as a Propose's drafting would have), or None."""
     if made.done.cancelled():
         return CallFailed(grpc.StatusCode.UNAVAILABLE, f"request {request_id!r}: the replica is stopping")
     error = made.done.exception()
+    return _drafting_failure(request_id, error) if isinstance(error, Exception) else None
+
+
+def _drafting_failure(request_id: str, error: Exception) -> CallFailed:
     if isinstance(error, DraftRequestError):
         return CallFailed(grpc.StatusCode.FAILED_PRECONDITION, f"request {request_id!r}: {error}")
-    if error is not None:
-        return CallFailed(grpc.StatusCode.INTERNAL, f"request {request_id!r}: drafting ahead failed: {error!r}")
-    if made.exhausted is not None:
-        return CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"draft {replica_id}: {made.exhausted}")
-    return None
+    return CallFailed(grpc.StatusCode.INTERNAL, f"request {request_id!r}: drafting ahead failed: {error!r}")
+
+
+def _as_tree(proposal: Any) -> DraftTree:
+    """A runner's proposal (a chain's token list, or a DraftTree) as a tree: a chain has no parents."""
+    return proposal if isinstance(proposal, DraftTree) else DraftTree(proposal, [])
 
 
 def _usable(made: DraftedAhead, num_steps: int) -> Any:

@@ -47,8 +47,9 @@ class ReplicaPool:
     def remove(self, replica_id: str) -> Replica | None:
         return self._replicas.pop(replica_id, None)
 
-    def get(self, replica_id: str) -> Replica | None:
-        return self._replicas.get(replica_id)
+    def get(self, replica_id: str | None) -> Replica | None:
+        """The replica of that id; None for an unknown one, or for None (a target-only request's)."""
+        return self._replicas.get(replica_id) if replica_id is not None else None
 
     def all(self) -> list[Replica]:
         return list(self._replicas.values())

@@ -325,7 +325,7 @@ class Scheduler:
         )
 
     def _pushes(self, replica_id: str | None) -> bool:
-        replica = self.replicas.get(replica_id) if replica_id is not None else None
+        replica = self.replicas.get(replica_id)
         return replica is not None and replica.backend.pushes
 
     def _draft_ahead(self, entry: Scheduled, rows_to: str | None) -> int:
@@ -344,7 +344,7 @@ class Scheduler:
     def _hidden_rows_to(self, replica_id: str | None) -> str | None:
         """Where the target sends a request's hidden rows: its replica, unless that replica drafts from tokens alone
         (then the target captures nothing for the request)."""
-        replica = self.replicas.get(replica_id) if replica_id is not None else None
+        replica = self.replicas.get(replica_id)
         return None if replica is not None and not replica.hidden_rows else replica_id
 
     async def _preempt(self, requests: Sequence[ActiveRequest]) -> None:

@@ -44,7 +44,7 @@ def draft_dir(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 def message(
-    request_id: str, round_number: int, rows: TargetRows, ahead: int, step_end: bool
+    request_id: str, round_number: int, rows: TargetRows, ahead: int, step_end: bool, push: bool = False
 ) -> target_pb2.HiddenStates:
     return target_pb2.HiddenStates(
         request_id=request_id,
@@ -54,6 +54,7 @@ def message(
         features=tensor_to_proto(rows.features),
         draft_ahead=ahead,
         step_end=step_end,
+        push=push,
     )
 
 
@@ -256,6 +257,12 @@ class TargetEnd:
             self.arrived.set()
         return target_pb2.PushDraftsResponse()
 
+    async def received(self, count: int) -> None:
+        """Waits until `count` batches have come in all."""
+        while len(self.batches) < count:
+            await asyncio.wait_for(self.arrived.wait(), 30)
+            self.arrived.clear()
+
 
 def test_rows_that_ask_for_it_are_pushed_to_the_target_and_not_kept(draft_dir: Path, target_dir: Path) -> None:
     first, second = random_rows(0, 5, seed=8), random_rows(0, 7, seed=9)
@@ -267,10 +274,11 @@ def test_rows_that_ask_for_it_are_pushed_to_the_target_and_not_kept(draft_dir: P
             pusher = asyncio.create_task(replica.service.push_drafts(target))  # type: ignore[arg-type]
             await asyncio.sleep(0)
             # "a" asks for its drafts pushed; "b" is drafted ahead in the same batch but kept for a Propose.
-            pushed = message("a", 2, first, ahead=3, step_end=False)
-            pushed.push = True
-            await replica.send(pushed, message("b", 2, second, ahead=4, step_end=True))
-            await asyncio.wait_for(target.arrived.wait(), 30)
+            await replica.send(
+                message("a", 2, first, ahead=3, step_end=False, push=True),
+                message("b", 2, second, ahead=4, step_end=True),
+            )
+            await target.received(1)
             (batch,) = target.batches
             assert batch.replica_id == "r0" and batch.compute_seconds > 0
             assert [(d.request_id, d.round, list(d.draft_tokens)) for d in batch.drafts] == [("a", 2, expected[0])]
@@ -288,9 +296,7 @@ def test_a_replica_without_its_push_stream_keeps_the_drafts_for_a_propose(draft_
 
     async def scenario() -> None:
         async with Replica(target_dir, draft_dir) as replica:
-            pushed = message("a", 1, rows, ahead=3, step_end=True)
-            pushed.push = True
-            await replica.send(pushed)
+            await replica.send(message("a", 1, rows, ahead=3, step_end=True, push=True))
             answer = await replica.service._propose(propose_request("a", 1, 3, 6), SESSION)
             assert list(answer.results[0].draft_tokens) == expected and replica.service.pushed == 0
 
@@ -301,38 +307,27 @@ def test_a_request_dropped_for_kv_room_is_pushed_as_needing_a_replay(draft_dir: 
     # 10 blocks of 4 positions: one request of 24 rows and its drafts fits, two do not.
     small = KVCacheSettings(num_blocks=10, block_size=4)
 
-    def pushed_message(request_id: str, round_number: int, rows: TargetRows, step_end: bool) -> target_pb2.HiddenStates:
-        sent = message(request_id, round_number, rows, ahead=3, step_end=step_end)
-        sent.push = True
-        return sent
-
     async def scenario() -> list[target_pb2.PushedBatch]:
         async with Replica(target_dir, draft_dir, small) as replica:
             target = TargetEnd()
             pusher = asyncio.create_task(replica.service.push_drafts(target))  # type: ignore[arg-type]
             await asyncio.sleep(0)
             await replica.send(
-                pushed_message("a", 1, random_rows(0, 24, seed=11), step_end=False),
-                pushed_message("b", 1, random_rows(0, 24, seed=12), step_end=True),
+                message("a", 1, random_rows(0, 24, seed=11), ahead=3, step_end=False, push=True),
+                message("b", 1, random_rows(0, 24, seed=12), ahead=3, step_end=True, push=True),
             )
-            while len(target.batches) < 1:
-                await asyncio.wait_for(target.arrived.wait(), 30)
-                target.arrived.clear()
+            await target.received(1)
             # The next round's rows continue both; "b" holds nothing here any more, so it is not drafted (which
             # would fail the whole batch) but pushed as needing a replay, and "a" is drafted as usual.
             await replica.send(
-                pushed_message("a", 2, random_rows(24, 1, seed=13), step_end=False),
-                pushed_message("b", 2, random_rows(24, 1, seed=14), step_end=True),
+                message("a", 2, random_rows(24, 1, seed=13), ahead=3, step_end=False, push=True),
+                message("b", 2, random_rows(24, 1, seed=14), ahead=3, step_end=True, push=True),
             )
-            while len(target.batches) < 2:
-                await asyncio.wait_for(target.arrived.wait(), 30)
-                target.arrived.clear()
+            await target.received(2)
             # Once there is room, rows that start over (a replay) are drafted again.
             await replica.service._release({"a"})
-            await replica.send(pushed_message("b", 3, random_rows(0, 25, seed=15), step_end=True))
-            while len(target.batches) < 3:
-                await asyncio.wait_for(target.arrived.wait(), 30)
-                target.arrived.clear()
+            await replica.send(message("b", 3, random_rows(0, 25, seed=15), ahead=3, step_end=True, push=True))
+            await target.received(3)
             pusher.cancel()
             return target.batches
 
@@ -340,4 +335,5 @@ def test_a_request_dropped_for_kv_room_is_pushed_as_needing_a_replay(draft_dir: 
     outcome = [[(d.request_id, d.HasField("error"), len(d.draft_tokens)) for d in b.drafts] for b in (first, second)]
     assert outcome == [[("a", False, 3), ("b", True, 0)], [("a", False, 3), ("b", True, 0)]]
     assert "needs a replay" in second.drafts[1].error.message
+    assert second.compute_seconds > 0  # the batch's, not the undrafted request's nothing
     assert [(d.request_id, d.HasField("error")) for d in third.drafts] == [("b", False)]
