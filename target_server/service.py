@@ -147,6 +147,11 @@ class TargetService(target_pb2_grpc.TargetServicer):
             subscriber = self.subscribers[replica]
             for hidden in messages:
                 subscriber.queue.put_nowait(hidden)
+        if outbox:
+            # The replicas' streams write their rows before this step's answer is written: a replica starts
+            # drafting when its rows arrive, which the next step waits for; the orchestrator's part of a round is
+            # not on that path when drafts are pushed.
+            await asyncio.sleep(0)
         response.kv_blocks_free = self.runner.cache.num_free_blocks
         return response
 

@@ -1,4 +1,4 @@
-"""tandem.layers.matmul.linear: F.linear's answer, to float32 rounding, on the few-row path and off it."""
+"""tandem.layers.matmul.linear: F.linear's answer, to float32 rounding, on each of its routes."""
 
 from __future__ import annotations
 
@@ -6,19 +6,40 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.layers.matmul import FEW_ROWS, Linear, linear
+from tandem.layers import matmul
+from tandem.layers.matmul import FEW_ROWS, FEW_ROWS_WIDE, Linear, linear, route
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, FEW_ROWS, FEW_ROWS + 1, 64])
+@pytest.mark.parametrize("onednn", [True, False], ids=["with-onednn", "without-onednn"])
+@pytest.mark.parametrize("shape", [(96, 40), (40, 96)], ids=["tall", "wide"])
+@pytest.mark.parametrize("rows", [1, 2, 3, FEW_ROWS_WIDE, FEW_ROWS_WIDE + 1, FEW_ROWS, FEW_ROWS + 1, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_it_gives_what_f_linear_gives(rows: int, with_bias: bool) -> None:
+def test_it_gives_what_f_linear_gives(
+    rows: int, shape: tuple[int, int], with_bias: bool, onednn: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if onednn and not matmul.ONEDNN:
+        pytest.skip("this PyTorch has no oneDNN")
+    monkeypatch.setattr(matmul, "ONEDNN", onednn)
+    out_features, in_features = shape
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 40, generator=generator)
-    bias = torch.randn(96, generator=generator) if with_bias else None
-    x = torch.randn(rows, 40, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator)
     y = linear(x, weight, bias)
-    assert y.shape == (rows, 96) and y.is_contiguous()
+    assert y.shape == (rows, out_features) and y.is_contiguous()
     torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_the_route_is_the_one_measured_fastest_for_the_shape() -> None:
+    # Up to 2 rows: the few-row product, whatever the shape.
+    assert route(1, 4096, 512) == route(2, 512, 1536) == "few"
+    # A weight at least as tall as wide keeps it up to FEW_ROWS_WIDE rows; a wide one (a down projection) does not.
+    assert route(FEW_ROWS_WIDE, 3072, 512) == "few" and route(FEW_ROWS_WIDE + 1, 3072, 512) == "onednn"
+    assert route(3, 512, 1536) == "onednn"
+    assert route(2048, 512, 512) == "onednn"
+    # Without oneDNN: the few-row product up to FEW_ROWS rows, then F.linear.
+    assert route(FEW_ROWS, 512, 1536, onednn=False) == "few"
+    assert route(FEW_ROWS + 1, 3072, 512, onednn=False) == "f_linear"
 
 
 def test_a_strided_input_and_its_rows_are_taken_as_they_are() -> None:
@@ -45,7 +66,7 @@ def test_the_module_keeps_nn_linear_parameters_and_gradients_flow() -> None:
     module, reference = Linear(8, 4), torch.nn.Linear(8, 4)
     reference.load_state_dict(module.state_dict())
     assert list(module.state_dict()) == ["weight", "bias"]
-    x = torch.randn(3, 8, requires_grad=True)
+    x = torch.randn(FEW_ROWS_WIDE + 1, 8, requires_grad=True)  # rows that go to oneDNN without gradients
     module(x).sum().backward()
     expected = x.grad.clone()
     x.grad = None
