@@ -49,8 +49,9 @@ def _onednn_linear_available() -> bool:
 ONEDNN = _onednn_linear_available()
 
 
-def route(rows: int, out_features: int, in_features: int, onednn: bool = ONEDNN) -> str:
-    """Which product `linear` runs for a float32 CPU input of `rows` rows: "few", "onednn" or "f_linear"."""
+def route(rows: int, out_features: int, in_features: int, onednn: bool) -> str:
+    """Which product `linear` runs for a float32 CPU input of `rows` rows, `onednn` saying whether oneDNN may run it:
+    "few", "onednn" or "f_linear"."""
     if rows <= 2 or (rows <= FEW_ROWS_WIDE and out_features >= in_features):
         return "few"
     if onednn:

@@ -32,11 +32,12 @@ def test_it_gives_what_f_linear_gives(
 
 def test_the_route_is_the_one_measured_fastest_for_the_shape() -> None:
     # Up to 2 rows: the few-row product, whatever the shape.
-    assert route(1, 4096, 512) == route(2, 512, 1536) == "few"
+    assert route(1, 4096, 512, onednn=True) == route(2, 512, 1536, onednn=True) == "few"
     # A weight at least as tall as wide keeps it up to FEW_ROWS_WIDE rows; a wide one (a down projection) does not.
-    assert route(FEW_ROWS_WIDE, 3072, 512) == "few" and route(FEW_ROWS_WIDE + 1, 3072, 512) == "onednn"
-    assert route(3, 512, 1536) == "onednn"
-    assert route(2048, 512, 512) == "onednn"
+    assert route(FEW_ROWS_WIDE, 3072, 512, onednn=True) == "few"
+    assert route(FEW_ROWS_WIDE + 1, 3072, 512, onednn=True) == "onednn"
+    assert route(3, 512, 1536, onednn=True) == "onednn"
+    assert route(2048, 512, 512, onednn=True) == "onednn"
     # Without oneDNN: the few-row product up to FEW_ROWS rows, then F.linear.
     assert route(FEW_ROWS, 512, 1536, onednn=False) == "few"
     assert route(FEW_ROWS + 1, 3072, 512, onednn=False) == "f_linear"
