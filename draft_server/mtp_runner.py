@@ -42,6 +42,7 @@ import torch
 
 from draft_server.runner import DraftRequestError, ProposeInput
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
+from tandem.layers.matmul import prepack
 from tandem.models.mtp import MTPModel
 from tandem.settings import KVCacheSettings
 
@@ -72,6 +73,7 @@ class MTPRunner:
         parameter = next(model.parameters())
         layout = model.config.cache_layout
         self.model = model
+        prepack(model)
         self.chain = chain
         self.cache = PagedKVCache.for_layout(1, layout, cache, parameter.dtype, parameter.device)
         self.requests: dict[str, MTPRequest] = {}

@@ -20,6 +20,7 @@ from torch import nn
 
 from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.kv_cache import CacheLayout, OutOfKVBlocks, PagedKVCache, SequenceKV
+from tandem.layers.matmul import prepack
 from tandem.models.eagle3 import DraftStep
 from tandem.settings import KVCacheSettings
 
@@ -36,6 +37,7 @@ class DraftModel(Protocol):
     @property
     def config(self) -> DraftModelConfig: ...
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+    def modules(self) -> Iterator[nn.Module]: ...
     def project_features(self, features: torch.Tensor) -> torch.Tensor: ...  # [n, feature width] -> [n, hidden]
     def __call__(
         self,
@@ -86,6 +88,7 @@ class DraftRunner:
         parameter = next(model.parameters())
         layout = model.config.cache_layout
         self.model = model
+        prepack(model)
         self.cache = PagedKVCache.for_layout(1, layout, cache, parameter.dtype, parameter.device)
         self.requests: dict[str, DraftRequest] = {}
 

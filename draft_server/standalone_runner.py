@@ -26,6 +26,7 @@ import torch
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows, check_batch_fits
 from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
+from tandem.layers.matmul import prepack
 from tandem.models.registry import TargetModel
 from tandem.settings import KVCacheSettings
 
@@ -64,6 +65,7 @@ class StandaloneRunner:
     def __init__(self, model: TargetModel, cache: KVCacheSettings) -> None:
         parameter = next(model.parameters())
         self.model = model
+        prepack(model)
         self.cache = PagedKVCache.for_layout(
             model.config.num_layers, model.cache_layout, cache, parameter.dtype, parameter.device
         )

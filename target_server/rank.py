@@ -19,6 +19,7 @@ import torch
 
 from tandem.devices import rank_device
 from tandem.errors import StartupError
+from tandem.layers.matmul import prepack
 from tandem.models.registry import load_target
 from tandem.parallel.group import barrier, join_group, leave_group, share_cpu_threads
 from tandem.serving import configure_logging
@@ -48,6 +49,7 @@ def run_rank(settings: TargetSettings, rank: int) -> None:
             device,
         )
         model = load_target(settings.model_dir, dtype=getattr(torch, settings.dtype), device=device, group=group)
+        prepack(model)
         cache = build_cache(model, settings.cache)
         LOG.info("rank %d/%d: loaded in %.1f s", rank, settings.tp, time.perf_counter() - started)
         barrier(group)

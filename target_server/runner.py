@@ -33,6 +33,7 @@ import torch
 
 from tandem.devices import pinned_host_copies
 from tandem.layers.kv_cache import OutOfKVBlocks, SequenceKV
+from tandem.layers.matmul import prepack
 from tandem.layers.page_table import check_tree
 from tandem.models.registry import TargetModel
 from tandem.models.stack import TargetOutput
@@ -163,6 +164,7 @@ class TargetRunner:
         batched_verify: bool | None = None,  # None: on CUDA (see _verify_batched); the CPU verifies item by item
     ) -> None:
         self.model = model
+        prepack(model)
         self.max_context = max_context
         self.ranks = ranks if ranks is not None else RankDriver(SINGLE_PROCESS)
         self.cache = build_cache(model, cache)

@@ -1,12 +1,14 @@
-"""y = x W^T + b on the CPU in float32, by the fastest of three routes for the shape, where PyTorch's own is slow.
+"""y = x W^T + b on the CPU in float32, by the fastest of four routes for the shape, where PyTorch's own is slow.
 
 `F.linear` on a CPU float32 input goes through the BLAS's x W^T with W transposed. On the 2-core development machine
 (AMD EPYC, AVX-512) its kernels for a few rows ran at 6-11 GB/s of weight where reading memory runs at 27-32 GB/s,
 and past a few rows they lose to oneDNN's inner product too. So `linear` takes one of:
 - `few`: the product taken the other way round, (W x^T)^T, a single row fed in twice (two columns beat one);
-- `onednn`: oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`, the kernel TorchInductor's CPU backend
-  calls for a linear layer) on the plain weight;
-- `F.linear` itself where neither applies (other dtypes and devices, inputs that are not [rows, in], autograd, a
+- `prepacked`: oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`, the kernel TorchInductor's CPU backend
+  calls for a linear layer) on oneDNN's blocked copy of the weight, made once by `prepack` (the runners call it:
+  `torch.ops.mkldnn._reorder_linear_weight`, what TorchInductor's weight prepacking does when it freezes a model);
+- `onednn`: the same inner product on the plain weight, for a weight without the copy;
+- `F.linear` itself where none applies (other dtypes and devices, inputs that are not [rows, in], autograd, a
   PyTorch built without oneDNN).
 Measured per call on cold caches (each weight read once per pass, as a forward pass reads a model bigger than the
 caches), 2 intra-op threads, microseconds, F.linear / few / onednn:
@@ -25,12 +27,28 @@ caches), 2 intra-op threads, microseconds, F.linear / few / onednn:
 | 512 x 1536 (down) | 683 / 585 / 466 | 1957 / 1885 / 1475 | 16656 / 21329 / 15299 |
 | 4096 x 512 (LM head) | 2339 / 1835 / 1415 | 6136 / 6196 / 4153 | 50478 / 56827 / 45541 |
 
-Hence the rule (`route`): `few` up to 2 rows, and up to FEW_ROWS_WIDE rows for a weight at least as tall as it is
-wide; `onednn` for everything larger. All three are float32 products of the same terms summed in another order:
-results agree to float32 rounding (the parity tests with transformers hold), not bit for bit.
+The plain weight's oneDNN call reorders it into oneDNN's blocked layout on every call; from the copy it does not,
+and a few rows then cost what one does (the weight is read once). Measured again the same way, another day, few /
+onednn / prepacked, microseconds:
+
+| W (out x in) | 1 row | 3 rows | 6 rows | 48 rows | 1024 rows |
+|---|---|---|---|---|---|
+| 1536 x 512 (q/k/v) | 195 / 206 / 190 | 313 / 258 / 243 | 390 / 329 / 179 | - / 613 / 514 | - / 8808 / 8042 |
+| 3072 x 512 (gate/up) | 273 / 332 / 312 | 326 / 462 / 324 | 495 / 555 / 271 | - / 1113 / 936 | - / 17995 / 14997 |
+| 512 x 1536 (down) | 151 / 161 / 183 | 308 / 244 / 226 | 340 / 237 / 167 | - / 598 / 492 | - / 7896 / 7477 |
+| 4096 x 512 (LM head) | 329 / 384 / 367 | 452 / 612 / 409 | 606 / 561 / 316 | - / 1486 / 1279 | - / 21080 / 19610 |
+| 512 x 512 (o) | 98 / 135 / 173 | 102 / 179 / 129 | 153 / 144 / 110 | - / 317 / 249 | - / 2983 / 2582 |
+
+Hence the rule (`route`): `few` up to 2 rows; from 3 rows `prepacked` where the weight has its copy, otherwise `few`
+up to FEW_ROWS_WIDE rows for a weight at least as tall as it is wide and `onednn` for everything larger. All are
+float32 products of the same terms summed in another order: results agree to float32 rounding (the parity tests
+with transformers hold), not bit for bit.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -49,24 +67,36 @@ def _onednn_linear_available() -> bool:
 ONEDNN = _onednn_linear_available()
 
 
-def route(rows: int, out_features: int, in_features: int, onednn: bool) -> str:
-    """Which product `linear` runs for a float32 CPU input of `rows` rows, `onednn` saying whether oneDNN may run it:
-    "few", "onednn" or "f_linear"."""
-    if rows <= 2 or (rows <= FEW_ROWS_WIDE and out_features >= in_features):
+def route(rows: int, out_features: int, in_features: int, onednn: bool, prepacked: bool = False) -> str:
+    """Which product `linear` runs for a float32 CPU input of `rows` rows, `onednn` saying whether oneDNN may run it
+    and `prepacked` whether the weight has oneDNN's blocked copy (`prepack`): "few", "prepacked", "onednn" or
+    "f_linear"."""
+    if rows <= 2:
+        return "few"
+    if onednn and prepacked:
+        return "prepacked"
+    if rows <= FEW_ROWS_WIDE and out_features >= in_features:
         return "few"
     if onednn:
         return "onednn"
     return "few" if rows <= FEW_ROWS else "f_linear"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    prepacked: torch.Tensor | None = None,  # oneDNN's blocked copy of weight (`prepack`), or None
+) -> torch.Tensor:
     """F.linear(x, weight, bias): [..., in] x [out, in] -> [..., out]."""
     rows = x.shape[0]
     if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.float32 or rows == 0:
         return F.linear(x, weight, bias)
     # oneDNN's op has no gradient: training (tandem.training) computes through the other two.
     tracked = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    how = route(rows, weight.shape[0], weight.shape[1], ONEDNN and not tracked)
+    how = route(rows, weight.shape[0], weight.shape[1], ONEDNN and not tracked, prepacked is not None)
+    if how == "prepacked":
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked, bias, "none", [], "")
     if how == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     if how == "f_linear":
@@ -77,8 +107,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y + bias if bias is not None else y
 
 
+class Modules(Protocol):
+    """A model as `prepack` walks it: an nn.Module, or a protocol of one."""
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+
 class Linear(nn.Linear):
-    """nn.Linear through `linear`; the same parameters and checkpoint names."""
+    """nn.Linear through `linear`; the same parameters and checkpoint names. `prepacked` is oneDNN's blocked copy of
+    the weight once `prepack` made it (not a parameter or buffer: it is not saved, loaded or moved)."""
+
+    prepacked: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.prepacked)
+
+
+def prepack(model: Modules) -> int:
+    """Gives every Linear of `model` whose weight is a float32 CPU tensor oneDNN's blocked copy of that weight, which
+    `linear` multiplies from 3 rows up; returns how many it packed (0 where oneDNN is missing).
+
+    For inference, after the weights are loaded: a weight changed afterwards would leave its copy stale, so the
+    runners call it when they are built and training never does. The copy takes as much memory as the weight.
+    """
+    if not ONEDNN:
+        return 0
+    packed = 0
+    with torch.no_grad():
+        for module in model.modules():
+            weight = module.weight if isinstance(module, Linear) else None
+            if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+                continue
+            module.prepacked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            packed += 1
+    return packed

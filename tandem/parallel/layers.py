@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.layers.matmul import linear
+from tandem.layers.matmul import Linear, linear
 from tandem.parallel.group import ParallelGroup, all_gather, all_reduce
 from tandem.parallel.vocab import VocabShard, vocab_shard
 
@@ -44,7 +44,7 @@ class ShardedModule(Protocol):
         ...
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """y = x W^T + b with W's input columns split across ranks; the partial products are summed by an all-reduce.
 
     Rank r holds columns [r * in / tp, (r + 1) * in / tp) of W, which is what its column-parallel input provides.
@@ -60,7 +60,7 @@ class RowParallelLinear(nn.Linear):
         self.local_input_size = local_input_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., input / tp] -> [..., output]
-        partial = linear(hidden, self.weight, self.bias if self.group.is_first else None)
+        partial = linear(hidden, self.weight, self.bias if self.group.is_first else None, self.prepacked)
         return all_reduce(partial, self.group)
 
     def shard_spec(self, parameter_name: str, part: str | None) -> ShardSpec:
@@ -103,7 +103,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return F.pad(self.weight.detach(), (0, 0, 0, self.shard.padding))
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(Linear):
     """LM head whose vocabulary rows are split like VocabParallelEmbedding's (and may be the same tensor, tied).
 
     Each rank computes the logits of its rows; the all-gather assembles them on every rank (rank 0 uses them, the
@@ -118,7 +118,7 @@ class ParallelLMHead(nn.Linear):
         self.shard: VocabShard = shard
 
     def forward(self, normed: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab]
-        local = F.pad(linear(normed, self.weight), (0, self.shard.padding))  # [..., s]
+        local = F.pad(linear(normed, self.weight, None, self.prepacked), (0, self.shard.padding))  # [..., s]
         return all_gather(local, self.group, dim=-1)[..., : self.vocab_size]  # [..., tp * s] -> [..., vocab]
 
     def shard_spec(self, parameter_name: str, part: str | None) -> ShardSpec:

@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from tandem.layers import matmul
-from tandem.layers.matmul import FEW_ROWS, FEW_ROWS_WIDE, Linear, linear, route
+from tandem.layers.matmul import FEW_ROWS, FEW_ROWS_WIDE, Linear, linear, prepack, route
+from tandem.parallel.group import SINGLE_PROCESS
+from tandem.parallel.layers import ParallelLMHead, RowParallelLinear
 
 
 @pytest.mark.parametrize("onednn", [True, False], ids=["with-onednn", "without-onednn"])
@@ -41,6 +43,12 @@ def test_the_route_is_the_one_measured_fastest_for_the_shape() -> None:
     # Without oneDNN: the few-row product up to FEW_ROWS rows, then F.linear.
     assert route(FEW_ROWS, 512, 1536, onednn=False) == "few"
     assert route(FEW_ROWS + 1, 3072, 512, onednn=False) == "f_linear"
+    # A weight with oneDNN's blocked copy: that copy from 3 rows up, whatever the shape; up to 2 rows as before.
+    assert route(3, 3072, 512, onednn=True, prepacked=True) == "prepacked"
+    assert route(2048, 512, 1536, onednn=True, prepacked=True) == "prepacked"
+    assert route(2, 3072, 512, onednn=True, prepacked=True) == "few"
+    # The copy is oneDNN's: where oneDNN may not run (no oneDNN, or autograd), the plain weight's routes.
+    assert route(3, 512, 1536, onednn=False, prepacked=True) == "few"
 
 
 def test_a_strided_input_and_its_rows_are_taken_as_they_are() -> None:
@@ -68,6 +76,69 @@ def test_the_module_keeps_nn_linear_parameters_and_gradients_flow() -> None:
     reference.load_state_dict(module.state_dict())
     assert list(module.state_dict()) == ["weight", "bias"]
     x = torch.randn(FEW_ROWS_WIDE + 1, 8, requires_grad=True)  # rows that go to oneDNN without gradients
+    module(x).sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    reference(x).sum().backward()
+    torch.testing.assert_close(x.grad, expected)
+    torch.testing.assert_close(module.weight.grad, reference.weight.grad)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, FEW_ROWS_WIDE, FEW_ROWS_WIDE + 1, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_prepacked_module_gives_what_f_linear_gives(rows: int, with_bias: bool) -> None:
+    if not matmul.ONEDNN:
+        pytest.skip("this PyTorch has no oneDNN")
+    torch.manual_seed(rows)
+    module = Linear(40, 96, bias=with_bias)
+    assert prepack(module) == 1 and module.prepacked is not None
+    x = torch.randn(rows, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), F.linear(x, module.weight, module.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_prepack_packs_every_float32_cpu_linear_and_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not matmul.ONEDNN:
+        pytest.skip("this PyTorch has no oneDNN")
+    model = torch.nn.ModuleDict(
+        {
+            "linear": Linear(8, 16),
+            "row_parallel": RowParallelLinear(16, 8, bias=True, group=SINGLE_PROCESS),
+            "lm_head": ParallelLMHead(32, 8, SINGLE_PROCESS),
+            "plain": torch.nn.Linear(8, 8),  # not computed through `linear`: nothing would read a copy
+            "other_dtype": Linear(8, 8).bfloat16(),  # `linear` gives other dtypes to F.linear
+        }
+    )
+    assert prepack(model) == 3
+    assert [name for name, module in model.items() if getattr(module, "prepacked", None) is not None] == [
+        "linear",
+        "row_parallel",
+        "lm_head",
+    ]
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model["lm_head"](x), F.linear(x, model["lm_head"].weight), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            model["row_parallel"](model["linear"](x)),
+            F.linear(
+                F.linear(x, model["linear"].weight, model["linear"].bias),
+                model["row_parallel"].weight,
+                model["row_parallel"].bias,
+            ),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    monkeypatch.setattr(matmul, "ONEDNN", False)
+    assert prepack(Linear(8, 8)) == 0
+
+
+def test_gradients_flow_through_a_prepacked_module() -> None:
+    # oneDNN's op has no gradient: a product autograd tracks takes the plain weight's routes, copy or not.
+    torch.manual_seed(1)
+    module, reference = Linear(8, 4), torch.nn.Linear(8, 4)
+    reference.load_state_dict(module.state_dict())
+    prepack(module)
+    x = torch.randn(FEW_ROWS_WIDE + 1, 8, requires_grad=True)
     module(x).sum().backward()
     expected = x.grad.clone()
     x.grad = None

@@ -15,6 +15,7 @@ import torch
 
 from draft_server.compat import IncompatibleDraft, check_compatibility
 from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, TargetRows
+from tandem.layers import matmul
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.models.eagle3 import Eagle3Draft, load_eagle3
 from tandem.models.llama import LlamaForCausalLM
@@ -358,3 +359,15 @@ def test_draft_of_another_width_needs_its_own_embedding(target_dir: Path, tmp_pa
     check_compatibility(config, target_info(), has_embedding=True)
     with pytest.raises(IncompatibleDraft, match="hidden_size 96 differs from the target's hidden_size 64"):
         check_compatibility(config, target_info(), has_embedding=False)
+
+
+def test_the_runners_give_every_linear_of_their_model_onednn_s_copy(
+    target: LlamaForCausalLM, draft: Eagle3Draft
+) -> None:
+    if not matmul.ONEDNN:
+        pytest.skip("this PyTorch has no oneDNN")
+    TargetRunner(target, CACHE, max_context=64)
+    DraftRunner(draft, CACHE)
+    for model in (target, draft):
+        linears = [module for module in model.modules() if isinstance(module, matmul.Linear)]
+        assert linears and all(module.prepacked is not None for module in linears)
