@@ -82,6 +82,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self._released: dict[str, float] = {}
         self.model_thread = model_thread  # every runner call goes through it, one at a time
         self.leases = Leases(settings.cache.orphan_timeout_s)  # which orchestrator session drafts which request
+        self._releasing: set[asyncio.Task[None]] = set()  # releases the target told of, under way (_release_soon)
         self.propose_listeners: list[Callable[[float], None]] = []  # called with each Propose's compute seconds
         # Called with the seconds each Propose waited for the target's hidden rows of its requests (see _propose).
         self.rows_wait_listeners: list[Callable[[float], None]] = []
@@ -89,6 +90,9 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     async def consume(self, stream: AsyncIterator[target_pb2.HiddenStates]) -> None:
         """Stores the target's rows as they arrive, keyed by (request id, round)."""
         async for message in stream:
+            if message.released:
+                self._release_soon(message.request_id)
+                continue
             rows = TargetRows(message.start_position, list(message.next_tokens), tensor_from_proto(message.features))
             key = (message.request_id, message.round)
             async with self._arrived:
@@ -223,6 +227,11 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         # step's answer, so the rows normally arrive first and this stays near 0; when it does not, the
         # target->draft stream is what the round waits for. Calls that fail while waiting are not timed.
         arrived = time.perf_counter()
+        now = time.monotonic()
+        for item in request.items:
+            # Owned before any of its state is made: a call cut off by its orchestrator's death still leaves the
+            # state it made (the drafting runs on) to that orchestrator's session, which frees it.
+            self.leases.own(session, item.request_id, now)
         steps = {item.request_id: item.num_steps or self.settings.num_steps for item in request.items}
         ahead: dict[str, DraftedAhead] = {}
         inputs = []
@@ -266,9 +275,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         response = draft_pb2.ProposeResponse(compute_seconds=compute, ahead_seconds=ahead_seconds)
         for listener in self.propose_listeners:
             listener(response.compute_seconds + response.ahead_seconds)
-        now = time.monotonic()
         for item in request.items:
-            self.leases.own(session, item.request_id, now)
             if item.request_id in exhausted:
                 self._dropped.add(item.request_id)
                 failure = self._no_room(exhausted[item.request_id]).as_proto()
@@ -301,6 +308,13 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     ) -> draft_pb2.DraftReleaseResponse:
         await self._release(set(request.request_ids))
         return draft_pb2.DraftReleaseResponse()
+
+    def _release_soon(self, request_id: str) -> None:
+        """Frees a request the target freed (HiddenStates.released), in a task: the stream's next rows go on while
+        the model thread finishes what it is drafting."""
+        task = asyncio.get_running_loop().create_task(self._release({request_id}))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _release(self, released: set[str]) -> None:
         async with self._arrived:

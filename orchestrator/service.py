@@ -25,7 +25,7 @@ from orchestrator.replicas import ReplicaPool
 from orchestrator.scheduler import QueueFull, Scheduler, TargetFacts
 from orchestrator.settings import OrchestratorSettings, SchedulerSettings
 from orchestrator.validation import InvalidRequest, Limits, client_request_id
-from tandem.grpc_util import wait_for_ready
+from tandem.grpc_util import closed_at_call_end, wait_for_ready
 from tandem.transport import TransportSecurity
 from tandem.wire import draft_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire.logprobs import logprobs_to_proto
@@ -75,12 +75,13 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
     async def Generate(
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
-        # A client that goes away cancels this coroutine: aclosing cancels the request, freeing its KV everywhere.
+        # A client that goes away ends the call: its request is cancelled then, freeing its KV everywhere.
         try:
             given = dict(context.invocation_metadata() or ()).get(REQUEST_ID_METADATA)
             client_id = client_request_id(given if isinstance(given, str) else None)
             await context.send_initial_metadata(((REQUEST_ID_METADATA, client_id),))
-            async with aclosing(self.generation.stream(request, client_id)) as outputs:
+            outputs = closed_at_call_end(context, self.generation.stream(request, client_id))
+            async with aclosing(outputs):
                 async for output in outputs:
                     yield response_message(output)
         except InvalidRequest as error:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -163,3 +163,32 @@ async def stream_calls(
             yield await handle(request)
         except CallFailed as failure:
             yield failed(failure.as_proto())
+
+
+def on_call_end(context: grpc.aio.ServicerContext, callback: Callable[[], None]) -> None:
+    """Runs `callback` on the event loop once the call has ended, however it ended: answered, failed, cancelled, or
+    its peer gone.
+
+    The cleanup of a streaming handler goes here, not in a `finally` of its generator: gRPC's asyncio server stops
+    iterating a handler's generator without closing it when a response cannot be written (the peer went away while
+    the write waited), and a `finally` then runs only when the generator is collected, which a reference cycle can
+    put off until the garbage collector runs (grpc/grpc#42295)."""
+    context.add_done_callback(lambda _: callback())
+
+
+_CLOSING: set[asyncio.Task[None]] = set()  # generators being closed at the end of their call (on_call_end)
+
+
+def closed_at_call_end(
+    context: grpc.aio.ServicerContext, generator: AsyncGenerator[T, None]
+) -> AsyncGenerator[T, None]:
+    """`generator`, which a streaming handler iterates, closed as soon as the call ends (on_call_end), so that its
+    `finally` blocks run then. A generator that already ended is left as it is."""
+
+    def close() -> None:
+        task = asyncio.get_running_loop().create_task(generator.aclose())
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
+
+    on_call_end(context, close)
+    return generator

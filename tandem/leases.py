@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import grpc
 
-from tandem.grpc_util import stream_calls, unary_call
+from tandem.grpc_util import on_call_end, stream_calls, unary_call
 from tandem.wire import common_pb2
 
 SESSION_METADATA_KEY = "tandem-session"
@@ -87,6 +87,18 @@ class Leases:
         entry.requests.add(request_id)
         self._owner[request_id] = session
 
+    def claim(self, session: str, request_id: str, now: float) -> bool:
+        """Owns `request_id` for `session` unless a session owns it already; whether it did. Called before the work
+        that makes a request's state, so that a call cut off mid-way (its caller died) leaves that state owned."""
+        if not session or request_id in self._owner:
+            return False
+        self.own(session, request_id, now)
+        return True
+
+    def owner(self, request_id: str) -> str:
+        """The session that owns `request_id`; "" for none."""
+        return self._owner.get(request_id, "")
+
     def forget(self, request_ids: Sequence[str]) -> None:
         """Released requests: nobody owns them any more."""
         for request_id in request_ids:
@@ -132,11 +144,9 @@ async def leased_stream(
     handle: Callable[[Request, str], Awaitable[Response]],
     failed: Callable[[common_pb2.CallError], Response],
 ) -> AsyncIterator[Response]:
-    """A stream of calls of a session (tandem.grpc_util.stream_calls): the session is alive while it is open."""
+    """A stream of calls of a session (tandem.grpc_util.stream_calls): the session is alive until the call ends."""
     session = session_of(context.invocation_metadata())
     leases.stream_opened(session, time.monotonic())
-    try:
-        async for response in stream_calls(requests, lambda request: handle(request, session), failed):
-            yield response
-    finally:
-        leases.stream_closed(session, time.monotonic())
+    on_call_end(context, lambda: leases.stream_closed(session, time.monotonic()))
+    async for response in stream_calls(requests, lambda request: handle(request, session), failed):
+        yield response

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from tandem.grpc_util import CallFailed
+from tandem.grpc_util import CallFailed, on_call_end
 from tandem.leases import Leases, leased_call, leased_stream
 from tandem.model_thread import ModelThread
 from tandem.sampling.params import SamplingParams
@@ -115,6 +115,13 @@ class TargetService(target_pb2_grpc.TargetServicer):
                     request_id=message.request_id,
                     error=CallFailed(grpc.StatusCode.INVALID_ARGUMENT, str(error)).as_proto(),
                 )
+        # A request is owned from the step that opens it, before the runner makes its state (tandem.leases).
+        now = time.monotonic()
+        claimed = {
+            item.request_id
+            for item in items
+            if item is not None and item.open is not None and self.leases.claim(session, item.request_id, now)
+        }
         waiting = time.perf_counter()
         pushed = await self._take_pushed(request, items)
         started = time.perf_counter()
@@ -122,7 +129,10 @@ class TargetService(target_pb2_grpc.TargetServicer):
             results = await self._run(self.runner.step, [item for item in items if item is not None], request.preempt)
         except Exception as error:  # the forward pass itself failed; the runner has undone the step's reservations
             LOG.exception("step of %d items failed", len(request.items))
+            self._unclaim(claimed)
             raise CallFailed(grpc.StatusCode.INTERNAL, f"target step failed: {error!r}") from None
+        # A step cut off at the await above (its caller gone) keeps its claims: the runner makes that state anyway.
+        self._unclaim(claimed)
         compute_seconds = time.perf_counter() - started
         for listener in self.step_listeners:
             listener(compute_seconds)
@@ -154,6 +164,10 @@ class TargetService(target_pb2_grpc.TargetServicer):
             await asyncio.sleep(0)
         response.kv_blocks_free = self.runner.cache.num_free_blocks
         return response
+
+    def _unclaim(self, claimed: set[str]) -> None:
+        """Forgets the claims of a finished step's opens that failed: they left no state to free."""
+        self.leases.forget([request_id for request_id in claimed if request_id not in self.runner.requests])
 
     async def _take_pushed(
         self, request: target_pb2.StepRequest, items: list[StepItem | None]
@@ -279,7 +293,10 @@ class TargetService(target_pb2_grpc.TargetServicer):
         self.leases.forget(request_ids)
         self.pushed.release(request_ids)
         for request_id in request_ids:
-            self.replica_of.pop(request_id, None)
+            # The replica frees its state of the request too, even if the orchestrator cannot tell it (it is gone).
+            subscriber = self.subscribers.get(self.replica_of.pop(request_id, ""))
+            if subscriber is not None:
+                subscriber.queue.put_nowait(target_pb2.HiddenStates(request_id=request_id, released=True))
 
     async def sweep_orphans(self, interval_s: float) -> None:
         """Frees, every `interval_s`, the requests of orchestrator sessions that are gone (tandem.leases)."""
@@ -314,13 +331,16 @@ class TargetService(target_pb2_grpc.TargetServicer):
         self.subscribers[request.replica_id] = subscriber
         what = "tokens only" if request.tokens_only else f"capture indices {list(capture)}"
         LOG.info("draft replica %s subscribed, %s", request.replica_id, what)
-        try:
-            while (message := await subscriber.queue.get()) is not None:
-                yield message
-        finally:
-            del self.subscribers[request.replica_id]
+        on_call_end(context, lambda: self._unsubscribe(request.replica_id, subscriber))
+        while (message := await subscriber.queue.get()) is not None:
+            yield message
+
+    def _unsubscribe(self, replica: str, subscriber: Subscriber) -> None:
+        """The end of a replica's hidden-state stream, however it ended (the replica may have been killed)."""
+        if self.subscribers.get(replica) is subscriber:
+            del self.subscribers[replica]
             self.pushed.replica_left()
-            LOG.info("draft replica %s unsubscribed", request.replica_id)
+            LOG.info("draft replica %s unsubscribed", replica)
 
     async def GetWeights(
         self, request: target_pb2.WeightsRequest, context: grpc.aio.ServicerContext

@@ -158,7 +158,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., capture_indices: _Optional[_Iterable[int]] = ..., tokens_only: _Optional[bool] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
-    __slots__ = ("request_id", "round", "start_position", "next_tokens", "features", "draft_ahead", "step_end", "push")
+    __slots__ = ("request_id", "round", "start_position", "next_tokens", "features", "draft_ahead", "step_end", "push", "released")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class HiddenStates(_message.Message):
     DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     STEP_END_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     start_position: int
@@ -175,7 +176,8 @@ class HiddenStates(_message.Message):
     draft_ahead: int
     step_end: bool
     push: bool
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ahead: _Optional[int] = ..., step_end: _Optional[bool] = ..., push: _Optional[bool] = ...) -> None: ...
+    released: bool
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ahead: _Optional[int] = ..., step_end: _Optional[bool] = ..., push: _Optional[bool] = ..., released: _Optional[bool] = ...) -> None: ...
 
 class PushedDrafts(_message.Message):
     __slots__ = ("request_id", "round", "draft_tokens", "parents", "error")

@@ -97,7 +97,11 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) 
 
 
 def assert_nothing_held(stack: Stack) -> None:
-    wait_for(lambda: held(stack) == (0, 0, 0, 0), f"every request and KV block back (held: {held(stack)})")
+    try:
+        wait_for(lambda: held(stack) == (0, 0, 0, 0), "every request and KV block back")
+    except AssertionError as failure:
+        logs = "".join(f"--- {s.name}, last lines:\n{''.join(s.log[-40:])}" for s in (stack.target, stack.draft))
+        raise AssertionError(f"{failure} (held: {held(stack)})\n{logs}") from None
 
 
 def health(address: str) -> int:

@@ -8,7 +8,9 @@ asks for more, and never races a Propose that was already waiting for the rows. 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -337,3 +339,109 @@ def test_a_request_dropped_for_kv_room_is_pushed_as_needing_a_replay(draft_dir: 
     assert "needs a replay" in second.drafts[1].error.message
     assert second.compute_seconds > 0  # the batch's, not the undrafted request's nothing
     assert [(d.request_id, d.HasField("error")) for d in third.drafts] == [("b", False)]
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.005)
+
+
+def open_item(request_id: str, prompt: Sequence[int], ahead: int = 0) -> target_pb2.StepItem:
+    return target_pb2.StepItem(
+        request_id=request_id,
+        round=1,
+        num_tokens=len(prompt),
+        draft_replica="r0",
+        draft_ahead=ahead,
+        open=target_pb2.OpenRequest(prompt=prompt),
+    )
+
+
+def test_a_request_the_target_frees_as_an_orphan_is_freed_on_its_replica_too(draft_dir: Path, target_dir: Path) -> None:
+    runner = TargetRunner(load_target(target_dir), CACHE, 256)
+    target = TargetService(runner, target_info(runner, "float32"), ModelThread("target-test", 1), 0.05)
+    subscriber = target.subscribers["r0"] = Subscriber((1, 2, 3), tokens_only=False)
+
+    async def scenario() -> None:
+        async with Replica(target_dir, draft_dir) as replica:
+            # The prompt's step asks the replica to draft ahead: it makes the request's state with no Propose, so no
+            # orchestrator session owns the request on the replica.
+            await target._step(target_pb2.StepRequest(items=[open_item("a", [5, 6, 7, 8], ahead=3)]), SESSION)
+            await replica.send(*[subscriber.queue.get_nowait() for _ in range(subscriber.queue.qsize())])
+            await replica.drafted_ahead()
+            draft = replica.service.runner
+            assert "a" in draft.requests and replica.service.leases.owned() == 0
+            # The session holds no stream and made no call for the orphan timeout: the target frees the request and
+            # tells the replica, which frees its state too.
+            sweep = asyncio.create_task(target.sweep_orphans(0.01))
+            await until(lambda: not runner.requests, "the target freed the orphan")
+            sweep.cancel()
+            (released,) = [subscriber.queue.get_nowait() for _ in range(subscriber.queue.qsize())]
+            assert (released.request_id, released.released) == ("a", True)
+            await replica.send(released)
+            await until(lambda: not draft.requests, "the replica freed it")
+            assert draft.cache.num_free_blocks == draft.cache.num_blocks
+            assert runner.cache.num_free_blocks == runner.cache.num_blocks
+        await target.stop()
+
+    asyncio.run(scenario())
+
+
+class Gate:
+    """Wraps a runner's method: a call starts, then waits until `opened` is set (the call runs on the model thread;
+    the test cancels its caller meanwhile, as gRPC does when the caller dies)."""
+
+    def __init__(self, owner: object, name: str) -> None:
+        self.started, self.opened = threading.Event(), threading.Event()
+        method = getattr(owner, name)
+
+        def gated(*args: object) -> object:
+            self.started.set()
+            self.opened.wait(30)
+            return method(*args)
+
+        setattr(owner, name, gated)
+
+
+def test_a_propose_cut_off_by_its_callers_death_leaves_what_it_made_to_the_callers_session(
+    draft_dir: Path, target_dir: Path
+) -> None:
+    async def scenario() -> None:
+        async with Replica(target_dir, draft_dir) as replica:
+            service = replica.service
+            await replica.send(message("a", 1, random_rows(0, 6, seed=16), ahead=0, step_end=True))
+            gate = Gate(service.runner, "propose")
+            call = asyncio.create_task(service._propose(propose_request("a", 1, 3, 6), SESSION))
+            await until(gate.started.is_set, "the drafting started")
+            call.cancel()  # the orchestrator died: gRPC cancels the handler while the model thread drafts on
+            gate.opened.set()
+            await until(lambda: service.model_thread.pending == 0, "the drafting done")
+            assert "a" in service.runner.requests and service.leases.owner("a") == SESSION
+            assert service.leases.expired(time.monotonic() + 3600) == ["a"]  # what the sweep frees
+
+    asyncio.run(scenario())
+
+
+def test_a_step_cut_off_by_its_callers_death_leaves_the_request_it_opened_to_the_callers_session(
+    target_dir: Path,
+) -> None:
+    runner = TargetRunner(load_target(target_dir), CACHE, 256)
+    target = TargetService(runner, target_info(runner, "float32"), ModelThread("target-test", 1), 30.0)
+
+    async def scenario() -> None:
+        gate = Gate(runner, "step")
+        call = asyncio.create_task(target._step(target_pb2.StepRequest(items=[open_item("a", [5, 6, 7])]), SESSION))
+        await until(gate.started.is_set, "the step started")
+        call.cancel()
+        gate.opened.set()
+        await until(lambda: target.model_thread.pending == 0, "the step done")
+        assert "a" in runner.requests and target.leases.owner("a") == SESSION
+        # An open that fails (the request is running already) leaves no claim: "a" stays its first session's.
+        answer = await target._step(target_pb2.StepRequest(items=[open_item("a", [5, 6, 7])]), "another")
+        assert "already running" in answer.results[0].error.message
+        assert target.leases.owner("a") == SESSION and target.leases.owned() == 1
+        await target.stop()
+
+    asyncio.run(scenario())

@@ -57,6 +57,16 @@ def test_a_request_moves_to_the_last_session_that_touched_it_and_anonymous_calle
     assert leases.owned() == 1
 
 
+def test_a_claim_owns_only_a_request_nobody_owns() -> None:
+    leases = Leases(timeout_s=10.0)
+    assert leases.claim("a", "r1", now=0.0)
+    assert not leases.claim("b", "r1", now=0.0)  # a's: a duplicate open from b must not take it
+    assert not leases.claim("", "r2", now=0.0)
+    assert (leases.owner("r1"), leases.owner("r2")) == ("a", "")
+    leases.forget(["r1"])
+    assert leases.owner("r1") == "" and leases.owned() == 0
+
+
 def test_session_of_reads_the_metadata_key() -> None:
     assert session_of(((SESSION_METADATA_KEY, "abc"), ("user-agent", "x"))) == "abc"
     assert session_of((("user-agent", "x"),)) == ""
