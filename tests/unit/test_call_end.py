@@ -30,11 +30,18 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.
 
 async def serve_and_cancel(
     handler: Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], AsyncIterator[bytes]],
-    stalled: Callable[[], bool],
+    made: Callable[[], int],
     metadata: tuple[tuple[str, str], ...] = (),
 ) -> None:
     """Serves `handler` as a stream-stream method, calls it with one request, reads one response and then nothing
-    until the server is stuck writing (`stalled()`), and cancels the call."""
+    until the server is stuck writing (the responses it made, `made()`, stop growing), and cancels the call."""
+    made_before = -1
+
+    def stalled() -> bool:
+        nonlocal made_before
+        still, made_before = made() == made_before, made()
+        return still and made_before > 2
+
     server = grpc.aio.server()
     method = grpc.stream_stream_rpc_method_handler(handler)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Calls", {"Stream": method}),))
@@ -74,14 +81,7 @@ def test_a_leased_stream_ends_its_session_when_the_call_ends_while_a_write_waits
             yield response
 
     async def scenario() -> None:
-        answered_then = -1
-
-        def stalled() -> bool:
-            nonlocal answered_then
-            still, answered_then = answered == answered_then, answered
-            return still and answered > 2
-
-        await serve_and_cancel(handler, stalled, session_metadata("orchestrator"))
+        await serve_and_cancel(handler, lambda: answered, session_metadata("orchestrator"))
         # The session's only stream ended: its requests expire after the timeout, with no garbage collection.
         await until(lambda: leases._sessions["orchestrator"].open_streams == 0, "the session's stream closed")
         assert held
@@ -110,14 +110,7 @@ def test_a_generator_closed_at_call_end_runs_its_finally_when_the_call_ends_whil
             yield output
 
     async def scenario() -> None:
-        yielded_then = -1
-
-        def stalled() -> bool:
-            nonlocal yielded_then
-            still, yielded_then = yielded == yielded_then, yielded
-            return still and yielded > 2
-
-        await serve_and_cancel(handler, stalled)
+        await serve_and_cancel(handler, lambda: yielded)
         await until(lambda: closed, "the generator's finally ran")
 
     asyncio.run(scenario())
