@@ -93,6 +93,11 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             if message.released:
                 self._release_soon(message.request_id)
                 continue
+            owner = self.leases.owner(message.request_id)
+            if owner:
+                # The target runs the request, so its orchestrator is alive, though with pushed drafts it may not
+                # call this replica for a long time (and its stream here may have dropped).
+                self.leases.seen(owner, time.monotonic())
             rows = TargetRows(message.start_position, list(message.next_tokens), tensor_from_proto(message.features))
             key = (message.request_id, message.round)
             async with self._arrived:

@@ -445,3 +445,25 @@ def test_a_step_cut_off_by_its_callers_death_leaves_the_request_it_opened_to_the
         await target.stop()
 
     asyncio.run(scenario())
+
+
+def test_rows_from_the_target_keep_the_session_of_their_request_alive_on_the_replica(
+    draft_dir: Path, target_dir: Path
+) -> None:
+    timeout_s = 0.5
+    cache = KVCacheSettings(num_blocks=64, block_size=4, orphan_timeout_s=timeout_s)
+
+    async def scenario() -> None:
+        async with Replica(target_dir, draft_dir, cache) as replica:
+            leases = replica.service.leases
+            await replica.send(message("a", 1, random_rows(0, 6, seed=17), ahead=0, step_end=True))
+            await replica.service._propose(propose_request("a", 1, 3, 6), SESSION)  # owned; no stream is open
+            # Longer than the timeout without a call: the orchestrator's drafts go to the target, which still runs
+            # the request and streams its rows here.
+            await asyncio.sleep(timeout_s + 0.1)
+            await replica.send(message("a", 2, random_rows(6, 2, seed=18), ahead=0, step_end=True))
+            assert leases.expired(time.monotonic()) == []
+            # Rows stop coming (the target freed the request, its orchestrator gone): the session expires.
+            assert leases.expired(time.monotonic() + timeout_s + 0.1) == ["a"]
+
+    asyncio.run(scenario())
