@@ -59,6 +59,9 @@ class ActiveRequest:
     # The round whose drafts the replica pushes to the target (it was asked to, StepTask.push_drafts): the next
     # round's item tells the target to verify them instead of carrying drafts. None: the replica is asked (Propose).
     pushed_round: int | None = None
+    # Adaptive k settled at 0 for the batch this request decodes in: it left its replica and decodes target-only
+    # (no hidden rows, several tokens a step) to its end.
+    paused: bool = False
 
     @property
     def finished(self) -> bool:

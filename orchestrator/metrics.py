@@ -183,6 +183,11 @@ class SchedulerCollector(Collector):
             "Requests moved off a demoted draft replica, to another replica or to target-only",
             scheduler.requests_moved,
         )
+        yield counter(
+            "tandem:speculation_paused",
+            "Requests taken off their draft replica to decode target-only (adaptive k at 0 for their batch size)",
+            scheduler.requests_paused,
+        )
         replicas = GaugeMetricFamily("tandem:draft_replicas", "Draft replicas by state", labels=["model_name", "state"])
         states = [replica.state for replica in scheduler.replicas.all()]
         for state in ("serving", "draining", "demoted"):

@@ -93,6 +93,7 @@ class Scheduler:
         self.target_failure: str | None = None  # why the target's last step or release failed; None once it answers
         self.replica_failures = 0  # demotions since start (metrics)
         self.requests_moved = 0  # requests moved off a demoted replica since start (metrics)
+        self.requests_paused = 0  # requests taken off their replica by adaptive k at 0 since start (metrics)
         self.speculation = SpeculationPolicy(settings.num_steps, settings.adaptive_k)
         self.k_in_use = settings.num_steps  # the last step's k (metrics)
         # Called with (replica id, seconds) after every Propose call that answered (orchestrator.metrics).
@@ -162,7 +163,9 @@ class Scheduler:
 
     async def _step(self) -> None:
         started = time.perf_counter()
-        speculating = sum(1 for r in self.running.values() if r.decoding and r.replica is not None)
+        self._pause_speculation()
+        # Paused requests count: they share the steps, and k is chosen for the batch the verification rows join.
+        speculating = sum(1 for r in self.running.values() if r.decoding and r.wants_speculation)
         self.k_in_use = self.speculation.choose(speculating)
         plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings, self.k_in_use)
         await self._preempt(plan.preempted)
@@ -474,12 +477,44 @@ class Scheduler:
         finally:
             self._probes.pop(replica_id, None)
 
+    def _pause_speculation(self) -> None:
+        """When adaptive k has settled at 0 for the batch at hand, takes every request but one off its replica: a
+        request at k = 0 still has its hidden rows captured and streamed to the replica each step, so that drafting
+        may resume, and that costs what speculation no longer wins back. A paused request decodes target-only
+        (several tokens a step) to its end; it is not brought back, since the replica would need every row of its
+        context again. The one left, the probe, keeps k measured at this batch size (one round in EXPLORE_EVERY
+        drafts in full), so that requests admitted after k rises again speculate."""
+        wanting = [
+            r
+            for r in (*self.running.values(), *self.waiting)
+            if r.wants_speculation and not r.finished and not r.paused
+        ]
+        if len(wanting) < 2 or not self.speculation.paused(min(len(wanting), self.settings.max_num_seqs)):
+            return
+        attached = [request for request in wanting if request.replica is not None]
+        forget: dict[str, list[str]] = {}
+        for request in attached[1:]:
+            replica = request.replica
+            assert replica is not None
+            self.replicas.release(replica)
+            if request.opened:
+                forget.setdefault(replica, []).append(request.request_id)
+            request.replica = None
+            request.needs_move = request.opened  # the target stops capturing its rows
+            request.pushed_round = None
+            request.paused = True
+        if len(attached) > 1:
+            self.requests_paused += len(attached) - 1
+            LOG.info("adaptive k is 0 at %d requests: %d go on without drafts", len(wanting), len(attached) - 1)
+        for replica_id, request_ids in forget.items():
+            asyncio.get_running_loop().create_task(self._forget_on(replica_id, request_ids))
+
     def _return_orphans(self) -> None:
-        """Brings target-only requests that want speculation back to a replica once one serves."""
+        """Brings target-only requests that want speculation back to a replica once one serves (not paused ones)."""
         if not self.replicas.has_serving():
             return
         for request in self.running.values():
-            if request.replica is None and request.wants_speculation and not request.finished:
+            if request.replica is None and request.wants_speculation and not request.finished and not request.paused:
                 request.replica = self._assign()
                 request.needs_move = request.opened
 

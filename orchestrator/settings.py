@@ -14,9 +14,9 @@ from tandem.transport import Insecure, TransportSecurity
 class SchedulerSettings:
     num_steps: int = 5  # draft tokens per round; with adaptive_k, the most a round asks for
     tree: TreeShape = field(default_factory=TreeShape)  # the drafts' tree shape, resolved; topk 1: chains
-    # Choose k (0 included) per batch from measured costs and acceptance (speculation.py). Off by default: in the
-    # benchmark of 2026-11-23 its first cost model settled on k = 2 for one request where k = 5 is twice as fast.
-    adaptive_k: bool = False
+    # Choose k (0 included) per batch from measured costs and acceptance (speculation.py); at k = 0 a batch's
+    # requests leave their replica (Scheduler._pause_speculation), so that speculation costs nothing where it loses.
+    adaptive_k: bool = True
     max_num_seqs: int = 32  # requests running at once (each step carries at most these)
     # Tokens one target step computes: verification rows first, then prompt chunks (chunked prefill).
     max_num_batched_tokens: int = 2048

@@ -117,6 +117,11 @@ class SpeculationPolicy:
         self.explored[size] = self.explored.get(size, 0) + 1
         return self.max_k if self.explored[size] % EXPLORE_EVERY == 0 else current
 
+    def paused(self, batch: int) -> bool:
+        """Whether measurements settled this batch size at k = 0 (never the configured k it starts from): drafting
+        does not pay there, so its requests may as well decode without a replica (Scheduler._pause_speculation)."""
+        return self.adaptive and self.max_k > 0 and batch > 0 and self.current.get(bucket(batch)) == 0
+
     def throughput(self, batch: int, k: int, draft_step_s: float, draft_hop_s: float = 0.0) -> float:
         """Tokens per second of a round of `batch` requests with k drafts each, by the current estimates."""
         tokens = batch * (1.0 + sum(self.acceptance(i) for i in range(k)))

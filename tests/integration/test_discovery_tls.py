@@ -36,7 +36,7 @@ def test_discovered_drafts_are_checked_for_the_server_name(
             orchestrator_arguments = ["orchestrator", "--target-address", target_address, *tls]
             orchestrator_arguments += ["--tokenizer", str(llama_target), "--speculative-num-steps", "3"]
             orchestrator_arguments += ["--draft-dns", f"localhost:{port}", "--draft-dns-interval", "0.5"]
-            orchestrator_arguments += ["--admin-port", "0", "--port", "0", "--public-plaintext"]
+            orchestrator_arguments += ["--admin-port", "0", "--port", "0", "--public-plaintext", "--no-adaptive-k"]
             named = [*orchestrator_arguments, "--tls-server-name", "localhost"]
             with service("named", tandem_command(*named), tmp_path) as orchestrator:
                 wait_for_line(orchestrator, f"draft replica draft-tls at 127.0.0.1:{port} joined (found by DNS)")

@@ -135,3 +135,17 @@ def test_below_max_k_exploration_measures_the_positions_not_drafted_and_k_climbs
         policy.observe_round(k, k)  # the draft is good again: every drafted position is accepted
     assert chosen[0] == 2  # at first the stale estimates keep k at 2
     assert policy.current[1] == 5 and chosen[-EXPLORE_EVERY:] == [5] * EXPLORE_EVERY
+
+
+def test_a_batch_size_is_paused_only_once_measurements_settle_it_at_zero() -> None:
+    fresh = SpeculationPolicy(5)
+    assert not fresh.paused(32)  # unmeasured: the configured k, which measures it
+    policy = warmed()
+    assert not policy.paused(32)  # measured, but no choice made there yet
+    assert policy.choose(32) == 0
+    assert policy.paused(32) and policy.paused(17)  # the same bucket
+    assert policy.choose(1) == 5 and not policy.paused(1)
+    fixed = warmed()
+    fixed.adaptive = False
+    fixed.choose(32)
+    assert not fixed.paused(32)
