@@ -37,8 +37,10 @@ async def _measure(
     prompts: list[str],
 ) -> list[RunResult]:
     """Every configuration `repeats` times, interleaved run by run: per setup (split, colocated) each draft kind's
-    speculative run then one target-only run (on the first kind's servers: the target is the same for all), then
-    transformers greedy and prompt-lookup (batch 1, in every repeat at every concurrency).
+    speculative run and one target-only run (on the first kind's servers: the target is the same for all), then
+    transformers greedy and prompt-lookup (batch 1, in every repeat at every concurrency). Odd repeats run the
+    target-only run first: the first run of a setup comes after the others' runs, when its processes' caches and
+    memory are cold, and that must not always fall on speculation.
 
     Runs never overlap, so each has the whole machine; interleaving makes the slow spells of a shared machine fall
     on every setup alike instead of on whichever ran during them.
@@ -54,14 +56,18 @@ async def _measure(
     tokens = settings.max_new_tokens
     runs = []
     for concurrency in settings.concurrency:
-        for _ in range(settings.repeats):
+        for repeat in range(settings.repeats):
             for label in labels:
                 of_label = [setup for setup in setups if setup.label == label]
+                target_only_first = repeat % 2 == 1
+                if target_only_first:
+                    runs.append(await run_prompts(of_label[0].generate, prompts, concurrency, tokens, False, label))
                 for setup in of_label:
                     runs.append(
                         await run_prompts(setup.generate, prompts, concurrency, tokens, True, label, setup.kind)
                     )
-                runs.append(await run_prompts(of_label[0].generate, prompts, concurrency, tokens, False, label))
+                if not target_only_first:
+                    runs.append(await run_prompts(of_label[0].generate, prompts, concurrency, tokens, False, label))
             for model, method in transformers:
                 runs.append(model.run(prompts, settings.max_new_tokens, method))
     return runs

@@ -359,7 +359,9 @@ class Scheduler:
         for request in requests:
             del self.running[request.request_id]
             request.kv_length = 0
-            request.needs_move = False  # the draft starts over from the recomputed rows anyway
+            # The draft starts over from the recomputed rows anyway; a paused request's move still tells the target to
+            # stop capturing its rows.
+            request.needs_move = request.needs_move and request.paused
             request.pushed_round = None
         await self._release_on_drafts(requests)
         self.waiting.extendleft(requests)  # newest first in `requests`: the oldest ends up at the front
@@ -484,14 +486,11 @@ class Scheduler:
         (several tokens a step) to its end; it is not brought back, since the replica would need every row of its
         context again. The one left, the probe, keeps k measured at this batch size (one round in EXPLORE_EVERY
         drafts in full), so that requests admitted after k rises again speculate."""
-        wanting = [
-            r
-            for r in (*self.running.values(), *self.waiting)
-            if r.wants_speculation and not r.finished and not r.paused
-        ]
-        if len(wanting) < 2 or not self.speculation.paused(min(len(wanting), self.settings.max_num_seqs)):
-            return
+        # The batch size is every request that wants speculation, paused ones included: they share the steps.
+        wanting = [r for r in (*self.running.values(), *self.waiting) if r.wants_speculation and not r.finished]
         attached = [request for request in wanting if request.replica is not None]
+        if len(attached) < 2 or not self.speculation.paused(min(len(wanting), self.settings.max_num_seqs)):
+            return
         forget: dict[str, list[str]] = {}
         for request in attached[1:]:
             replica = request.replica
@@ -503,9 +502,8 @@ class Scheduler:
             request.needs_move = request.opened  # the target stops capturing its rows
             request.pushed_round = None
             request.paused = True
-        if len(attached) > 1:
-            self.requests_paused += len(attached) - 1
-            LOG.info("adaptive k is 0 at %d requests: %d go on without drafts", len(wanting), len(attached) - 1)
+        self.requests_paused += len(attached) - 1
+        LOG.info("adaptive k is 0 at %d requests: %d go on without drafts", len(wanting), len(attached) - 1)
         for replica_id, request_ids in forget.items():
             asyncio.get_running_loop().create_task(self._forget_on(replica_id, request_ids))
 

@@ -88,6 +88,11 @@ def test_bench_writes_the_report_with_medians_transformers_rows_and_identical_ou
     for run in detail["runs"]:
         assert sorted(request["prompt_index"] for request in run["requests"]) == [0, 1]
         assert all(len(request["token_ids"]) == 8 for request in run["requests"])
+    # Which of a setup's two runs goes first alternates repeat by repeat (the first one meets cold processes).
+    for label in ("split", "colocated"):
+        for concurrency in (1, 2):
+            order = [r["speculative"] for r in detail["runs"] if (r["label"], r["concurrency"]) == (label, concurrency)]
+            assert order == [True, False, False, True], (label, concurrency)
 
     table = (out / "latest.md").read_text()
     assert "median of 2 runs each" in table
