@@ -63,7 +63,6 @@ class TorchAttentionStep:
                 mask = key_index[None, :] <= query_row[:, None]
             self.sequences.append(_SequencePlan(rows, start, context_slots, context_range, mask, tree_mask is not None))
         self._windowed_masks: dict[int, list[torch.Tensor | None]] = {}
-        self.batched = _batched_plan(self.sequences, page_table.kv_lens(), pages, page_bounds, page_size, device)
 
     def attend(
         self,
@@ -77,8 +76,6 @@ class TorchAttentionStep:
     ) -> torch.Tensor:  # -> [num_tokens, num_heads, head_dim]
         layer_keys.index_copy_(0, self.write_slots, _as(key, layer_keys.dtype))
         layer_values.index_copy_(0, self.write_slots, _as(value, layer_values.dtype))
-        if self.batched is not None and sliding_window is None:
-            return self.batched.attend(query, layer_keys, layer_values, scaling)
         masks = self._masks(sliding_window)
         if len(self.sequences) == 1:  # no packing: attend straight into the output
             keys, values = self._context(self.sequences[0], key, value, layer_keys, layer_values)
@@ -151,76 +148,6 @@ class TorchAttentionStep:
         # With sliding_window 3 the chain rows of the module docstring see keys 1..3 and 2..4.
         within = key_positions[None, :] > query_positions[:, None] - sliding_window
         return within if sequence.mask is None else within & sequence.mask
-
-
-@dataclass(frozen=True)
-class _BatchedPlan:
-    """Every sequence of a step as one padded batch: one gather of the contexts and one SDPA call per layer, where the
-    per-sequence loop makes four calls a sequence (a decoding step of 32 requests spent about a third of its time
-    there). Keys past a sequence's own context point at slot 0 and are masked out."""
-
-    query_len: int
-    slots: torch.Tensor  # [batch, longest context] pool slot of every key row
-    mask: torch.Tensor  # [batch, 1, query_len, longest context] bool
-
-    def attend(
-        self,
-        query: torch.Tensor,  # [batch * query_len, num_heads, head_dim]
-        layer_keys: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-        layer_values: torch.Tensor,
-        scaling: float | None,
-    ) -> torch.Tensor:  # -> [batch * query_len, num_heads, head_dim]
-        batch, width = self.slots.shape
-        flat = self.slots.flatten()
-        keys = _as(layer_keys.index_select(0, flat), query.dtype).view(batch, width, *layer_keys.shape[1:])
-        values = _as(layer_values.index_select(0, flat), query.dtype).view(batch, width, *layer_values.shape[1:])
-        out = F.scaled_dot_product_attention(
-            query.view(batch, self.query_len, *query.shape[1:]).transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=self.mask,
-            scale=scaling,
-            enable_gqa=True,
-        )  # [batch, num_heads, query_len, value_dim]
-        return out.transpose(1, 2).reshape(query.shape[0], query.shape[1], values.shape[-1])
-
-
-MAX_PADDING = 2.0  # a padded batch may hold at most this many key rows per real one
-
-
-def _batched_plan(
-    sequences: list[_SequencePlan],
-    kv_lens: list[int],
-    pages: torch.Tensor,  # every sequence's pages, one after another
-    page_bounds: list[int],  # sequence b's pages are pages[page_bounds[b] : page_bounds[b + 1]]
-    page_size: int,
-    device: torch.device,
-) -> _BatchedPlan | None:
-    """The padded batch for a step of several sequences that each add the same number of rows after a context in the
-    pool (decoding, chain verification), without trees; None for any other step (prompts, trees, a lone sequence)."""
-    if len(sequences) < 2:
-        return None
-    query_len = sequences[0].rows.stop - sequences[0].rows.start
-    if any(s.tree or s.start == 0 or s.rows.stop - s.rows.start != query_len for s in sequences):
-        return None
-    width = max(kv_lens)
-    if width * len(kv_lens) > MAX_PADDING * sum(kv_lens):
-        return None
-    pages_per_row = -(-width // page_size)
-    host = pages.device  # the page table's tensors live on the host
-    table = torch.zeros((len(sequences), pages_per_row), dtype=torch.long, device=host)
-    for row, kv_len in enumerate(kv_lens):
-        count = -(-kv_len // page_size)
-        table[row, :count] = pages[page_bounds[row] : page_bounds[row] + count]
-    offsets = torch.arange(page_size, dtype=torch.long, device=host)
-    slots = (table[:, :, None] * page_size + offsets).flatten(1)[:, :width]
-    lengths = torch.tensor(kv_lens, dtype=torch.long, device=host)
-    key_index = torch.arange(width, dtype=torch.long, device=host)
-    # Query row r of a sequence with context length n sees keys 0..n - query_len + r.
-    last_seen = (lengths - query_len)[:, None] + torch.arange(query_len, dtype=torch.long, device=host)
-    mask = key_index[None, None, :] <= last_seen[:, :, None]
-    slots = torch.where(key_index[None, :] < lengths[:, None], slots, 0)
-    return _BatchedPlan(query_len, slots.to(device), mask[:, None].to(device))
 
 
 class TorchAttentionBackend:
