@@ -163,10 +163,12 @@ class Scheduler:
 
     async def _step(self) -> None:
         started = time.perf_counter()
-        self._pause_speculation()
-        # Paused requests count: they share the steps, and k is chosen for the batch the verification rows join.
+        batch = self._pause_speculation()
+        # Paused requests count: they share the steps, and k is chosen for the batch the verification rows join. While
+        # the batch is paused, the probe drafts as that batch size says (one round in EXPLORE_EVERY), also while the
+        # batch fills and few of its requests decode yet.
         speculating = sum(1 for r in self.running.values() if r.decoding and r.wants_speculation)
-        self.k_in_use = self.speculation.choose(speculating)
+        self.k_in_use = self.speculation.choose(batch if self.speculation.paused(batch) else speculating)
         plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings, self.k_in_use)
         await self._preempt(plan.preempted)
         for request in plan.admitted:
@@ -479,18 +481,19 @@ class Scheduler:
         finally:
             self._probes.pop(replica_id, None)
 
-    def _pause_speculation(self) -> None:
+    def _pause_speculation(self) -> int:
         """When adaptive k has settled at 0 for the batch at hand, takes every request but one off its replica: a
         request at k = 0 still has its hidden rows captured and streamed to the replica each step, so that drafting
         may resume, and that costs what speculation no longer wins back. A paused request decodes target-only
         (several tokens a step) to its end; it is not brought back, since the replica would need every row of its
         context again. The one left, the probe, keeps k measured at this batch size (one round in EXPLORE_EVERY
-        drafts in full), so that requests admitted after k rises again speculate."""
+        drafts in full), so that requests admitted after k rises again speculate. Returns the batch size it judged."""
         # The batch size is every request that wants speculation, paused ones included: they share the steps.
         wanting = [r for r in (*self.running.values(), *self.waiting) if r.wants_speculation and not r.finished]
+        batch = min(len(wanting), self.settings.max_num_seqs)
         attached = [request for request in wanting if request.replica is not None]
-        if len(attached) < 2 or not self.speculation.paused(min(len(wanting), self.settings.max_num_seqs)):
-            return
+        if len(attached) < 2 or not self.speculation.paused(batch):
+            return batch
         forget: dict[str, list[str]] = {}
         for request in attached[1:]:
             replica = request.replica
@@ -506,6 +509,7 @@ class Scheduler:
         LOG.info("adaptive k is 0 at %d requests: %d go on without drafts", len(wanting), len(attached) - 1)
         for replica_id, request_ids in forget.items():
             asyncio.get_running_loop().create_task(self._forget_on(replica_id, request_ids))
+        return batch
 
     def _return_orphans(self) -> None:
         """Brings target-only requests that want speculation back to a replica once one serves (not paused ones)."""
