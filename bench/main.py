@@ -59,15 +59,14 @@ async def _measure(
         for repeat in range(settings.repeats):
             for label in labels:
                 of_label = [setup for setup in setups if setup.label == label]
-                target_only_first = repeat % 2 == 1
-                if target_only_first:
-                    runs.append(await run_prompts(of_label[0].generate, prompts, concurrency, tokens, False, label))
-                for setup in of_label:
+                speculative = [(setup, True) for setup in of_label]
+                target_only = (of_label[0], False)
+                order = [target_only, *speculative] if repeat % 2 == 1 else [*speculative, target_only]
+                for setup, speculates in order:
+                    kind = setup.kind if speculates else ""
                     runs.append(
-                        await run_prompts(setup.generate, prompts, concurrency, tokens, True, label, setup.kind)
+                        await run_prompts(setup.generate, prompts, concurrency, tokens, speculates, label, kind)
                     )
-                if not target_only_first:
-                    runs.append(await run_prompts(of_label[0].generate, prompts, concurrency, tokens, False, label))
             for model, method in transformers:
                 runs.append(model.run(prompts, settings.max_new_tokens, method))
     return runs
