@@ -32,6 +32,7 @@ from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, Ta
 from draft_server.settings import DraftSettings
 from draft_server.shared_tables import pull_tables
 from draft_server.tree_draft import DraftTree, TreeDrafter
+from tandem.background import in_background
 from tandem.grpc_util import CallFailed, wait_for_ready
 from tandem.leases import Leases, leased_call, leased_stream
 from tandem.model_thread import ModelThread
@@ -82,7 +83,6 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self._released: dict[str, float] = {}
         self.model_thread = model_thread  # every runner call goes through it, one at a time
         self.leases = Leases(settings.cache.orphan_timeout_s)  # which orchestrator session drafts which request
-        self._releasing: set[asyncio.Task[None]] = set()  # releases the target told of, under way (_release_soon)
         self.propose_listeners: list[Callable[[float], None]] = []  # called with each Propose's compute seconds
         # Called with the seconds each Propose waited for the target's hidden rows of its requests (see _propose).
         self.rows_wait_listeners: list[Callable[[float], None]] = []
@@ -317,9 +317,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     def _release_soon(self, request_id: str) -> None:
         """Frees a request the target freed (HiddenStates.released), in a task: the stream's next rows go on while
         the model thread finishes what it is drafting."""
-        task = asyncio.get_running_loop().create_task(self._release({request_id}))
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
+        in_background(self._release({request_id}))
 
     async def _release(self, released: set[str]) -> None:
         async with self._arrived:

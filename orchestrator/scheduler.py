@@ -44,6 +44,7 @@ from orchestrator.settings import SchedulerSettings
 from orchestrator.speculation import SpeculationPolicy
 from orchestrator.text import IncrementalDetokenizer, StopStringMatcher
 from orchestrator.validation import InvalidRequest, ValidatedRequest, with_stop_masking
+from tandem.background import in_background
 
 LOG = logging.getLogger(__name__)
 MAX_REPROBE_S = 30.0
@@ -103,7 +104,6 @@ class Scheduler:
         # Releases that failed, by where they are owed (TARGET or a replica id): tried again with the next release
         # there, or after RELEASE_RETRY_S, so that a peer that was slow or stopped for a while gets its KV back.
         self._owed: dict[str, set[str]] = {}
-        self._releasing: set[asyncio.Future[list[None]]] = set()  # releases of finished requests under way
 
     def submit(self, params: ValidatedRequest) -> ActiveRequest:
         """Queues a request; raises InvalidRequest when it can never fit the KV pool, QueueFull when the queue is."""
@@ -452,7 +452,7 @@ class Scheduler:
             request.needs_move = request.opened
             request.pushed_round = None
         # What the replica still holds of them is of no use now; a live but slow replica frees it.
-        asyncio.get_running_loop().create_task(self._forget_on(replica_id, [r.request_id for r in moved]))
+        in_background(self._forget_on(replica_id, [r.request_id for r in moved]))
         if replica_id not in self._probes:
             self._probes[replica_id] = asyncio.get_running_loop().create_task(self._reprobe(replica_id))
 
@@ -508,7 +508,7 @@ class Scheduler:
         self.requests_paused += len(attached) - 1
         LOG.info("adaptive k is 0 at %d requests: %d go on without drafts", len(wanting), len(attached) - 1)
         for replica_id, request_ids in forget.items():
-            asyncio.get_running_loop().create_task(self._forget_on(replica_id, request_ids))
+            in_background(self._forget_on(replica_id, request_ids))
         return batch
 
     def _return_orphans(self) -> None:
@@ -545,12 +545,12 @@ class Scheduler:
         # The loop goes on without waiting for the answers (a replica busy drafting ahead answers after its batch,
         # which held every running request about 5 ms per finished one on 2 cores). The KV mirror counts the blocks
         # free now; should a step reach the target before its release, an item without room waits a step.
-        releasing = asyncio.gather(
-            self._release_on(TARGET, opened),
-            *(self._release_on(replica, ids) for replica, ids in by_replica.items()),
+        in_background(
+            asyncio.gather(
+                self._release_on(TARGET, opened),
+                *(self._release_on(replica, ids) for replica, ids in by_replica.items()),
+            )
         )
-        self._releasing.add(releasing)
-        releasing.add_done_callback(self._releasing.discard)
 
     async def _release_on_drafts(self, requests: Sequence[ActiveRequest]) -> None:
         by_replica = self._by_replica(requests)

@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.background import in_background
 from tandem.malformed import MalformedRequests
 from tandem.wire import common_pb2
 
@@ -165,7 +166,7 @@ async def stream_calls(
             yield failed(failure.as_proto())
 
 
-def on_call_end(context: grpc.aio.ServicerContext, callback: Callable[[], None]) -> None:
+def on_call_end(context: grpc.aio.ServicerContext, callback: Callable[[], object]) -> None:
     """Runs `callback` on the event loop once the call has ended, however it ended: answered, failed, cancelled, or
     its peer gone.
 
@@ -176,19 +177,11 @@ def on_call_end(context: grpc.aio.ServicerContext, callback: Callable[[], None])
     context.add_done_callback(lambda _: callback())
 
 
-_CLOSING: set[asyncio.Task[None]] = set()  # generators being closed at the end of their call (on_call_end)
-
-
 def closed_at_call_end(
     context: grpc.aio.ServicerContext, generator: AsyncGenerator[T, None]
 ) -> AsyncGenerator[T, None]:
     """`generator`, which a streaming handler iterates, closed as soon as the call ends (on_call_end), so that its
     `finally` blocks run then. A generator that already ended is left as it is."""
 
-    def close() -> None:
-        task = asyncio.get_running_loop().create_task(generator.aclose())
-        _CLOSING.add(task)
-        task.add_done_callback(_CLOSING.discard)
-
-    on_call_end(context, close)
+    on_call_end(context, lambda: in_background(generator.aclose()))
     return generator
