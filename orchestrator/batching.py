@@ -62,6 +62,17 @@ class ActiveRequest:
     # Adaptive k settled at 0 for the batch this request decodes in: it left its replica and decodes target-only
     # (no hidden rows, several tokens a step) to its end.
     paused: bool = False
+    # Its replica drafted for it since it last started over there: a Propose ingests the rows of the last round
+    # only, not every committed row (the adaptive k's cost model keeps the two apart).
+    ingested: bool = False
+
+    def start_over(self, replica: str | None) -> None:
+        """Points the request at `replica` (None: target-only), which holds none of its state: the target resends
+        every committed row there (if it holds the request), and the replica's next Propose ingests them all."""
+        self.replica = replica
+        self.needs_move = self.opened
+        self.pushed_round = None
+        self.ingested = False
 
     @property
     def finished(self) -> bool:

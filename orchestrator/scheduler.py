@@ -295,7 +295,7 @@ class Scheduler:
         request.pushed_round = None
         if failure.kind is FailureKind.EXHAUSTED:
             LOG.warning("request %s goes without drafts this round: %s", request.request_id, failure)
-            request.needs_move = True
+            request.start_over(request.replica)
         elif replica_id is not None:
             self._replica_failed(replica_id, str(failure))
 
@@ -361,10 +361,11 @@ class Scheduler:
         for request in requests:
             del self.running[request.request_id]
             request.kv_length = 0
-            # The draft starts over from the recomputed rows anyway; a paused request's move still tells the target to
-            # stop capturing its rows.
-            request.needs_move = request.needs_move and request.paused
+            # The replica starts over from the recomputed rows. A pending move stays: the target still holds the
+            # request and sends its rows where the last move told it to (a replica since demoted, or any at all for
+            # a paused request) until a move says otherwise; with no KV it replays nothing.
             request.pushed_round = None
+            request.ingested = False
         await self._release_on_drafts(requests)
         self.waiting.extendleft(requests)  # newest first in `requests`: the oldest ends up at the front
 
@@ -396,13 +397,20 @@ class Scheduler:
                 continue
             for request_id, reason in batch.exhausted.items():
                 LOG.warning("request %s goes without drafts this round: %s", request_id, reason)
-                self.running[request_id].needs_move = True  # the replica dropped its state
+                self.running[request_id].start_over(replica)  # the replica dropped its state
+            # A request new to the replica (or started over there) had every committed row ingested: that costs
+            # once per request, not per draft step, and is kept apart in the cost model.
+            ingesting = False
+            for task in tasks:
+                request = self.running[task.request_id]
+                ingesting = ingesting or not request.ingested
+                request.ingested = request.ingested or task.request_id in batch.drafts
             drafts.update({key: (tokens, batch.parents.get(key, [])) for key, tokens in batch.drafts.items()})
             timings[replica] = ReplicaTiming(call_seconds, batch.compute_seconds, batch.ahead_seconds)
             for listener in self.propose_listeners:
                 listener(replica, call_seconds)
             k = max(task.num_steps for task in tasks)
-            self.speculation.observe_propose(len(tasks), k, call_seconds, batch.compute_seconds)
+            self.speculation.observe_propose(len(tasks), k, call_seconds, batch.compute_seconds, ingesting)
         return drafts, timings
 
     def _check_proposals(self, tasks: Sequence[ProposeTask], batch: ProposedBatch) -> str:
@@ -448,9 +456,7 @@ class Scheduler:
         LOG.warning("draft replica %s demoted (%s): moving its %d requests", replica_id, reason, len(moved))
         for request in moved:
             self.replicas.release(replica_id)
-            request.replica = self._assign()
-            request.needs_move = request.opened
-            request.pushed_round = None
+            request.start_over(self._assign())
         # What the replica still holds of them is of no use now; a live but slow replica frees it.
         in_background(self._forget_on(replica_id, [r.request_id for r in moved]))
         if replica_id not in self._probes:
@@ -501,9 +507,7 @@ class Scheduler:
             self.replicas.release(replica)
             if request.opened:
                 forget.setdefault(replica, []).append(request.request_id)
-            request.replica = None
-            request.needs_move = request.opened  # the target stops capturing its rows
-            request.pushed_round = None
+            request.start_over(None)  # the target stops capturing its rows
             request.paused = True
         self.requests_paused += len(attached) - 1
         LOG.info("adaptive k is 0 at %d requests: %d go on without drafts", len(wanting), len(attached) - 1)
@@ -517,8 +521,7 @@ class Scheduler:
             return
         for request in self.running.values():
             if request.replica is None and request.wants_speculation and not request.finished and not request.paused:
-                request.replica = self._assign()
-                request.needs_move = request.opened
+                request.start_over(self._assign())
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self.waiting if r.cancelled]:

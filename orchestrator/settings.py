@@ -15,10 +15,8 @@ class SchedulerSettings:
     num_steps: int = 5  # draft tokens per round; with adaptive_k, the most a round asks for
     tree: TreeShape = field(default_factory=TreeShape)  # the drafts' tree shape, resolved; topk 1: chains
     # Choose k (0 included) per batch from measured costs and acceptance (speculation.py); at k = 0 a batch's
-    # requests leave their replica (Scheduler._pause_speculation). Off by default: on a fresh server its first
-    # measurements (cold processes, a request's first Propose ingesting its prompt as one draft step) can make one
-    # request draft less than k = 5, which is about 1.6x faster there (docs/architecture.md, adaptive k).
-    adaptive_k: bool = False
+    # requests leave their replica (Scheduler._pause_speculation). False: every round drafts num_steps.
+    adaptive_k: bool = True
     max_num_seqs: int = 32  # requests running at once (each step carries at most these)
     # Tokens one target step computes: verification rows first, then prompt chunks (chunked prefill).
     max_num_batched_tokens: int = 2048

@@ -5,10 +5,17 @@ drafts each yields b * (1 + sum of p_1..p_k) tokens, where p_i is the measured r
 accepted (all of positions 1..i accepted), and costs
 
     round(b, k) = target(b * (k + 1))  +  draft(b, k)  +  scheduling
-    target(n)   = a + c * n             fitted to every target step (tokens computed -> seconds of the call)
-    draft(b, k) = h_b + u_b * (k + 1)   h_b: a Propose call's seconds outside the replica's compute (the hop);
-                                        u_b: the replica's compute seconds per draft step (ingest counts as a step)
-    draft(b, 0) = 0                     no Propose at all
+    target(n)   = a + c * n                   fitted to every target step (tokens computed -> seconds of the call)
+    draft(b, k) = h_b + u_b * (k + 1) + g_b   h_b: a Propose call's seconds outside the replica's compute (the hop);
+                                              u_b: the replica's compute seconds per draft step (the ingest of a
+                                              round's rows counts as a step);
+                                              g_b: what ingesting new requests' prompts adds, per Propose
+    draft(b, 0) = 0                           no Propose at all
+
+A Propose that carries a request new to its replica (or started over there) ingests every row of its context: that
+is paid once per request, whatever k is, so it does not count towards u_b; what it took beyond u_b * (k + 1) is
+averaged over every Propose of the batch size as g_b. Counted as steps, one such Propose among a fresh server's
+first made a lone request look dear to draft for (k about 2 where 5 pays).
 
 The policy picks the k in 0..max_k with the most tokens per second, and keeps the current k unless another is better
 by HYSTERESIS (a noisy estimate must not make k flap). Until the first measurements of a batch size are in, it uses
@@ -23,12 +30,18 @@ against 1 in 5.25 ms for k = 0); at b = 32, where u_32 = 6 ms, k = 0 wins (32 to
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from statistics import median
 
 HYSTERESIS = 0.05  # another k must promise this much more throughput to replace the current one
 EXPLORE_EVERY = 32  # below max_k, one round in this many drafts max_k, so that acceptance and costs stay measured
-DECAY = 0.98  # weight of the past in every running estimate (about the last 50 observations count)
+DECAY = 0.98  # weight of the past in the running means (acceptance, ingest, scheduling: about the last 50 count)
 MIN_STEPS = 8  # target steps seen before the target's cost line is trusted
+MIN_PROPOSES = 8  # Proposes without a new request seen at a batch size before its draft cost is trusted
+WINDOW = 16  # recent samples a cost is taken from (per draft step, per hop, per target step size)
+SIZES = 64  # target step sizes (tokens) the cost line keeps, the most recently seen
+OWN_SAMPLES = 3  # samples at a step size from which its own median is its cost, not the line's value
 
 
 def bucket(batch: int) -> int:
@@ -36,47 +49,83 @@ def bucket(batch: int) -> int:
     return 1 << max(0, batch - 1).bit_length()
 
 
-@dataclass
 class CostLine:
-    """y = a + c * x, a least-squares fit with exponential forgetting."""
+    """The seconds of a target step of x tokens: the median of the recent steps of that size once there are
+    OWN_SAMPLES of them, else y = a + c * x, least squares through the medians of every size (weighted by their
+    number of samples).
 
-    weight: float = 0.0
-    sum_x: float = 0.0
-    sum_y: float = 0.0
-    sum_xx: float = 0.0
-    sum_xy: float = 0.0
-    count: int = 0
+    Medians, because the first calls of a new process, of a new request's context and of each new shape are slow
+    (page faults, kernels' first runs): a fresh server's first verification took 27 ms where the next took 13, and
+    a decayed mean kept such calls for tens of rounds. A size's own median first, because one line does not fit
+    every batch (the attention runs per sequence): fitted to one request's steps and 8 requests' together it put
+    a verification of 8 x 6 rows at 31 ms where it took 39.
+    """
 
-    def add(self, x: float, y: float) -> None:
-        self.weight = DECAY * self.weight + 1.0
-        self.sum_x = DECAY * self.sum_x + x
-        self.sum_y = DECAY * self.sum_y + y
-        self.sum_xx = DECAY * self.sum_xx + x * x
-        self.sum_xy = DECAY * self.sum_xy + x * y
+    def __init__(self) -> None:
+        self.samples: OrderedDict[int, deque[float]] = OrderedDict()  # x -> recent y, the last seen x last
+        self.count = 0
+        self._fit = (0.0, 0.0)  # (a, c)
+        self._medians: dict[int, float] = {}  # of the sizes with OWN_SAMPLES samples or more
+
+    def add(self, x: int, y: float) -> None:
+        recent = self.samples.pop(x, None) or deque(maxlen=WINDOW)
+        recent.append(y)
+        self.samples[x] = recent
+        if len(self.samples) > SIZES:
+            self._medians.pop(self.samples.popitem(last=False)[0], None)
+        if len(recent) >= OWN_SAMPLES:
+            self._medians[x] = median(recent)
         self.count += 1
+        self._fit = self._refit()
 
-    def predict(self, x: float) -> float:
-        mean_x, mean_y = self.sum_x / self.weight, self.sum_y / self.weight
-        spread = self.sum_xx / self.weight - mean_x * mean_x
+    def predict(self, x: int) -> float:
+        own = self._medians.get(x)
+        if own is not None:
+            return own
+        a, c = self._fit
+        return max(0.0, a + c * x)
+
+    def _refit(self) -> tuple[float, float]:
+        points = [(x, median(ys), len(ys)) for x, ys in self.samples.items()]
+        weight = sum(w for _, _, w in points)
+        mean_x = sum(x * w for x, _, w in points) / weight
+        mean_y = sum(y * w for _, y, w in points) / weight
+        spread = sum(w * (x - mean_x) ** 2 for x, _, w in points) / weight
         if spread <= 1e-9 * max(1.0, mean_x * mean_x):
             # Every step had the same size: cost proportional to size is the best guess through the origin.
-            return mean_y * x / mean_x if mean_x > 0 else mean_y
-        slope = max(0.0, (self.sum_xy / self.weight - mean_x * mean_y) / spread)
-        return max(0.0, mean_y + slope * (x - mean_x))
+            return (0.0, mean_y / mean_x) if mean_x > 0 else (mean_y, 0.0)
+        slope = max(0.0, sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / weight / spread)
+        return mean_y - slope * mean_x, slope
+
+
+class Recent:
+    """The mean of the last WINDOW samples: a slow first call is forgotten after WINDOW more. Not a median: a draft
+    cost is legitimately two-sided (a round whose drafts were pushed ahead waits about nothing for them, an asked
+    one waits for all of its steps), and the mean is what a round costs on average."""
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=WINDOW)
+        self.count = 0
+        self.value = 0.0
+
+    def add(self, sample: float) -> None:
+        self.samples.append(sample)
+        self.count += 1
+        self.value = sum(self.samples) / len(self.samples)
 
 
 @dataclass
 class Average:
+    """A mean with exponential forgetting."""
+
     value: float = 0.0
     weight: float = 0.0
+    count: int = 0
 
     def add(self, sample: float) -> None:
         self.weight = DECAY * self.weight + 1.0
         self.value += (sample - self.value) / self.weight
-
-    @property
-    def known(self) -> bool:
-        return self.weight > 0
+        self.count += 1
 
 
 @dataclass
@@ -84,8 +133,11 @@ class SpeculationPolicy:
     max_k: int
     adaptive: bool = True
     target: CostLine = field(default_factory=CostLine)
-    draft_step: dict[int, Average] = field(default_factory=dict)  # by bucket(batch): compute seconds per draft step
-    draft_hop: dict[int, Average] = field(default_factory=dict)  # by bucket(batch): Propose seconds outside compute
+    draft_step: dict[int, Recent] = field(default_factory=dict)  # by bucket(batch): compute seconds per draft step
+    draft_hop: dict[int, Recent] = field(default_factory=dict)  # by bucket(batch): Propose seconds outside compute
+    draft_ingest: dict[int, Average] = field(default_factory=dict)  # by bucket(batch): new requests' ingest, seconds
+    # by bucket(batch): (k, compute seconds) of Proposes with a new request, waiting for a per-step cost to price them
+    unpriced: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     scheduling: Average = field(default_factory=Average)
     drafted: list[float] = field(default_factory=list)  # decayed count of rounds that drafted position i
     accepted: list[float] = field(default_factory=list)  # decayed count of rounds that accepted position i
@@ -102,9 +154,9 @@ class SpeculationPolicy:
             return self.max_k
         size = bucket(batch)
         step = self.draft_step.get(size)
-        if self.target.count < MIN_STEPS or step is None or not step.known or self.drafted[0] == 0:
+        if self.target.count < MIN_STEPS or step is None or step.count < MIN_PROPOSES or self.drafted[0] == 0:
             return self.current.get(size, self.max_k)
-        hop = self.draft_hop[size].value
+        hop = self.draft_hop[size].value + self.draft_ingest[size].value
         rates = {k: self.throughput(batch, k, step.value, hop) for k in range(self.max_k + 1)}
         best = max(rates, key=lambda k: rates[k])
         current = self.current.get(size, self.max_k)
@@ -123,7 +175,8 @@ class SpeculationPolicy:
         return self.adaptive and self.max_k > 0 and batch > 0 and self.current.get(bucket(batch)) == 0
 
     def throughput(self, batch: int, k: int, draft_step_s: float, draft_hop_s: float = 0.0) -> float:
-        """Tokens per second of a round of `batch` requests with k drafts each, by the current estimates."""
+        """Tokens per second of a round of `batch` requests with k drafts each, by the current estimates;
+        `draft_hop_s` is what a Propose costs whatever its k (h_b + g_b)."""
         tokens = batch * (1.0 + sum(self.acceptance(i) for i in range(k)))
         seconds = self.target.predict(batch * (k + 1)) + self.scheduling.value
         if k > 0:
@@ -140,11 +193,26 @@ class SpeculationPolicy:
         if tokens > 0:
             self.target.add(tokens, seconds)
 
-    def observe_propose(self, batch: int, k: int, call_seconds: float, compute_seconds: float) -> None:
-        """A replica's Propose for `batch` requests of k drafts: the call's seconds and the replica's compute."""
-        if batch > 0 and k > 0:
-            self.draft_step.setdefault(bucket(batch), Average()).add(compute_seconds / (k + 1))
-            self.draft_hop.setdefault(bucket(batch), Average()).add(max(0.0, call_seconds - compute_seconds))
+    def observe_propose(
+        self, batch: int, k: int, call_seconds: float, compute_seconds: float, ingesting: bool = False
+    ) -> None:
+        """A replica's Propose for `batch` requests of k drafts: the call's seconds and the replica's compute;
+        `ingesting`: some request in it was new to the replica (its whole context ingested)."""
+        if batch <= 0 or k <= 0:
+            return
+        size = bucket(batch)
+        self.draft_hop.setdefault(size, Recent()).add(max(0.0, call_seconds - compute_seconds))
+        ingest = self.draft_ingest.setdefault(size, Average())
+        step = self.draft_step.setdefault(size, Recent())
+        if ingesting:
+            self.unpriced.setdefault(size, []).append((k, compute_seconds))
+        else:
+            step.add(compute_seconds / (k + 1))
+            ingest.add(0.0)
+        if step.count > 0:
+            # Ingests seen before the first per-step cost are priced with it, in the order they came.
+            for steps, seconds in self.unpriced.pop(size, []):
+                ingest.add(max(0.0, seconds - step.value * (steps + 1)))
 
     def observe_round(self, drafts: int, accepted: int) -> None:
         """One request's round: drafts verified and how many of them were accepted."""

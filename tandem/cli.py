@@ -262,8 +262,8 @@ def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=SchedulerSettings.adaptive_k,
         help="choose k (0 included) per batch from measured round costs and acceptance, at most "
-        "--speculative-num-steps; at k = 0 a batch's requests decode target-only (default: off, always draft "
-        "--speculative-num-steps tokens)",
+        "--speculative-num-steps; at k = 0 a batch's requests decode target-only (default: on; --no-adaptive-k "
+        "always drafts --speculative-num-steps tokens)",
     )
     parser.add_argument(
         "--draft-ahead",

@@ -76,7 +76,7 @@ def test_every_scheduler_flag_of_serve_reaches_the_orchestrator_command_line() -
     flags = [
         "--speculative-num-steps", "4", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6",
         "--max-num-seqs", "7", "--max-num-batched-tokens", "300", "--max-waiting", "9", "--num-scheduler-steps", "2",
-        "--adaptive-k", "--target-timeout", "12.5", "--draft-timeout", "3.5", "--hybrid-ngram", "--ngram-max", "5",
+        "--no-adaptive-k", "--target-timeout", "12.5", "--draft-timeout", "3.5", "--hybrid-ngram", "--ngram-max", "5",
     ]  # fmt: skip
     scheduler = scheduler_settings_of(build_parser().parse_args(["serve", *flags]))
     settings = ServeSettings(target_dir=Path("t"), draft_dir=Path("d"), scheduler=scheduler)
@@ -84,5 +84,5 @@ def test_every_scheduler_flag_of_serve_reaches_the_orchestrator_command_line() -
     orchestrator = build_parser().parse_args(["orchestrator", "--target-address", "a", "--tokenizer", "t", *arguments])
     assert scheduler_settings_of(orchestrator) == scheduler
     assert (scheduler.num_steps, scheduler.max_num_batched_tokens, scheduler.draft_timeout_s) == (4, 300, 3.5)
-    assert scheduler.adaptive_k  # the flag differs from the default (off)
+    assert not scheduler.adaptive_k  # the flag differs from the default (on)
     assert scheduler.hybrid is not None and scheduler.hybrid.ngram.max_n == 5

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.speculation import EXPLORE_EVERY, MIN_STEPS, CostLine, SpeculationPolicy, bucket
+from orchestrator.speculation import (
+    EXPLORE_EVERY,
+    MIN_PROPOSES,
+    MIN_STEPS,
+    WINDOW,
+    CostLine,
+    SpeculationPolicy,
+    bucket,
+)
 
 ACCEPTANCE = (0.8, 0.68, 0.6, 0.53, 0.49)  # per position, each given all earlier ones accepted
 
@@ -28,14 +36,19 @@ def warmed(max_k: int = 5) -> SpeculationPolicy:
             policy.observe_target(tokens, target_seconds(tokens))
     for batch in (1, 8, 32):
         compute = draft_step_seconds(batch) * (max_k + 1)
-        policy.observe_propose(batch, max_k, HOP_SECONDS + compute, compute)
+        for _ in range(MIN_PROPOSES):
+            policy.observe_propose(batch, max_k, HOP_SECONDS + compute, compute)
+    observe_acceptance(policy, max_k)
+    return policy
+
+
+def observe_acceptance(policy: SpeculationPolicy, max_k: int = 5) -> None:
     for round_number in range(400):
         # Accepted counts whose per-position rates are ACCEPTANCE, spread evenly over the rounds: position i is
         # accepted in a round whose draw (a permutation of 0..99) is below 100 * ACCEPTANCE[i].
         draw = (round_number * 37) % 100
         accepted = sum(1 for rate in ACCEPTANCE if draw < rate * 100)
         policy.observe_round(max_k, accepted)
-    return policy
 
 
 def test_bucket_groups_batch_sizes_by_powers_of_two() -> None:
@@ -77,7 +90,14 @@ def test_before_measurements_and_when_not_adaptive_the_configured_k_is_used() ->
     assert fresh.choose(32) == 5
     for _ in range(MIN_STEPS):
         fresh.observe_target(32, target_seconds(32))
+    observe_acceptance(fresh)
     assert fresh.choose(32) == 5  # no Propose measured at this batch size yet
+    compute = draft_step_seconds(32) * 6
+    for _ in range(MIN_PROPOSES - 1):
+        fresh.observe_propose(32, 5, compute, compute)
+    assert fresh.choose(32) == 5  # too few yet
+    fresh.observe_propose(32, 5, compute, compute)
+    assert fresh.choose(32) == 0
     fixed = warmed()
     fixed.adaptive = False
     assert fixed.choose(32) == 5
@@ -149,3 +169,73 @@ def test_a_batch_size_is_paused_only_once_measurements_settle_it_at_zero() -> No
     fixed.adaptive = False
     fixed.choose(32)
     assert not fixed.paused(32)
+
+
+def test_a_new_requests_ingest_is_paid_per_propose_not_per_draft_step() -> None:
+    """A fresh server's first request: its first Propose ingests the whole prompt (here 40 ms, against 6 ms for
+    the drafts). It does not count as draft steps; it costs its share of the Proposes, and k stays at 5."""
+    policy = SpeculationPolicy(5)
+    for tokens in (1, 6, 12, 6, 1, 6, 6, 6):
+        policy.observe_target(tokens, target_seconds(tokens))
+    observe_acceptance(policy)
+    step = draft_step_seconds(1)
+    policy.observe_propose(1, 5, 0.040 + HOP_SECONDS, 0.040, ingesting=True)  # before any per-step cost
+    assert policy.choose(1) == 5 and policy.draft_ingest[1].count == 0  # held until a step prices it
+    for _ in range(MIN_PROPOSES):
+        policy.observe_propose(1, 5, 6 * step + HOP_SECONDS, 6 * step)
+    assert policy.draft_step[1].value == pytest.approx(step)
+    # One ingest and MIN_PROPOSES Proposes without: about a ninth of what it took beyond its six steps.
+    assert 0.0 < policy.draft_ingest[1].value < 0.040 / MIN_PROPOSES
+    assert policy.choose(1) == 5
+
+
+def test_ingests_at_a_large_batch_still_pause_it() -> None:
+    """32 new requests' prompts ingested (400 ms, as measured in a benchmark run), then decoding rounds where
+    drafting pays a little (6 rows a request cost 62.5 ms against 22.5 ms for one, as bench.steps measured): the
+    ingest, paid only by speculating, keeps the batch size at k = 0; without it, k stays up."""
+
+    def policy_at_32(ingest: bool) -> SpeculationPolicy:
+        policy = SpeculationPolicy(5)
+        for tokens in (32, 64, 128, 192, 96, 32, 160, 192):
+            policy.observe_target(tokens, 0.0145 + 0.00025 * tokens)  # the demo target's steps at 32 requests
+        observe_acceptance(policy)
+        if ingest:
+            policy.observe_propose(32, 5, 0.400, 0.400, ingesting=True)
+        for _ in range(2 * MIN_PROPOSES):
+            policy.observe_propose(32, 5, 0.018, 0.018)  # 3 ms a step
+        return policy
+
+    without = policy_at_32(ingest=False)
+    rates = {k: without.throughput(32, k, 0.003) for k in (0, 5)}
+    assert rates[5] > 1.05 * rates[0], rates  # drafting pays by the per-step cost alone
+    assert without.choose(32) > 0
+    paying = policy_at_32(ingest=True)
+    assert paying.draft_step[32].value == pytest.approx(0.003)
+    assert paying.draft_ingest[32].value > 0.010
+    assert paying.choose(32) == 0 and paying.paused(32)
+
+
+def test_a_fresh_servers_slow_first_calls_do_not_set_the_costs() -> None:
+    """The calls `scripts/quickstart.sh` made on a fresh server (ms, from its log): a short warm-up request, then the
+    long one, whose first verification and first two Proposes were 2-4x slower than the rest (in that run the
+    previous model, decayed means with the ingests counted as steps, went to k = 0 for most of the request). k stays
+    5, the verification's cost is the median of its size, and WINDOW Proposes later the slow ones are forgotten."""
+    policy = SpeculationPolicy(5)
+    observe_acceptance(policy)
+    for tokens, ms in ((6, 15.5), (6, 10.8), (4, 13.8), (1, 10.0), (1, 8.5), (1, 8.4), (6, 27.4), (6, 12.8)):
+        policy.observe_target(tokens, ms / 1000)
+    policy.observe_propose(1, 5, 0.0126, 0.0108, ingesting=True)
+    policy.observe_propose(1, 5, 0.0072, 0.0071)
+    policy.observe_propose(1, 3, 0.0053, 0.0053)
+    policy.observe_propose(1, 5, 0.0448, 0.0431, ingesting=True)
+    policy.observe_propose(1, 5, 0.0247, 0.0247)
+    policy.observe_propose(1, 5, 0.0168, 0.0168)
+    for _ in range(MIN_PROPOSES - 4):
+        assert policy.choose(1) == 5  # not yet measured enough
+        policy.observe_target(6, 0.0127)
+        policy.observe_propose(1, 5, 0.0068, 0.0066)
+    assert policy.target.predict(6) < 0.0135  # the median of its 8 steps, not their mean (14.1 ms)
+    for _ in range(WINDOW):
+        assert policy.choose(1) == 5
+        policy.observe_propose(1, 5, 0.0068, 0.0066)
+    assert policy.draft_step[1].value == pytest.approx(0.0011)
