@@ -400,17 +400,17 @@ class Scheduler:
                 self.running[request_id].start_over(replica)  # the replica dropped its state
             # A request new to the replica (or started over there) had every committed row ingested: that costs
             # once per request, not per draft step, and is kept apart in the cost model.
-            ingesting = False
+            new_rows = 0
             for task in tasks:
                 request = self.running[task.request_id]
-                ingesting = ingesting or not request.ingested
+                new_rows += 0 if request.ingested else task.rows_end
                 request.ingested = request.ingested or task.request_id in batch.drafts
             drafts.update({key: (tokens, batch.parents.get(key, [])) for key, tokens in batch.drafts.items()})
             timings[replica] = ReplicaTiming(call_seconds, batch.compute_seconds, batch.ahead_seconds)
             for listener in self.propose_listeners:
                 listener(replica, call_seconds)
             k = max(task.num_steps for task in tasks)
-            self.speculation.observe_propose(len(tasks), k, call_seconds, batch.compute_seconds, ingesting)
+            self.speculation.observe_propose(len(tasks), k, call_seconds, batch.compute_seconds, new_rows)
         return drafts, timings
 
     def _check_proposals(self, tasks: Sequence[ProposeTask], batch: ProposedBatch) -> str:

@@ -13,9 +13,10 @@ accepted (all of positions 1..i accepted), and costs
     draft(b, 0) = 0                           no Propose at all
 
 A Propose that carries a request new to its replica (or started over there) ingests every row of its context: that
-is paid once per request, whatever k is, so it does not count towards u_b; what it took beyond u_b * (k + 1) is
-averaged over every Propose of the batch size as g_b. Counted as steps, one such Propose among a fresh server's
-first made a lone request look dear to draft for (k about 2 where 5 pays).
+is paid once per request, whatever k is, so it does not count towards u_b. The replica's compute is fitted as
+u_b * (k + 1) + r_b * rows (rows: the context rows of such requests), and g_b is r_b times the rows a Propose brings
+on average. Counted as steps, one such Propose among a fresh server's first made a lone request look dear to draft
+for (k about 2 where 5 pays).
 
 The policy picks the k in 0..max_k with the most tokens per second, and keeps the current k unless another is better
 by HYSTERESIS (a noisy estimate must not make k flap). Until the first measurements of a batch size are in, it uses
@@ -99,9 +100,9 @@ class CostLine:
 
 
 class Recent:
-    """The mean of the last WINDOW samples: a slow first call is forgotten after WINDOW more. Not a median: a draft
-    cost is legitimately two-sided (a round whose drafts were pushed ahead waits about nothing for them, an asked
-    one waits for all of its steps), and the mean is what a round costs on average."""
+    """The mean of the last WINDOW samples: a slow first call is forgotten after WINDOW more. Not a median: what a
+    round waits for a replica is legitimately two-sided (a round whose drafts were pushed ahead waits about nothing
+    for them, an asked one for the whole call), and the mean is what a round costs on average."""
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=WINDOW)
@@ -112,6 +113,53 @@ class Recent:
         self.samples.append(sample)
         self.count += 1
         self.value = sum(self.samples) / len(self.samples)
+
+
+class DraftCost:
+    """A replica's compute for a Propose: u seconds per draft step (the ingest of a round's rows counts as one) and
+    r per row of context it ingests for requests new to it, `seconds = u * (k + 1) + r * rows`, fitted by least
+    squares to the last WINDOW Proposes (a slow first call is forgotten after WINDOW more; with no new request among
+    them, r keeps its last value). Fitted, not split by which Proposes carried a new request: under steady arrivals
+    at a large batch nearly every one does."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)  # (k + 1, rows ingested, seconds)
+        self.rows = Average()  # rows ingested per Propose, over a longer horizon (they come in bursts)
+        self.count = 0
+        self.per_step = 0.0
+        self.per_row = 0.0
+
+    def add(self, steps: int, rows: int, seconds: float) -> None:
+        self.samples.append((steps, rows, seconds))
+        self.rows.add(rows)
+        self.count += 1
+        self.per_step, self.per_row = self._fit()
+
+    @property
+    def ingest(self) -> float:
+        """What ingesting new requests' contexts adds to a Propose, on average (g_b)."""
+        return self.per_row * self.rows.value
+
+    def _fit(self) -> tuple[float, float]:
+        kk = sum(k * k for k, _, _ in self.samples)
+        kr = sum(k * r for k, r, _ in self.samples)
+        rr = sum(r * r for _, r, _ in self.samples)
+        ky = sum(k * y for k, _, y in self.samples)
+        ry = sum(r * y for _, r, y in self.samples)
+        if rr == 0:
+            # No new request among them: the cost of a row stays what it was (the rows' mean still counts them).
+            return max(0.0, ky / kk), self.per_row
+        steps_only = max(0.0, ky / kk)
+        determinant = kk * rr - kr * kr
+        if determinant <= 1e-9 * kk * rr:
+            return steps_only, 0.0  # rows always in proportion to the steps: all of it is steps
+        per_step = (ky * rr - ry * kr) / determinant
+        per_row = (kk * ry - kr * ky) / determinant
+        if per_row < 0:
+            return steps_only, 0.0
+        if per_step < 0:
+            return 0.0, ry / rr
+        return per_step, per_row
 
 
 @dataclass
@@ -133,11 +181,8 @@ class SpeculationPolicy:
     max_k: int
     adaptive: bool = True
     target: CostLine = field(default_factory=CostLine)
-    draft_step: dict[int, Recent] = field(default_factory=dict)  # by bucket(batch): compute seconds per draft step
+    draft: dict[int, DraftCost] = field(default_factory=dict)  # by bucket(batch): the replica's compute (u_b, g_b)
     draft_hop: dict[int, Recent] = field(default_factory=dict)  # by bucket(batch): Propose seconds outside compute
-    draft_ingest: dict[int, Average] = field(default_factory=dict)  # by bucket(batch): new requests' ingest, seconds
-    # by bucket(batch): (k, compute seconds) of Proposes with a new request, waiting for a per-step cost to price them
-    unpriced: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     scheduling: Average = field(default_factory=Average)
     drafted: list[float] = field(default_factory=list)  # decayed count of rounds that drafted position i
     accepted: list[float] = field(default_factory=list)  # decayed count of rounds that accepted position i
@@ -153,11 +198,11 @@ class SpeculationPolicy:
         if not self.adaptive or self.max_k == 0 or batch == 0:
             return self.max_k
         size = bucket(batch)
-        step = self.draft_step.get(size)
-        if self.target.count < MIN_STEPS or step is None or step.count < MIN_PROPOSES or self.drafted[0] == 0:
+        draft = self.draft.get(size)
+        if self.target.count < MIN_STEPS or draft is None or draft.count < MIN_PROPOSES or self.drafted[0] == 0:
             return self.current.get(size, self.max_k)
-        hop = self.draft_hop[size].value + self.draft_ingest[size].value
-        rates = {k: self.throughput(batch, k, step.value, hop) for k in range(self.max_k + 1)}
+        hop = self.draft_hop[size].value + draft.ingest
+        rates = {k: self.throughput(batch, k, draft.per_step, hop) for k in range(self.max_k + 1)}
         best = max(rates, key=lambda k: rates[k])
         current = self.current.get(size, self.max_k)
         if rates[best] > rates[current] * (1 + HYSTERESIS):
@@ -194,25 +239,15 @@ class SpeculationPolicy:
             self.target.add(tokens, seconds)
 
     def observe_propose(
-        self, batch: int, k: int, call_seconds: float, compute_seconds: float, ingesting: bool = False
+        self, batch: int, k: int, call_seconds: float, compute_seconds: float, new_rows: int = 0
     ) -> None:
         """A replica's Propose for `batch` requests of k drafts: the call's seconds and the replica's compute;
-        `ingesting`: some request in it was new to the replica (its whole context ingested)."""
+        `new_rows`: rows of context it ingested for requests new to it (or started over there)."""
         if batch <= 0 or k <= 0:
             return
         size = bucket(batch)
         self.draft_hop.setdefault(size, Recent()).add(max(0.0, call_seconds - compute_seconds))
-        ingest = self.draft_ingest.setdefault(size, Average())
-        step = self.draft_step.setdefault(size, Recent())
-        if ingesting:
-            self.unpriced.setdefault(size, []).append((k, compute_seconds))
-        else:
-            step.add(compute_seconds / (k + 1))
-            ingest.add(0.0)
-        if step.count > 0:
-            # Ingests seen before the first per-step cost are priced with it, in the order they came.
-            for steps, seconds in self.unpriced.pop(size, []):
-                ingest.add(max(0.0, seconds - step.value * (steps + 1)))
+        self.draft.setdefault(size, DraftCost()).add(k + 1, new_rows, compute_seconds)
 
     def observe_round(self, drafts: int, accepted: int) -> None:
         """One request's round: drafts verified and how many of them were accepted."""

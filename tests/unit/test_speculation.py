@@ -105,7 +105,8 @@ def test_before_measurements_and_when_not_adaptive_the_configured_k_is_used() ->
 
 def test_hysteresis_keeps_the_current_k_unless_another_is_clearly_better() -> None:
     policy = warmed()
-    rates = {k: policy.throughput(1, k, policy.draft_step[1].value, policy.draft_hop[1].value) for k in range(6)}
+    draft, hop = policy.draft[1], policy.draft_hop[1].value
+    rates = {k: policy.throughput(1, k, draft.per_step, hop + draft.ingest) for k in range(6)}
     best = max(rates, key=lambda k: rates[k])
     close = [k for k in rates if k != best and rates[k] * 1.05 >= rates[best]]
     far = [k for k in rates if rates[k] * 1.05 < rates[best]]
@@ -138,7 +139,7 @@ def test_the_hop_is_not_charged_per_step() -> None:
     for k in (5, 2, 1):
         compute = draft_step_seconds(1) * (k + 1)
         policy.observe_propose(1, k, HOP_SECONDS + compute, compute)
-    assert policy.draft_step[1].value == pytest.approx(draft_step_seconds(1))
+    assert policy.draft[1].per_step == pytest.approx(draft_step_seconds(1))
     assert policy.draft_hop[1].value == pytest.approx(HOP_SECONDS)
 
 
@@ -172,21 +173,36 @@ def test_a_batch_size_is_paused_only_once_measurements_settle_it_at_zero() -> No
 
 
 def test_a_new_requests_ingest_is_paid_per_propose_not_per_draft_step() -> None:
-    """A fresh server's first request: its first Propose ingests the whole prompt (here 40 ms, against 6 ms for
-    the drafts). It does not count as draft steps; it costs its share of the Proposes, and k stays at 5."""
+    """A fresh server's first request: its first Propose ingests a 110-row prompt (here 40 ms, against 6 ms for the
+    drafts). That does not count as draft steps; it costs its share of the Proposes, and k stays at 5."""
     policy = SpeculationPolicy(5)
     for tokens in (1, 6, 12, 6, 1, 6, 6, 6):
         policy.observe_target(tokens, target_seconds(tokens))
     observe_acceptance(policy)
     step = draft_step_seconds(1)
-    policy.observe_propose(1, 5, 0.040 + HOP_SECONDS, 0.040, ingesting=True)  # before any per-step cost
-    assert policy.choose(1) == 5 and policy.draft_ingest[1].count == 0  # held until a step prices it
+    policy.observe_propose(1, 5, 0.040 + HOP_SECONDS, 0.040, new_rows=110)
     for _ in range(MIN_PROPOSES):
         policy.observe_propose(1, 5, 6 * step + HOP_SECONDS, 6 * step)
-    assert policy.draft_step[1].value == pytest.approx(step)
-    # One ingest and MIN_PROPOSES Proposes without: about a ninth of what it took beyond its six steps.
-    assert 0.0 < policy.draft_ingest[1].value < 0.040 / MIN_PROPOSES
+    draft = policy.draft[1]
+    assert draft.per_step == pytest.approx(step)
+    assert draft.per_row == pytest.approx((0.040 - 6 * step) / 110)
+    # One ingest in MIN_PROPOSES + 1 Proposes: about that share of what it took beyond its six steps.
+    assert 0.0 < draft.ingest < 0.040 / MIN_PROPOSES
     assert policy.choose(1) == 5
+
+
+def test_under_steady_arrivals_every_propose_may_ingest_and_the_costs_still_come_apart() -> None:
+    """At a large batch with requests arriving all the time, nearly every Propose carries a new request: the fit
+    over steps and rows still finds both costs (2 ms a step, 0.1 ms a row) and decides the batch size."""
+    policy = warmed()
+    for index in range(2 * MIN_PROPOSES):
+        rows = 100 * (1 + index % 3)  # one to three new 100-row prompts
+        policy.observe_propose(16, 5, 0.012 + 0.0001 * rows, 0.012 + 0.0001 * rows, new_rows=rows)
+    draft = policy.draft[16]
+    assert (draft.per_step, draft.per_row) == (pytest.approx(0.002), pytest.approx(0.0001))
+    assert draft.ingest == pytest.approx(0.0001 * draft.rows.value)
+    assert policy.choose(16) in range(6)  # decided from the measurements (not the configured k by default)
+    assert 16 in policy.current
 
 
 def test_ingests_at_a_large_batch_still_pause_it() -> None:
@@ -200,7 +216,7 @@ def test_ingests_at_a_large_batch_still_pause_it() -> None:
             policy.observe_target(tokens, 0.0145 + 0.00025 * tokens)  # the demo target's steps at 32 requests
         observe_acceptance(policy)
         if ingest:
-            policy.observe_propose(32, 5, 0.400, 0.400, ingesting=True)
+            policy.observe_propose(32, 5, 0.400, 0.400, new_rows=32 * 110)
         for _ in range(2 * MIN_PROPOSES):
             policy.observe_propose(32, 5, 0.018, 0.018)  # 3 ms a step
         return policy
@@ -210,8 +226,8 @@ def test_ingests_at_a_large_batch_still_pause_it() -> None:
     assert rates[5] > 1.05 * rates[0], rates  # drafting pays by the per-step cost alone
     assert without.choose(32) > 0
     paying = policy_at_32(ingest=True)
-    assert paying.draft_step[32].value == pytest.approx(0.003)
-    assert paying.draft_ingest[32].value > 0.010
+    assert paying.draft[32].per_step == pytest.approx(0.003)
+    assert paying.draft[32].ingest > 0.010
     assert paying.choose(32) == 0 and paying.paused(32)
 
 
@@ -224,10 +240,10 @@ def test_a_fresh_servers_slow_first_calls_do_not_set_the_costs() -> None:
     observe_acceptance(policy)
     for tokens, ms in ((6, 15.5), (6, 10.8), (4, 13.8), (1, 10.0), (1, 8.5), (1, 8.4), (6, 27.4), (6, 12.8)):
         policy.observe_target(tokens, ms / 1000)
-    policy.observe_propose(1, 5, 0.0126, 0.0108, ingesting=True)
+    policy.observe_propose(1, 5, 0.0126, 0.0108, new_rows=4)
     policy.observe_propose(1, 5, 0.0072, 0.0071)
     policy.observe_propose(1, 3, 0.0053, 0.0053)
-    policy.observe_propose(1, 5, 0.0448, 0.0431, ingesting=True)
+    policy.observe_propose(1, 5, 0.0448, 0.0431, new_rows=31)
     policy.observe_propose(1, 5, 0.0247, 0.0247)
     policy.observe_propose(1, 5, 0.0168, 0.0168)
     for _ in range(MIN_PROPOSES - 4):
@@ -238,4 +254,4 @@ def test_a_fresh_servers_slow_first_calls_do_not_set_the_costs() -> None:
     for _ in range(WINDOW):
         assert policy.choose(1) == 5
         policy.observe_propose(1, 5, 0.0068, 0.0066)
-    assert policy.draft_step[1].value == pytest.approx(0.0011)
+    assert policy.draft[1].per_step == pytest.approx(0.0011)
