@@ -5,7 +5,7 @@ drafts each yields b * (1 + sum of p_1..p_k) tokens, where p_i is the measured r
 accepted (all of positions 1..i accepted), and costs
 
     round(b, k) = target(b * (k + 1))  +  draft(b, k)  +  scheduling
-    target(n)   = a + c * n                   fitted to every target step (tokens computed -> seconds of the call)
+    target(n)   = seconds of a target step of n tokens: the median of recent steps of that size, else a line
     draft(b, k) = h_b + u_b * (k + 1) + g_b   h_b: a Propose call's seconds outside the replica's compute (the hop);
                                               u_b: the replica's compute seconds per draft step (the ingest of a
                                               round's rows counts as a step);
@@ -39,7 +39,7 @@ HYSTERESIS = 0.05  # another k must promise this much more throughput to replace
 EXPLORE_EVERY = 32  # below max_k, one round in this many drafts max_k, so that acceptance and costs stay measured
 DECAY = 0.98  # weight of the past in the running means (acceptance, ingest, scheduling: about the last 50 count)
 MIN_STEPS = 8  # target steps seen before the target's cost line is trusted
-MIN_PROPOSES = 8  # Proposes without a new request seen at a batch size before its draft cost is trusted
+MIN_PROPOSES = 8  # Proposes seen at a batch size before its draft cost is trusted
 WINDOW = 16  # recent samples a cost is taken from (per draft step, per hop, per target step size)
 SIZES = 64  # target step sizes (tokens) the cost line keeps, the most recently seen
 OWN_SAMPLES = 3  # samples at a step size from which its own median is its cost, not the line's value
@@ -66,28 +66,26 @@ class CostLine:
         self.samples: OrderedDict[int, deque[float]] = OrderedDict()  # x -> recent y, the last seen x last
         self.count = 0
         self._fit = (0.0, 0.0)  # (a, c)
-        self._medians: dict[int, float] = {}  # of the sizes with OWN_SAMPLES samples or more
+        self._medians: dict[int, float] = {}  # x -> median of samples[x]
 
     def add(self, x: int, y: float) -> None:
         recent = self.samples.pop(x, None) or deque(maxlen=WINDOW)
         recent.append(y)
         self.samples[x] = recent
         if len(self.samples) > SIZES:
-            self._medians.pop(self.samples.popitem(last=False)[0], None)
-        if len(recent) >= OWN_SAMPLES:
-            self._medians[x] = median(recent)
+            del self._medians[self.samples.popitem(last=False)[0]]
+        self._medians[x] = median(recent)
         self.count += 1
         self._fit = self._refit()
 
     def predict(self, x: int) -> float:
-        own = self._medians.get(x)
-        if own is not None:
-            return own
+        if len(self.samples.get(x, ())) >= OWN_SAMPLES:
+            return self._medians[x]
         a, c = self._fit
         return max(0.0, a + c * x)
 
     def _refit(self) -> tuple[float, float]:
-        points = [(x, median(ys), len(ys)) for x, ys in self.samples.items()]
+        points = [(x, self._medians[x], len(ys)) for x, ys in self.samples.items()]
         weight = sum(w for _, _, w in points)
         mean_x = sum(x * w for x, _, w in points) / weight
         mean_y = sum(y * w for _, y, w in points) / weight
@@ -106,12 +104,10 @@ class Recent:
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=WINDOW)
-        self.count = 0
         self.value = 0.0
 
     def add(self, sample: float) -> None:
         self.samples.append(sample)
-        self.count += 1
         self.value = sum(self.samples) / len(self.samples)
 
 
@@ -146,10 +142,10 @@ class DraftCost:
         rr = sum(r * r for _, r, _ in self.samples)
         ky = sum(k * y for k, _, y in self.samples)
         ry = sum(r * y for _, r, y in self.samples)
+        steps_only = max(0.0, ky / kk)
         if rr == 0:
             # No new request among them: the cost of a row stays what it was (the rows' mean still counts them).
-            return max(0.0, ky / kk), self.per_row
-        steps_only = max(0.0, ky / kk)
+            return steps_only, self.per_row
         determinant = kk * rr - kr * kr
         if determinant <= 1e-9 * kk * rr:
             return steps_only, 0.0  # rows always in proportion to the steps: all of it is steps
@@ -168,12 +164,10 @@ class Average:
 
     value: float = 0.0
     weight: float = 0.0
-    count: int = 0
 
     def add(self, sample: float) -> None:
         self.weight = DECAY * self.weight + 1.0
         self.value += (sample - self.value) / self.weight
-        self.count += 1
 
 
 @dataclass
