@@ -43,6 +43,15 @@ Hence the rule (`route`): `few` up to 2 rows; from 3 rows `prepacked` where the 
 up to FEW_ROWS_WIDE rows for a weight at least as tall as it is wide and `onednn` for everything larger. All are
 float32 products of the same terms summed in another order: results agree to float32 rounding (the parity tests
 with transformers hold), not bit for bit.
+
+oneDNN builds a primitive (JIT-compiled kernels) for every shape it meets and keeps it in two caches of 1024 entries
+(oneDNN's own and PyTorch's ideep wrapper's), about 0.6 MB of memory each. A server meets a new row count with
+nearly every prompt, so each prompt paid for new kernels and the process grew: in one process, 800 distinct row
+counts through one 768 x 256 weight grew it by 470 MB, and the draft head took a median of 7.0 ms to ingest each
+of 70 prompts of 90-297 tokens the first time and 4.7 ms the second (about 600 page faults per new length for the
+new kernels' memory, none after). So the oneDNN routes compute a padded number of rows, `onednn_rows`: exact up to
+EXACT_ROWS, then rounded up to a multiple of max(MIN_ROW_STEP, 1/ROW_STEPS of the count's power of two) (at most 94
+distinct counts up to 2048 rows, at most 1/16 more rows past 128), the extra rows zeros whose results are dropped.
 """
 
 from __future__ import annotations
@@ -58,6 +67,10 @@ from torch import nn
 FEW_ROWS_WIDE = 6
 # Without oneDNN, `few` takes up to this many rows (as fast as F.linear or faster up to 64) and F.linear the rest.
 FEW_ROWS = 64
+# oneDNN computes row counts up to EXACT_ROWS as they are, larger ones rounded up (`onednn_rows`).
+EXACT_ROWS = 16
+MIN_ROW_STEP = 8
+ROW_STEPS = 16  # padded row counts per doubling, past MIN_ROW_STEP * ROW_STEPS rows
 
 
 def _onednn_linear_available() -> bool:
@@ -82,6 +95,15 @@ def route(rows: int, out_features: int, in_features: int, onednn: bool, prepacke
     return "few" if rows <= FEW_ROWS else "f_linear"
 
 
+def onednn_rows(rows: int) -> int:
+    """The rows oneDNN computes for `rows`: a count from a small set, so that its kernels are built once per count
+    (module docstring)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = max(MIN_ROW_STEP, (1 << (rows.bit_length() - 1)) // ROW_STEPS)
+    return -(-rows // step) * step
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -95,10 +117,13 @@ def linear(
     # oneDNN's op has no gradient: training (tandem.training) computes through the other two.
     tracked = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     how = route(rows, weight.shape[0], weight.shape[1], ONEDNN and not tracked, prepacked is not None)
-    if how == "prepacked":
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepacked, bias, "none", [], "")
-    if how == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    if how in ("prepacked", "onednn"):
+        padded = onednn_rows(rows)
+        # Zero rows below x (a slice of the first rows of a contiguous result is contiguous).
+        x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1]))) if padded > rows else x.contiguous()
+        product = prepacked if how == "prepacked" and prepacked is not None else weight
+        y = torch.ops.mkldnn._linear_pointwise(x, product, bias, "none", [], "")
+        return y[:rows] if padded > rows else y
     if how == "f_linear":
         return F.linear(x, weight, bias)
     columns = torch.cat((x, x)) if rows == 1 else x  # a single row goes in twice: [max(rows, 2), in]

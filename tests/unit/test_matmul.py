@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.layers import matmul
-from tandem.layers.matmul import FEW_ROWS, FEW_ROWS_WIDE, Linear, linear, prepack, route
+from tandem.layers.matmul import EXACT_ROWS, FEW_ROWS, FEW_ROWS_WIDE, Linear, linear, onednn_rows, prepack, route
 from tandem.parallel.group import SINGLE_PROCESS
 from tandem.parallel.layers import ParallelLMHead, RowParallelLinear
 
@@ -51,6 +51,19 @@ def test_the_route_is_the_one_measured_fastest_for_the_shape() -> None:
     assert route(3, 512, 1536, onednn=False, prepacked=True) == "few"
 
 
+def test_onednn_meets_few_row_counts_and_little_padding() -> None:
+    padded = [onednn_rows(rows) for rows in range(1, 4097)]
+    assert all(p >= rows for rows, p in enumerate(padded, start=1))
+    assert padded == sorted(padded)  # more rows never compute fewer
+    assert padded[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))
+    # Kernels are built once per count: up to 2048 rows, 94 counts instead of 2048.
+    assert len(set(padded[:2048])) == 94
+    # Past 128 rows at most 1/16 more rows are computed; below, at most 7 (of rows cheap next to the weight's read).
+    assert max((p - rows) / rows for rows, p in enumerate(padded, start=1) if rows > 128) <= 1 / 16
+    assert max(p - rows for rows, p in enumerate(padded[:128], start=1)) == 7
+    assert [onednn_rows(rows) for rows in (17, 48, 129, 300, 2047)] == [24, 48, 136, 304, 2048]
+
+
 def test_a_strided_input_and_its_rows_are_taken_as_they_are() -> None:
     generator = torch.Generator().manual_seed(7)
     weight = torch.randn(32, 24, generator=generator)
@@ -58,6 +71,10 @@ def test_a_strided_input_and_its_rows_are_taken_as_they_are() -> None:
     x = packed[:, 24:]  # a column slice: rows are not contiguous
     torch.testing.assert_close(linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(x[2:3], weight), F.linear(x[2:3], weight), rtol=1e-5, atol=1e-5)
+    many = torch.randn(EXACT_ROWS + 3, 48, generator=generator)[:, 24:]  # oneDNN's route, rows padded to 24
+    y = linear(many, weight)
+    assert y.shape == (EXACT_ROWS + 3, 32) and y.is_contiguous()
+    torch.testing.assert_close(y, F.linear(many, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_other_dtypes_shapes_and_empty_batches_are_f_linear_itself() -> None:
@@ -89,7 +106,7 @@ def assert_same_gradients(module: Linear, reference: torch.nn.Linear) -> None:
     torch.testing.assert_close(module.weight.grad, reference.weight.grad)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, FEW_ROWS_WIDE, FEW_ROWS_WIDE + 1, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, FEW_ROWS_WIDE, FEW_ROWS_WIDE + 1, EXACT_ROWS + 1, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_a_prepacked_module_gives_what_f_linear_gives(rows: int, with_bias: bool) -> None:
     if not matmul.ONEDNN:
