@@ -184,7 +184,8 @@ class Scheduler:
         pushed = {entry.request.request_id for entry in plan.decode if self._takes_pushed(entry)}
         asked = [entry for entry in plan.decode if entry.request.request_id not in pushed]
         drafts, timings = await self._propose(asked)
-        ahead = sum(1 for entry in plan.decode if entry.max_drafts > 0) <= self.settings.draft_ahead
+        drafting = sum(1 for entry in (*plan.decode, *plan.chunks) if self._drafts_next(entry))
+        ahead = drafting <= self.settings.draft_ahead
         tasks = [
             self._task(entry, drafts.get(entry.request.request_id), ahead, entry.request.request_id in pushed)
             for entry in (*plan.decode, *plan.chunks)
@@ -276,13 +277,21 @@ class Scheduler:
 
     def _observe_pushed(self, tasks: Sequence[StepTask], outcome: StepOutcome) -> None:
         """Feeds the cost model the pushed drafts of a step as one Propose: the round waited `pushed_wait_seconds`
-        for them, of which at most their compute was drafting."""
+        for them, of which at most their compute was drafting. A request's first pushed round (drafted after its
+        prompt's last chunk, or after it started over) ingested every row of its context, as its first Propose
+        would have: those rows are kept apart as in a Propose."""
         pushed = [(task, done.pushed) for task, done in zip(tasks, outcome.results, strict=True) if done.pushed]
         if pushed:
             wait = outcome.pushed_wait_seconds
             compute = max(done.compute_seconds for _, done in pushed)
             k = max(task.pushed_drafts for task, _ in pushed)
-            self.speculation.observe_propose(len(pushed), k, wait, min(wait, compute))
+            new_rows = 0
+            for task, done in pushed:
+                request = self.running[task.request_id]
+                if done.failure is None and not request.ingested:
+                    new_rows += request.kv_length  # the rows it was drafted from: the target's KV before this step
+                    request.ingested = True
+            self.speculation.observe_propose(len(pushed), k, wait, min(wait, compute), new_rows)
 
     def _takes_pushed(self, entry: Scheduled) -> bool:
         """Whether the request's drafts for this round are the ones its replica pushed to the target."""
@@ -338,9 +347,19 @@ class Scheduler:
         round, within what the request may still generate after at least one more token; 0 when it is not drafting
         (target-only, a move, its last round)."""
         request = entry.request
-        if entry.max_drafts == 0 or rows_to is None or request.needs_move:
+        if not self._drafts_next(entry) or rows_to is None or request.needs_move:
             return 0
         return max(0, min(self.k_in_use, request.output.remaining - 2))
+
+    def _drafts_next(self, entry: Scheduled) -> bool:
+        """Whether the request drafts in its round after this step: it verifies drafts in this one, or this is the
+        last chunk of its prompt (the step commits its first token) and it has a replica to draft with. That replica
+        then ingests the prompt's rows and drafts the first round when they arrive, in one batch with the step's
+        other requests, rather than in a Propose the next step waits for."""
+        request = entry.request
+        if request.decoding:
+            return entry.max_drafts > 0
+        return entry.num_tokens == request.uncomputed and request.max_drafts(self.k_in_use) > 0
 
     def _end_tokens(self, params: ValidatedRequest) -> frozenset[int]:
         """The tokens that end a request (RequestOutput stops on the same): a multi-token decode stops there."""
