@@ -355,11 +355,14 @@ class Scheduler:
         """Whether the request drafts in its round after this step: it verifies drafts in this one, or this is the
         last chunk of its prompt (the step commits its first token) and it has a replica to draft with. That replica
         then ingests the prompt's rows and drafts the first round when they arrive, in one batch with the step's
-        other requests, rather than in a Propose the next step waits for."""
+        other requests, rather than in a Propose the next step waits for. Not the last chunk of a recomputation
+        after preemption: its replica was told to forget the request and drafts nothing ahead for it until a
+        Propose asks again."""
         request = entry.request
         if request.decoding:
             return entry.max_drafts > 0
-        return entry.num_tokens == request.uncomputed and request.max_drafts(self.k_in_use) > 0
+        first_prefill = not request.output.generated
+        return first_prefill and entry.num_tokens == request.uncomputed and request.max_drafts(self.k_in_use) > 0
 
     def _end_tokens(self, params: ValidatedRequest) -> frozenset[int]:
         """The tokens that end a request (RequestOutput stops on the same): a multi-token decode stops there."""
