@@ -94,6 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--attention-backend", choices=("torch", "flashinfer"), help="default: the device's")
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="replay the rounds from CUDA graphs (tandem.layers.cuda_graphs; needs the flashinfer backend)",
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-drafts", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=512)
@@ -105,7 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     device = torch.device(args.device)
     model = random_target(device, getattr(torch, args.dtype), seed=0)
-    cache = KVCacheSettings(memory_bytes=16 * 2**30, attention_backend=args.attention_backend)
+    cache = KVCacheSettings(
+        memory_bytes=16 * 2**30, attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs
+    )
     runner = TargetRunner(model, cache, max_context=8192)
     rows = []
     for batch in args.batch:
@@ -121,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda}
     summary = {"model": "Llama-3.1-8B shape, random weights", "dtype": args.dtype, "machine": machine, "rows": rows}
     summary["attention_backend"] = runner.cache.backend.name
+    summary["cuda_graphs"] = args.cuda_graphs
     (args.out / "latest.json").write_text(json.dumps(summary, indent=2))
     lines = ["| batch | drafts k | round ms | target-only tok/s | tok/s at L = 1 .. k + 1 |", "|---|---|---|---|---|"]
     for row in rows:

@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.cuda_graphs import GraphedForward, GraphsFactory, Tensors, recorded_graphs
 from tandem.layers.kv_cache import CacheLayout, OutOfKVBlocks, PagedKVCache, SequenceKV
 from tandem.layers.matmul import prepack
+from tandem.layers.page_table import PageTable
 from tandem.models.eagle3 import DraftStep
 from tandem.settings import KVCacheSettings
 
@@ -84,13 +86,19 @@ class DraftRequest:
 
 
 class DraftRunner:
-    def __init__(self, model: DraftModel, cache: KVCacheSettings) -> None:
+    def __init__(
+        self,
+        model: DraftModel,
+        cache: KVCacheSettings,
+        graphs: GraphsFactory = recorded_graphs,  # how draft steps are replayed when `cache.cuda_graphs` asks for it
+    ) -> None:
         parameter = next(model.parameters())
         layout = model.config.cache_layout
         self.model = model
         prepack(model)
         self.cache = PagedKVCache.for_layout(1, layout, cache, parameter.dtype, parameter.device)
         self.requests: dict[str, DraftRequest] = {}
+        self.graphs: GraphedForward | None = graphs(self.cache) if cache.cuda_graphs else None
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]:
@@ -113,13 +121,28 @@ class DraftRunner:
                 active = [active[row] for row in kept]
                 selector = torch.tensor(kept, device=device)
                 hidden, tokens = hidden[selector], tokens[selector]
-            metadata = self.cache.plan([(requests[i].kv, 1) for i in active])
-            step = self.model(tokens, hidden, metadata, self.cache)
-            hidden = step.hidden
-            tokens = self.model.to_target_ids(step.logits.argmax(dim=-1))
+            hidden, tokens = self._step(self.cache.plan_table([(requests[i].kv, 1) for i in active]), tokens, hidden)
             for i, token in zip(active, tokens.tolist(), strict=True):
                 proposals[i].append(int(token))
         return proposals
+
+    def _step(
+        self,
+        table: PageTable,
+        tokens: torch.Tensor,  # [b] the previous step's drafts, target vocabulary
+        hidden: torch.Tensor,  # [b, hidden] the previous step's hidden rows
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # -> hidden [b, hidden], drafts [b]
+        """One draft step of one row per request: from a recorded shape when CUDA graphs are on
+        (tandem.layers.cuda_graphs), else as planned."""
+        inputs = {"tokens": tokens, "hidden": hidden}
+        outputs = self.graphs.run(table, inputs, "step", self._step_outputs) if self.graphs is not None else None
+        if outputs is None:
+            outputs = self._step_outputs(inputs, AttentionMetadata.planned(table, self.cache.backend))
+        return outputs["hidden"], outputs["tokens"]
+
+    def _step_outputs(self, inputs: Tensors, metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
+        step = self.model(inputs["tokens"], inputs["hidden"], metadata, self.cache)
+        return {"hidden": step.hidden, "tokens": self.model.to_target_ids(step.logits.argmax(dim=-1))}
 
     def check_rows(self, inputs: Sequence[ProposeInput]) -> None:
         """Raises DraftRequestError unless every item's rows continue the KV its request holds."""

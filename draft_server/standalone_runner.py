@@ -25,8 +25,10 @@ import torch
 
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows, check_batch_fits
 from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.cuda_graphs import GraphedForward, GraphsFactory, Tensors, recorded_graphs
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.layers.matmul import prepack
+from tandem.layers.page_table import PageTable
 from tandem.models.registry import TargetModel
 from tandem.settings import KVCacheSettings
 
@@ -62,7 +64,12 @@ def _ingest_plan(request: StandaloneRequest | None, rows: TargetRows) -> tuple[i
 class StandaloneRunner:
     """Ingests committed tokens and drafts greedy chains with a target-family model, batched across requests."""
 
-    def __init__(self, model: TargetModel, cache: KVCacheSettings) -> None:
+    def __init__(
+        self,
+        model: TargetModel,
+        cache: KVCacheSettings,
+        graphs: GraphsFactory = recorded_graphs,  # how draft steps are replayed when `cache.cuda_graphs` asks for it
+    ) -> None:
         parameter = next(model.parameters())
         self.model = model
         prepack(model)
@@ -70,6 +77,7 @@ class StandaloneRunner:
             model.config.num_layers, model.cache_layout, cache, parameter.dtype, parameter.device
         )
         self.requests: dict[str, StandaloneRequest] = {}
+        self.graphs: GraphedForward | None = graphs(self.cache) if cache.cuda_graphs else None
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]:
@@ -107,22 +115,32 @@ class StandaloneRunner:
             tokens = tokens[torch.tensor(kept_rows, device=tokens.device)]
             for i, token in zip(active, tokens.tolist(), strict=True):
                 requests[i].tokens.append(token)
-            metadata = self.cache.plan([(requests[i].kv, 1) for i in active])
-            tokens = self._greedy(tokens.to(device), metadata, None)
+            tokens = self._step(self.cache.plan_table([(requests[i].kv, 1) for i in active]), tokens.to(device))
             for i, token in zip(active, tokens.tolist(), strict=True):
                 proposals[i].append(token)
         return proposals
+
+    def _step(self, table: PageTable, tokens: torch.Tensor) -> torch.Tensor:  # [b] -> [b] on the CPU
+        """One draft step of one token per request: from a recorded shape when CUDA graphs are on
+        (tandem.layers.cuda_graphs), else as planned."""
+        outputs = self.graphs.run(table, {"tokens": tokens}, "step", self._next) if self.graphs is not None else None
+        if outputs is None:
+            outputs = self._next({"tokens": tokens}, AttentionMetadata.planned(table, self.cache.backend))
+        return outputs["tokens"].cpu()
+
+    def _next(self, inputs: Tensors, metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
+        output = self.model(inputs["tokens"], metadata, self.cache)
+        return {"tokens": self.model.compute_logits(output.normed).argmax(dim=-1)}
 
     def _greedy(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         metadata: AttentionMetadata,
-        rows: torch.Tensor | None,  # [num_rows] rows whose next token is wanted; None: every row
+        rows: torch.Tensor,  # [num_rows] rows whose next token is wanted
     ) -> torch.Tensor:  # -> [num_rows] on the CPU
         """The argmax token after each of `rows` of one packed forward."""
         output = self.model(input_ids, metadata, self.cache)
-        normed = output.normed if rows is None else output.normed[rows]  # [num_rows, hidden]
-        return self.model.compute_logits(normed).argmax(dim=-1).cpu()
+        return self.model.compute_logits(output.normed[rows]).argmax(dim=-1).cpu()
 
     def _check_blocks(self, inputs: Sequence[ProposeInput], kept: Sequence[int]) -> None:
         """Raises OutOfKVBlocks before any change if the batch, its ingest and every draft step, does not fit."""

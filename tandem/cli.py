@@ -26,7 +26,7 @@ from orchestrator.settings import (
     SchedulerSettings,
     parse_host_port,
 )
-from tandem.cli_devices import add_device_options, placement_of
+from tandem.cli_devices import Placement, add_device_options, placement_of
 from tandem.cli_security import (
     add_admin_options,
     add_admin_token_options,
@@ -357,13 +357,14 @@ def _add_cache_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _cache(args: argparse.Namespace, attention_backend: str | None = None) -> KVCacheSettings:
+def _cache(args: argparse.Namespace, placement: Placement) -> KVCacheSettings:
     return KVCacheSettings(
         num_blocks=args.kv_blocks,
         block_size=args.block_size,
         memory_bytes=args.kv_cache_memory,
         orphan_timeout_s=args.orphan_timeout,
-        attention_backend=attention_backend,
+        attention_backend=placement.attention_backend,
+        cuda_graphs=placement.cuda_graphs,
     )
 
 
@@ -712,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             aux_layer_convention=args.aux_layer_convention,
             dtype=placement.dtype,
             device=placement.device,
-            cache=_cache(args, placement.attention_backend),
+            cache=_cache(args, placement),
             launcher=args.launcher,
             ray_address=args.ray_address,
             tp=args.tp,
@@ -799,7 +800,7 @@ def run_service(args: argparse.Namespace) -> None:
             dtype=placement.dtype,
             device=placement.device,
             max_context=args.max_context,
-            cache=_cache(args, placement.attention_backend),
+            cache=_cache(args, placement),
             tp=args.tp,
             threads=args.threads,
             metrics_port=args.metrics_port,
@@ -816,7 +817,7 @@ def run_service(args: argparse.Namespace) -> None:
             num_steps=args.speculative_num_steps,
             tree=tree_shape_of(args),
             aux_layer_convention=args.aux_layer_convention,
-            cache=_cache(args, placement.attention_backend),
+            cache=_cache(args, placement),
             dtype=placement.dtype,
             device=placement.device,
             threads=args.threads,

@@ -1,4 +1,5 @@
-"""The device flags of `serve`, `target` and `draft` (`--device`, `--dtype`, `--attention-backend`), resolved once.
+"""The device flags of `serve`, `target` and `draft` (`--device`, `--dtype`, `--attention-backend`, `--cuda-graphs`),
+resolved once.
 
 The parser takes "auto" for each; `placement_of` turns the parsed flags into concrete names (tandem.devices) before
 any settings are built, raising StartupError when the machine cannot do what was asked.
@@ -18,6 +19,8 @@ from tandem.devices import (
     resolve_device,
     resolve_dtype,
 )
+from tandem.errors import StartupError
+from tandem.settings import KVCacheSettings
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class Placement:
     device: str  # "cpu" or "cuda:N"
     dtype: str  # one of tandem.devices.DTYPES
     attention_backend: str  # "torch" or "flashinfer"
+    cuda_graphs: bool = KVCacheSettings.cuda_graphs  # decode-shaped steps replayed from CUDA graphs
 
 
 def _device(text: str) -> str:
@@ -52,10 +56,24 @@ def add_device_options(parser: argparse.ArgumentParser, whose: str) -> None:
         default=AUTO,
         help="auto: flashinfer on CUDA when installed (tandem[cuda]) and the dtype is 16-bit, else torch (SDPA)",
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=KVCacheSettings.cuda_graphs,
+        help="replay decode and verification steps from CUDA graphs (CUDA, flashinfer, --tp 1; not yet run on a GPU)",
+    )
 
 
 def placement_of(args: argparse.Namespace, ranks: int = 1) -> Placement:
     """The resolved device, dtype and attention backend of the parsed flags; `ranks` GPUs are needed on CUDA."""
     device = resolve_device(args.device, ranks)
     dtype = resolve_dtype(args.dtype, device)
-    return Placement(device, dtype, resolve_attention_backend(args.attention_backend, device, dtype))
+    backend = resolve_attention_backend(args.attention_backend, device, dtype)
+    if args.cuda_graphs and backend != "flashinfer":
+        raise StartupError(
+            f"--cuda-graphs: graphs replay FlashInfer's attention on CUDA; this service runs on {device} with the"
+            f" {backend} attention backend"
+        )
+    if args.cuda_graphs and ranks > 1:
+        raise StartupError(f"--cuda-graphs: runs with --tp 1 only for now, not --tp {ranks}")
+    return Placement(device, dtype, backend, args.cuda_graphs)

@@ -213,6 +213,7 @@ class Launcher:
             "--block-size", str(cache.block_size),
             "--orphan-timeout", str(cache.orphan_timeout_s),
             *backend,
+            "--cuda-graphs" if cache.cuda_graphs else "--no-cuda-graphs",
         ]  # fmt: skip
 
     def target_arguments(self) -> list[str]:

@@ -46,6 +46,9 @@ class KVCacheSettings:
     # The pool's attention backend by name ("torch", "flashinfer"; tandem.layers.attention_backend); None: the
     # default for the cache's device and dtype. The CLI resolves its "auto" before building these settings.
     attention_backend: str | None = None
+    # Decode-shaped steps replayed from CUDA graphs (tandem.layers.cuda_graphs): CUDA and the flashinfer backend
+    # only (the CLI refuses it elsewhere); the pool then holds one scratch block more.
+    cuda_graphs: bool = False
 
     def blocks_for(self, bytes_per_block: int) -> int:
         """The pool's size in blocks, for a cache where one block takes `bytes_per_block` bytes."""

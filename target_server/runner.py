@@ -32,9 +32,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tandem.devices import pinned_host_copies
+from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.cuda_graphs import GraphedForward, GraphsFactory, Tensors, recorded_graphs
 from tandem.layers.kv_cache import OutOfKVBlocks, SequenceKV
 from tandem.layers.matmul import prepack
-from tandem.layers.page_table import check_tree
+from tandem.layers.page_table import PageTable, check_tree
 from tandem.models.registry import TargetModel
 from tandem.models.stack import TargetOutput
 from tandem.parallel.group import SINGLE_PROCESS
@@ -162,6 +164,8 @@ class TargetRunner:
         max_context: int,
         ranks: RankDriver | None = None,
         batched_verify: bool | None = None,  # None: on CUDA (see _verify_batched); the CPU verifies item by item
+        # How decode-shaped steps are replayed when `cache.cuda_graphs` asks for it.
+        graphs: GraphsFactory = recorded_graphs,
     ) -> None:
         self.model = model
         prepack(model)
@@ -170,6 +174,11 @@ class TargetRunner:
         self.cache = build_cache(model, cache)
         self.requests: dict[str, TargetRequest] = {}
         self.batched_verify = self.device.type == "cuda" if batched_verify is None else batched_verify
+        self.graphs: GraphedForward | None = None
+        if cache.cuda_graphs:
+            if self.ranks.group.world_size > 1:
+                raise ValueError(f"CUDA graphs run with tp 1, not {self.ranks.group.world_size}")
+            self.graphs = graphs(self.cache)
 
     @property
     def device(self) -> torch.device:
@@ -376,15 +385,16 @@ class TargetRunner:
                 # The last committed token's row and every draft's row are scored.
                 entry.logit_start = len(logit_rows)
                 logit_rows += range(entry.rows.stop - 1 - len(item.draft_tokens), entry.rows.stop)
-        metadata = self.cache.plan(sequences, parents=trees)
+        table = self.cache.plan_table(sequences, parents=trees)
         capture = tuple(sorted({index for entry in planned for index in entry.request.capture}))
-        step = ForwardStep(
-            torch.tensor(inputs, dtype=torch.long, device=self.device),
-            metadata,
-            capture,
-            torch.tensor(logit_rows, dtype=torch.long, device=self.device),
-        )
-        output, logits = self.ranks.forward(self.model, self.cache, step)
+        input_ids = torch.tensor(inputs, dtype=torch.long, device=self.device)
+        graphed = self._graphed(table, input_ids, capture) if len(logit_rows) == len(inputs) else None
+        if graphed is not None:
+            output, logits = graphed
+        else:
+            metadata = AttentionMetadata.planned(table, self.cache.backend)
+            rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+            output, logits = self.ranks.forward(self.model, self.cache, ForwardStep(input_ids, metadata, capture, rows))
         for entry in planned:  # release the replays' scratch sequences: their rows are in `output`
             if entry.scratch is not None:
                 self.cache.release(entry.scratch)
@@ -393,6 +403,25 @@ class TargetRunner:
             host = pinned_host_copies([output.captured[index] for index in indices])
             output = TargetOutput(output.normed, dict(zip(indices, host, strict=True)))
         return output, logits  # logits [len(logit_rows), vocab], on the device: acceptance is decided there
+
+    def _graphed(
+        self, table: PageTable, input_ids: torch.Tensor, capture: tuple[int, ...]
+    ) -> tuple[TargetOutput, torch.Tensor] | None:
+        """A step whose every row is scored (decodes, chain verifications) from a recorded shape, when CUDA graphs
+        are on and the step has that shape (tandem.layers.cuda_graphs); None: it runs as planned."""
+        if self.graphs is None:
+            return None
+
+        def forward(inputs: Tensors, metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
+            output = self.model(inputs["input_ids"], metadata, self.cache, capture)
+            captured = {f"captured.{index}": rows for index, rows in output.captured.items()}
+            return {"normed": output.normed, "logits": self.model.compute_logits(output.normed), **captured}
+
+        outputs = self.graphs.run(table, {"input_ids": input_ids}, capture, forward)
+        if outputs is None:
+            return None
+        captured = {index: outputs[f"captured.{index}"] for index in capture}
+        return TargetOutput(outputs["normed"], captured), outputs["logits"]
 
     def _verify_batched(self, planned: Sequence[_Planned], logits: torch.Tensor) -> None:
         """Decides, in one batch on the logits' device (tandem.sampling.batched), every item that needs no request's

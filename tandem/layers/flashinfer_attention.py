@@ -16,6 +16,11 @@ of layers (Gemma3's sliding and global ones) plans two wrappers a step. Which wr
   sizes go to the torch step, as does a sliding window on a step with a tree (FlashInfer's window counts KV rows,
   while a tree token's position is its depth).
 
+CUDA graphs (tandem.layers.cuda_graphs): `graph_step` plans a step whose wrappers run in FlashInfer's CUDA-graph
+mode, over index buffers of fixed addresses sized for one batch size (`GraphBuffers`), which each `replan` rewrites
+for the next step of that shape; such a step takes no tree and no MLA (a recorded shape never has a tree, and an MLA
+model's graphs fail to record and run eagerly).
+
 FlashInfer's `window_left` w lets a query at position p see keys [p - w, p]; Tandem's window W sees (p - W, p], so
 w = W - 1. New keys and values are written with index_copy_ into the pool viewed as [pages, page_size, heads, dim]
 (FlashInfer's "NHD" layout), as in the torch backend.
@@ -24,6 +29,7 @@ w = W - 1. New keys and values are written with index_copy_ into the pool viewed
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,10 +63,43 @@ class FlashInferBackend:
     def plan(self, page_table: PageTable) -> FlashInferStep:
         return FlashInferStep(self, page_table)
 
+    def graph_step(self, page_table: PageTable, batch: int, num_pages: int) -> FlashInferStep:
+        """A step for a recorded shape of `batch` sequences over a pool of `num_pages` pages (CUDA-graph mode)."""
+        return FlashInferStep(self, page_table, GraphBuffers.sized(batch, num_pages, self.device))
+
+
+@dataclass(frozen=True)
+class GraphBuffers:
+    """FlashInfer's index buffers for one recorded shape, at fixed addresses: its plans write them, its graph reads
+    them."""
+
+    qo_indptr: torch.Tensor  # [batch + 1] int32
+    kv_indptr: torch.Tensor  # [batch + 1] int32
+    kv_page_indices: torch.Tensor  # [num_pages] int32, room for every page of the pool
+    kv_last_page_len: torch.Tensor  # [batch] int32
+
+    @classmethod
+    def sized(cls, batch: int, num_pages: int, device: torch.device) -> GraphBuffers:
+        def zeros(length: int) -> torch.Tensor:
+            return torch.zeros(length, dtype=torch.int32, device=device)
+
+        return cls(zeros(batch + 1), zeros(batch + 1), zeros(num_pages), zeros(batch))
+
 
 class FlashInferStep:
-    def __init__(self, backend: FlashInferBackend, page_table: PageTable) -> None:
+    def __init__(self, backend: FlashInferBackend, page_table: PageTable, graph: GraphBuffers | None = None) -> None:
         self.backend = backend
+        self.graph = graph
+        self._planned: dict[tuple[Any, ...], Any] = {}  # a shape (see attend) -> its planned wrapper
+        self._use(page_table)
+
+    def replan(self, page_table: PageTable) -> None:
+        """Plans every wrapper planned so far again, for the next step of a recorded shape (CUDA-graph mode)."""
+        self._use(page_table)
+        for shape in self._planned:
+            self._planned[shape] = self._plan_attention(*shape)
+
+    def _use(self, page_table: PageTable) -> None:
         self.table = page_table
         self.write_slots = page_table.write_slots  # [num_tokens] on the device
         query_lens, kv_lens = page_table.query_lens(), page_table.kv_lens()
@@ -68,8 +107,9 @@ class FlashInferStep:
         self.has_tree = any(mask is not None for mask in page_table.custom_masks)
         self.decoding = not self.has_tree and all(length == 1 for length in query_lens)
         self.custom_mask = self._packed_mask(query_lens, kv_lens) if self.has_tree else None
-        self._planned: dict[Hashable, Any] = {}
         self._torch: TorchAttentionStep | None = None
+        if self.graph is not None and self.has_tree:
+            raise ValueError("a recorded (CUDA-graph) step takes no tree")
 
     def attend(
         self,
@@ -109,6 +149,8 @@ class FlashInferStep:
         latent_dim: int,
         scaling: float,
     ) -> torch.Tensor:  # -> [num_tokens, num_heads, latent_dim]
+        if self.graph is not None:
+            raise ValueError("MLA attention is not recorded in CUDA graphs")
         row_dim = layer_rows.shape[-1]
         if self.has_tree or (latent_dim, row_dim - latent_dim) != (MLA_LATENT_DIM, MLA_ROPE_DIM):
             return self._torch_step().attend_latent(query, rows, layer_rows, latent_dim, scaling)
@@ -136,10 +178,21 @@ class FlashInferStep:
         flashinfer, table, workspace = self.backend.flashinfer, self.table, self.backend.workspace
         key = (num_heads, num_kv_heads, head_dim, scale, window_left, query_dtype, kv_dtype)
         common = {"sm_scale": scale, "window_left": window_left, "q_data_type": query_dtype, "kv_data_type": kv_dtype}
+        graph = self.graph
         if self.decoding:
-            wrapper = self.backend.wrapper(
-                ("decode", *key), lambda: flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-            )
+            if graph is None:
+                wrapper = self.backend.wrapper(
+                    ("decode", *key), lambda: flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+                )
+            else:  # the step's own wrapper, over its fixed buffers
+                wrapper = self._planned.get(key) or flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace,
+                    "NHD",
+                    use_cuda_graph=True,
+                    paged_kv_indptr_buffer=graph.kv_indptr,
+                    paged_kv_indices_buffer=graph.kv_page_indices,
+                    paged_kv_last_page_len_buffer=graph.kv_last_page_len,
+                )
             wrapper.plan(
                 table.kv_indptr,
                 table.kv_page_indices,
@@ -151,9 +204,20 @@ class FlashInferStep:
                 **common,
             )
             return wrapper
-        wrapper = self.backend.wrapper(
-            ("prefill", *key), lambda: flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        )
+        if graph is None:
+            wrapper = self.backend.wrapper(
+                ("prefill", *key), lambda: flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            )
+        else:
+            wrapper = self._planned.get(key) or flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                workspace,
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=graph.qo_indptr,
+                paged_kv_indptr_buf=graph.kv_indptr,
+                paged_kv_indices_buf=graph.kv_page_indices,
+                paged_kv_last_page_len_buf=graph.kv_last_page_len,
+            )
         wrapper.plan(
             table.qo_indptr,
             table.kv_indptr,

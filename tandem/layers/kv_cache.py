@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.layers.attention_backend import AttentionBackend, AttentionMetadata, backend_named, default_backend
-from tandem.layers.page_table import HOST, PlanEntry, build_page_table, check_tree
+from tandem.layers.page_table import HOST, PageTable, PlanEntry, build_page_table, check_tree
 from tandem.settings import KVCacheSettings
 
 
@@ -65,6 +65,7 @@ class PagedKVCache:
             device,
             value_dim=layout.value_dim,
             backend=backend_named(settings.attention_backend, torch.device(device), dtype),
+            scratch_block=settings.cuda_graphs,
         )
 
     def __init__(
@@ -78,10 +79,14 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         value_dim: int | None = None,  # width of a value row; None: head_dim; 0: no values (MLA, see CacheLayout)
         backend: AttentionBackend | None = None,  # None: the default backend for the device
+        scratch_block: bool = False,  # one more block, never handed out: where padded rows write (CUDA graphs)
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        num_slots = num_blocks * block_size
+        # Block num_blocks, past the ones sequences get: the rows a CUDA graph pads a step with write and read there
+        # (tandem.layers.cuda_graphs), so that padding never touches a sequence's KV.
+        self.scratch_block: int | None = num_blocks if scratch_block else None
+        num_slots = (num_blocks + (1 if scratch_block else 0)) * block_size
         value_width = head_dim if value_dim is None else value_dim
         # [layers, slots, kv_heads, head_dim] and [layers, slots, kv_heads, value_width]
         self.keys = torch.zeros((num_layers, num_slots, num_kv_heads, head_dim), dtype=dtype, device=device)
@@ -125,7 +130,15 @@ class PagedKVCache:
         sequences: Sequence[tuple[SequenceKV, int]],
         parents: Sequence[Sequence[int] | None] | None = None,  # per sequence: its new tokens' tree, None: a chain
     ) -> AttentionMetadata:
-        """Plans one packed forward: each (sequence, num_new) appends num_new tokens at sequence.length.
+        """Plans one packed forward (see plan_table) and has the cache's attention backend plan its page table."""
+        return AttentionMetadata.planned(self.plan_table(sequences, parents), self.backend)
+
+    def plan_table(
+        self,
+        sequences: Sequence[tuple[SequenceKV, int]],
+        parents: Sequence[Sequence[int] | None] | None = None,
+    ) -> PageTable:
+        """The page table of one packed forward: each (sequence, num_new) appends num_new tokens at sequence.length.
 
         A sequence with parents gets a tree of new tokens (tandem.layers.page_table.tree_mask: parents[i] is -1 or
         an earlier index); each token sees the context and its ancestors. Reserves blocks for all sequences first
@@ -147,7 +160,7 @@ class PagedKVCache:
         page_table = build_page_table(entries, self.block_size, self.device)
         for sequence, num_new in sequences:
             sequence.length += num_new
-        return AttentionMetadata.planned(page_table, self.backend)
+        return page_table
 
     def keep(self, sequence: SequenceKV, positions: Sequence[int]) -> None:
         """Keeps the KV of `positions` (increasing, all below sequence.length) and of every position before the

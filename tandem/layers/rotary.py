@@ -100,7 +100,8 @@ class RotaryEmbedding(nn.Module):
         self.attention_factor = rope_attention_factor(rope)
         self.interleaved = interleaved
         # Every layer of a forward pass rotates at the same positions (one tensor, the step's): cos and sin are
-        # computed by the first layer and reused by the others.
+        # computed by the first layer and reused by the others. Keyed by the tensor object, not its contents: a
+        # forward over reused buffers passes a new tensor object each time (tandem.layers.cuda_graphs).
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
 
     def forward(

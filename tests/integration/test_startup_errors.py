@@ -114,3 +114,20 @@ def test_flashinfer_backend_on_the_cpu_is_refused(llama_target: Path) -> None:
     result = run_to_exit(["target", "--model", str(llama_target), "--port", "0", "--attention-backend", "flashinfer"])
     assert result.returncode == 2, result.stdout
     assert "--attention-backend flashinfer: runs on CUDA in bfloat16 or float16, not on cpu in float32" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the flag could be accepted")
+@pytest.mark.parametrize("command", ["target", "draft"])
+def test_cuda_graphs_on_the_cpu_stop_with_one_line(llama_target: Path, random_draft: Path, command: str) -> None:
+    arguments = {
+        "target": ["target", "--model", str(llama_target), "--port", "0"],
+        "draft": ["draft", "--model", str(random_draft), "--target-address", "127.0.0.1:1", "--port", "0"],
+    }[command]
+    result = run_to_exit([*arguments, "--cuda-graphs"], timeout_s=60)
+    assert result.returncode == 2, result.stdout
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stdout, result.stdout
+    assert (
+        f"{command} cannot start: --cuda-graphs: graphs replay FlashInfer's attention on CUDA; this service runs on"
+        " cpu with the torch attention backend"
+    ) in lines[0]

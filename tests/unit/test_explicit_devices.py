@@ -25,11 +25,15 @@ from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
+from tests.helpers.eager_recorder import EagerGraphs
 from tests.helpers.eagle3_mla_checkpoints import write_tiny_eagle3_mla
 from tests.helpers.mtp_checkpoints import TinyChainedMTPSpec, write_tiny_chained_mtp
 from tests.helpers.parity import make_cache
 
 CACHE = KVCacheSettings(num_blocks=64, block_size=4)
+# Decode-shaped steps from recorded shapes (tandem.layers.cuda_graphs), replayed eagerly: padding and static buffers
+# create tensors too.
+GRAPHED = KVCacheSettings(num_blocks=64, block_size=4, cuda_graphs=True)
 PROMPT = [1, 40, 41, 42, 43, 44, 45]
 HIDDEN = 64
 Result = TypeVar("Result")
@@ -56,9 +60,10 @@ def target(target_dir: Path) -> TargetModel:
     return load_target(target_dir)
 
 
-def test_target_step(target: TargetModel) -> None:
+@pytest.mark.parametrize("cache", [CACHE, GRAPHED], ids=["eager", "graphed"])
+def test_target_step(target: TargetModel, cache: KVCacheSettings) -> None:
     def run(context: Callable[[], AbstractContextManager[object]]) -> list[object]:
-        runner = TargetRunner(target, CACHE, max_context=64)
+        runner = TargetRunner(target, cache, max_context=64, graphs=EagerGraphs())
         with context():
             first = runner.prefill("a", PROMPT, SamplingParams(), (1, 2))
             verified = runner.verify("a", [5, 6, 7])
@@ -99,8 +104,9 @@ def proposals(runner: DraftRunner | MTPRunner, width: int, steps: int) -> Iterat
     )
 
 
+@pytest.mark.parametrize("cache", [CACHE, GRAPHED], ids=["eager", "graphed"])
 @pytest.mark.parametrize("attention", ["llama", "mla"])
-def test_eagle3_propose(target_dir: Path, tmp_path: Path, attention: str) -> None:
+def test_eagle3_propose(target_dir: Path, tmp_path: Path, attention: str, cache: KVCacheSettings) -> None:
     if attention == "mla":
         directory = write_tiny_eagle3_mla(tmp_path, target_dir)
     else:
@@ -110,7 +116,7 @@ def test_eagle3_propose(target_dir: Path, tmp_path: Path, attention: str) -> Non
     assert has_embedding
 
     def run(context: Callable[[], AbstractContextManager[object]]) -> list[list[list[int]]]:
-        runner = DraftRunner(model, CACHE)
+        runner = DraftRunner(model, cache, graphs=EagerGraphs())
         with context():
             return list(proposals(runner, 3 * HIDDEN, steps=3))
 
