@@ -20,9 +20,8 @@ for (k about 2 where 5 pays).
 
 The policy picks the k in 0..max_k with the most tokens per second, and keeps the current k unless another is better
 by HYSTERESIS (a noisy estimate must not make k flap). Until the first measurements of a batch size are in, it uses
-the k of the largest smaller batch size decided, else max_k, which is what measures them (SpeculationPolicy.k_of);
-below max_k, one round in EXPLORE_EVERY drafts max_k, so that the acceptance of the positions it does not draft and
-the cost of more steps stay measured.
+max_k, which is what measures them; below max_k, one round in EXPLORE_EVERY drafts max_k, so that the acceptance of
+the positions it does not draft and the cost of more steps stay measured.
 
 Example (shaped like the demo pair on 2 CPU cores of an earlier machine, hop left out): with a = 4.6 ms,
 c = 0.65 ms a token, u_1 = 1.2 ms and p = 0.8, 0.68, 0.6, 0.53, 0.49, one request gets k = 5 (4.1 tokens in 15.7 ms,
@@ -194,15 +193,14 @@ class SpeculationPolicy:
             return self.max_k
         size = bucket(batch)
         draft = self.draft.get(size)
-        current = self.k_of(size)
-        measured = self.target.count >= MIN_STEPS and self.drafted[0] > 0
-        if measured and draft is not None and draft.count >= MIN_PROPOSES:
-            hop = self.draft_hop[size].value + draft.ingest
-            rates = {k: self.throughput(batch, k, draft.per_step, hop) for k in range(self.max_k + 1)}
-            best = max(rates, key=lambda k: rates[k])
-            if rates[best] > rates[current] * (1 + HYSTERESIS):
-                current = best
-            self.current[size] = current  # measured here: its own from now on
+        if self.target.count < MIN_STEPS or draft is None or draft.count < MIN_PROPOSES or self.drafted[0] == 0:
+            return self.current.get(size, self.max_k)
+        hop = self.draft_hop[size].value + draft.ingest
+        rates = {k: self.throughput(batch, k, draft.per_step, hop) for k in range(self.max_k + 1)}
+        best = max(rates, key=lambda k: rates[k])
+        current = self.current.get(size, self.max_k)
+        if rates[best] > rates[current] * (1 + HYSTERESIS):
+            self.current[size] = current = best
         if current == self.max_k:
             return current
         # Positions past k are not drafted, so their acceptance would never be measured again (nor would it be with
@@ -210,20 +208,10 @@ class SpeculationPolicy:
         self.explored[size] = self.explored.get(size, 0) + 1
         return self.max_k if self.explored[size] % EXPLORE_EVERY == 0 else current
 
-    def k_of(self, size: int) -> int:
-        """The k a bucket is at: its own decision; before it has one, that of the largest smaller bucket decided
-        (more requests make a step dearer to lengthen, so a batch size starts where a smaller one settled, and its
-        own measurements move it from there); with none decided, max_k, which measures it."""
-        if size in self.current:
-            return self.current[size]
-        smaller = [decided for decided in self.current if decided < size]
-        return self.current[max(smaller)] if smaller else self.max_k
-
     def paused(self, batch: int) -> bool:
-        """Whether measurements settled this batch size, or a smaller one it starts from (k_of), at k = 0 (never
-        the configured k a first batch size starts from): drafting does not pay there, so its requests may as well
-        decode without a replica (Scheduler._pause_speculation)."""
-        return self.adaptive and self.max_k > 0 and batch > 0 and self.k_of(bucket(batch)) == 0
+        """Whether measurements settled this batch size at k = 0 (never the configured k it starts from): drafting
+        does not pay there, so its requests may as well decode without a replica (Scheduler._pause_speculation)."""
+        return self.adaptive and self.max_k > 0 and batch > 0 and self.current.get(bucket(batch)) == 0
 
     def throughput(self, batch: int, k: int, draft_step_s: float, draft_hop_s: float = 0.0) -> float:
         """Tokens per second of a round of `batch` requests with k drafts each, by the current estimates;

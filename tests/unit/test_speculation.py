@@ -255,14 +255,3 @@ def test_a_fresh_servers_slow_first_calls_do_not_set_the_costs() -> None:
         assert policy.choose(1) == 5
         policy.observe_propose(1, 5, 0.0068, 0.0066)
     assert policy.draft[1].per_step == pytest.approx(0.0011)
-
-
-def test_a_batch_size_not_yet_measured_starts_where_a_smaller_one_settled() -> None:
-    policy = warmed()
-    assert policy.choose(32) == 0 and policy.choose(1) == 5
-    assert policy.choose(2) == 5  # bucket 2: nothing measured there; bucket 1 settled at 5
-    assert not policy.paused(16)  # bucket 16 starts from bucket 1's 5: bucket 8 has not chosen yet
-    assert policy.paused(40)  # bucket 64 starts paused: bucket 32 settled at 0
-    chosen = [policy.choose(40) for _ in range(EXPLORE_EVERY)]
-    assert chosen.count(5) == 1 and chosen.count(0) == EXPLORE_EVERY - 1  # and explores as a measured 0 does
-    assert 64 not in policy.current  # its own measurements decide it
