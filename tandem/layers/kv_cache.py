@@ -47,68 +47,6 @@ class CacheLayout:
     value_dim: int
 
 
-class FreeBlocks:
-    """The pool's free blocks, handed out so that a sequence's pages tend to follow each other: the torch backend
-    reads such a sequence's context as one view of the pool, where scattered pages are gathered (copied) in every
-    layer of every step (tandem.layers.torch_attention). A sequence that grows gets the block after its last one when
-    that one is free; a new sequence starts in the middle of the longest run of free blocks, leaving room to grow to
-    itself and to the sequence started next in the run's first half; else the block freed most recently.
-
-    Handing out the most recently freed block alone scattered nearly every sequence: one request at a time, because
-    the scheduler admits the next request before the last one's release reaches the target, so the old request's
-    freed blocks became the new one's next pages; several at a time, because growing requests take turns.
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        self.capacity = num_blocks
-        self._free = set(range(num_blocks))
-        # Freed blocks, the most recent last. It may also hold blocks handed out since (taken out of turn as a
-        # sequence's next block), which are skipped; every free block is in it at least once.
-        self._order = list(range(num_blocks - 1, -1, -1))
-
-    def __len__(self) -> int:
-        return len(self._free)
-
-    def take(self, after: int | None) -> int:
-        """A free block (there must be one): the one after block `after` when it is free; for a sequence's first
-        block (`after` None), the middle of the longest run of free blocks, so that the sequence, and the one
-        started next in the run's other half, have room to grow in a row; else the latest freed."""
-        if after is not None and after + 1 in self._free:
-            block = after + 1
-        elif after is None and (middle := self._middle_of_longest_run()) is not None:
-            block = middle
-        else:
-            block = self._order.pop()
-            while block not in self._free:
-                block = self._order.pop()
-        self._free.remove(block)
-        return block
-
-    def _middle_of_longest_run(self) -> int | None:
-        """The middle block of the longest run of consecutive free blocks (the first such run), if it is longer than
-        one block. Example: free 0-1 and 5-9 -> 7."""
-        longest, best, start, previous = 1, None, -2, -2
-        for block in sorted(self._free):
-            if block != previous + 1:
-                start = block
-            if block - start + 1 > longest:
-                longest, best = block - start + 1, start
-            previous = block
-        return None if best is None else best + longest // 2
-
-    def give_back(self, blocks: Sequence[int]) -> None:
-        """Frees `blocks` (a sequence's, in its order: its first one is handed out first again)."""
-        self._free.update(blocks)
-        self._order.extend(reversed(blocks))
-        if len(self._order) > 2 * self.capacity:
-            # Mostly entries of blocks taken out of turn: keep each free block once, at its latest place.
-            latest: dict[int, None] = {}
-            for block in reversed(self._order):
-                if block in self._free:
-                    latest.setdefault(block)
-            self._order = list(latest)[::-1]
-
-
 class PagedKVCache:
     @classmethod
     def for_layout(
@@ -153,7 +91,7 @@ class PagedKVCache:
         # [layers, slots, kv_heads, head_dim] and [layers, slots, kv_heads, value_width]
         self.keys = torch.zeros((num_layers, num_slots, num_kv_heads, head_dim), dtype=dtype, device=device)
         self.values = torch.zeros((num_layers, num_slots, num_kv_heads, value_width), dtype=dtype, device=device)
-        self._free_blocks = FreeBlocks(num_blocks)
+        self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self.device = torch.device(device)
         self.backend = backend if backend is not None else default_backend(self.device, dtype)
 
@@ -170,14 +108,13 @@ class PagedKVCache:
         if needed > len(self._free_blocks):
             raise OutOfKVBlocks(f"KV cache: need {needed} more blocks, {len(self._free_blocks)} free")
         for _ in range(needed):
-            last = sequence.block_ids[-1] if sequence.block_ids else None
-            sequence.block_ids.append(self._free_blocks.take(last))
+            sequence.block_ids.append(self._free_blocks.pop())
 
     def truncate(self, sequence: SequenceKV, length: int) -> None:
         """Forgets positions >= length and returns blocks that no longer hold any valid position."""
         sequence.length = min(sequence.length, length)
         keep = -(-sequence.length // self.block_size)
-        self._free_blocks.give_back(sequence.block_ids[keep:])
+        self._free_blocks.extend(reversed(sequence.block_ids[keep:]))
         del sequence.block_ids[keep:]
 
     def release(self, sequence: SequenceKV) -> None:

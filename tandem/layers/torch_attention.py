@@ -24,8 +24,8 @@ class _SequencePlan:
     start: int  # KV rows before its new tokens
     # [kv_len] pool slot of every KV row it sees; None: fresh (start == 0), or read as context_range
     context_slots: torch.Tensor | None
-    # The same slots as one range of the pool when its pages follow each other (the pool hands out blocks so that
-    # they usually do: tandem.layers.kv_cache.FreeBlocks): its context is then a view of the pool, not a gathered copy.
+    # The same slots as one range of the pool when its pages follow each other (the pool hands out blocks in
+    # order, so a lone request's usually do): its context is then a view of the pool, not a gathered copy.
     context_range: slice | None
     mask: torch.Tensor | None  # [query_len, kv_len] bool; None: every key visible
     tree: bool

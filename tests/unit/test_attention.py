@@ -162,9 +162,10 @@ def test_a_context_in_consecutive_pages_attends_like_a_scattered_one() -> None:
     expected = reference_attention(queries[9:], keys, values, torch.arange(9, 11), None, None)
     for scattered in (False, True):
         cache = PagedKVCache(1, 16, 4, NUM_KV_HEADS, HEAD_DIM, torch.float32)
-        # A block table given up front (pages 7, 2, 12) is used as it is; an empty one gets pages in a row.
-        sequence = SequenceKV(block_ids=[7, 2, 12] if scattered else [])
+        sequence = SequenceKV()
         for start, end in ((0, 5), (5, 9), (9, 11)):
+            if scattered and start == 5:
+                cache.plan([(SequenceKV(), 4)])  # another sequence takes the next page: the sequence's skip one
             metadata = cache.plan([(sequence, end - start)])
             output = attend(metadata, cache, queries[start:end], keys[start:end], values[start:end], None, None)
         plan = metadata.attention.sequences[0]

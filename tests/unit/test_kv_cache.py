@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.layers.kv_cache import FreeBlocks, OutOfKVBlocks, PagedKVCache, SequenceKV
+from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
 
 BLOCK_SIZE = 4
 
@@ -39,48 +39,6 @@ def test_blocks_needed_rounds_up() -> None:
     cache.reserve(sequence, 5)
     assert cache.blocks_needed(sequence, 8) == 0
     assert cache.blocks_needed(sequence, 9) == 1
-
-
-def test_a_growing_sequence_keeps_its_pages_in_a_row_when_another_is_freed_meanwhile() -> None:
-    # One request after another, the new one admitted before the old one's release: the old one's blocks, freed
-    # most recently, must not be the new one's next pages.
-    cache = make_cache(num_blocks=16)
-    old, new = SequenceKV(), SequenceKV()
-    cache.reserve(old, 3 * BLOCK_SIZE)
-    cache.reserve(new, 2 * BLOCK_SIZE)
-    assert old.block_ids == [8, 9, 10]  # the middle of the free run 0..15
-    assert new.block_ids == [4, 5]  # the middle of the longest run left, 0..7
-    cache.release(old)
-    for length in range(2 * BLOCK_SIZE + 1, 6 * BLOCK_SIZE + 1):
-        cache.reserve(new, length)
-    assert new.block_ids == [4, 5, 6, 7, 8, 9]
-    again = SequenceKV()
-    cache.reserve(again, 3 * BLOCK_SIZE)
-    assert again.block_ids == [13, 14, 15]  # the middle of 10..15
-
-
-def test_free_blocks_take_the_next_in_a_row_then_room_then_the_latest_freed() -> None:
-    free = FreeBlocks(8)
-    assert free.take(None) == 4  # the middle of 0..7
-    assert free.take(None) == 2  # the middle of 0..3, the longest run left
-    assert [free.take(after=4), free.take(after=2)] == [5, 3]
-    assert free.take(None) == 1  # runs 0..1 and 6..7: the first
-    assert free.take(after=1) == 0  # 2 is taken, and no run is longer than a block: the latest freed
-    free.give_back([3])
-    assert free.take(after=5) == 6
-    assert free.take(None) == 3  # runs of one block: the latest freed
-    assert free.take(None) == 7 and len(free) == 0
-    # Out-of-turn takes leave entries behind; many rounds of them never hand out a block twice or lose one, and the
-    # entries left behind stay bounded.
-    held = [4, 2, 5, 3, 1, 0, 6, 7]
-    for round_number in range(200):
-        free.give_back([block for block in held if block % 2 == round_number % 2])
-        held = [block for block in held if block % 2 != round_number % 2]
-        assert len(free) == 4
-        while len(free) > 0:
-            held.append(free.take(held[-1] if round_number % 3 else None))
-        assert sorted(held) == list(range(8))
-        assert len(free._order) <= 2 * free.capacity + 4
 
 
 def test_reserve_takes_distinct_blocks_and_release_returns_them() -> None:
