@@ -87,38 +87,44 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         # Called with the seconds each Propose waited for the target's hidden rows of its requests (see _propose).
         self.rows_wait_listeners: list[Callable[[float], None]] = []
 
-    async def consume(self, stream: AsyncIterator[target_pb2.HiddenStates]) -> None:
+    async def consume(self, stream: AsyncIterator[target_pb2.HiddenBatch]) -> None:
         """Stores the target's rows as they arrive, keyed by (request id, round)."""
-        async for message in stream:
-            if message.released:
-                self._release_soon(message.request_id)
-                continue
-            owner = self.leases.owner(message.request_id)
-            if owner:
-                # The target runs the request, so its orchestrator is alive, though with pushed drafts it may not
-                # call this replica for a long time (and its stream here may have dropped).
-                self.leases.seen(owner, time.monotonic())
-            rows = TargetRows(message.start_position, list(message.next_tokens), tensor_from_proto(message.features))
-            key = (message.request_id, message.round)
+        async for batch in stream:
             async with self._arrived:
-                earlier = self._rows.get(key)
-                if earlier is not None:
-                    # A later chunk of the same round (chunked prefill, or a replay followed by new rows).
-                    try:
-                        rows = earlier[0].followed_by(rows)
-                    except DraftRequestError as error:
-                        LOG.warning("request %s round %d: %s; keeping the later rows", *key, error)
-                self._rows[key] = (rows, time.monotonic())
-                if message.start_position <= 0:  # the request starts over here (its first rows, or a replay)
-                    self._dropped.discard(message.request_id)
-                if message.draft_ahead > 0 and key not in self._asked:
-                    self._ahead_wanted[key] = message.draft_ahead
-                    if message.push and self._pushes is not None:
-                        self._to_push.add(key)
-                if message.step_end and self._ahead_wanted:
-                    self._start_ahead(self._ahead_wanted)
-                    self._ahead_wanted = {}
+                for message in batch.rows:
+                    self._store(message)
                 self._arrived.notify_all()
+
+    def _store(self, message: target_pb2.HiddenStates) -> None:
+        """Keeps one message's rows (under the rows' lock), or frees a request the target freed; the step's last
+        message starts drafting ahead."""
+        if message.released:
+            self._release_soon(message.request_id)
+            return
+        owner = self.leases.owner(message.request_id)
+        if owner:
+            # The target runs the request, so its orchestrator is alive, though with pushed drafts it may not
+            # call this replica for a long time (and its stream here may have dropped).
+            self.leases.seen(owner, time.monotonic())
+        rows = TargetRows(message.start_position, list(message.next_tokens), tensor_from_proto(message.features))
+        key = (message.request_id, message.round)
+        earlier = self._rows.get(key)
+        if earlier is not None:
+            # A later chunk of the same round (chunked prefill, or a replay followed by new rows).
+            try:
+                rows = earlier[0].followed_by(rows)
+            except DraftRequestError as error:
+                LOG.warning("request %s round %d: %s; keeping the later rows", *key, error)
+        self._rows[key] = (rows, time.monotonic())
+        if message.start_position <= 0:  # the request starts over here (its first rows, or a replay)
+            self._dropped.discard(message.request_id)
+        if message.draft_ahead > 0 and key not in self._asked:
+            self._ahead_wanted[key] = message.draft_ahead
+            if message.push and self._pushes is not None:
+                self._to_push.add(key)
+        if message.step_end and self._ahead_wanted:
+            self._start_ahead(self._ahead_wanted)
+            self._ahead_wanted = {}
 
     def _start_ahead(self, wanted: Mapping[Key, int]) -> None:
         """Takes the rows of `wanted` (key -> steps) and drafts them as one batch on the model thread. Runs under

@@ -50,7 +50,7 @@ class Subscriber:
 
     capture: tuple[int, ...]
     tokens_only: bool  # a token-only draft: rows carry the committed tokens and no features
-    queue: asyncio.Queue[target_pb2.HiddenStates | None] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[target_pb2.HiddenBatch | None] = field(default_factory=asyncio.Queue)
 
 
 def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
@@ -155,8 +155,8 @@ class TargetService(target_pb2_grpc.TargetServicer):
         for replica, messages in outbox.items():
             messages[-1].step_end = True
             subscriber = self.subscribers[replica]
-            for hidden in messages:
-                subscriber.queue.put_nowait(hidden)
+            for batch in hidden_batches(messages):
+                subscriber.queue.put_nowait(batch)
         if outbox:
             # The replicas' streams write their rows before this step's answer is written: a replica starts
             # drafting when its rows arrive, which the next step waits for; the orchestrator's part of a round is
@@ -296,7 +296,8 @@ class TargetService(target_pb2_grpc.TargetServicer):
             # The replica frees its state of the request too, even if the orchestrator cannot tell it (it is gone).
             subscriber = self.subscribers.get(self.replica_of.pop(request_id, ""))
             if subscriber is not None:
-                subscriber.queue.put_nowait(target_pb2.HiddenStates(request_id=request_id, released=True))
+                released = target_pb2.HiddenStates(request_id=request_id, released=True)
+                subscriber.queue.put_nowait(target_pb2.HiddenBatch(rows=[released]))
 
     async def sweep_orphans(self, interval_s: float) -> None:
         """Frees, every `interval_s`, the requests of orchestrator sessions that are gone (tandem.leases)."""
@@ -309,7 +310,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
 
     async def SubscribeHidden(
         self, request: target_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[target_pb2.HiddenStates]:
+    ) -> AsyncIterator[target_pb2.HiddenBatch]:
         num_layers = self.runner.model.config.num_layers
         capture = tuple(request.capture_indices)
         if request.tokens_only and capture:
@@ -377,6 +378,24 @@ def add_pushed(result: target_pb2.StepResult, pushed: Pushed) -> None:
 # Hidden rows per message at most this many bytes of features: a replay of a long context (or a long prompt's
 # chunk) goes out as several messages, which the replica joins, instead of one message of hundreds of MiB.
 HIDDEN_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def hidden_batches(
+    messages: list[target_pb2.HiddenStates], chunk_bytes: int = HIDDEN_CHUNK_BYTES
+) -> list[target_pb2.HiddenBatch]:
+    """A step's messages for one replica, in order, in as few batches (writes of its stream) as keep each batch's
+    features within `chunk_bytes` (a message is never split: hidden_messages bounds each). Example, messages of 3,
+    2 and 2 MiB with 4 MiB a batch: [3], [2, 2]."""
+    batches: list[target_pb2.HiddenBatch] = []
+    size = 0
+    for message in messages:
+        message_bytes = len(message.features.data)
+        if not batches or size + message_bytes > chunk_bytes:
+            batches.append(target_pb2.HiddenBatch())
+            size = 0
+        batches[-1].rows.append(message)
+        size += message_bytes
+    return batches
 
 
 def hidden_messages(

@@ -179,6 +179,12 @@ class HiddenStates(_message.Message):
     released: bool
     def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ahead: _Optional[int] = ..., step_end: _Optional[bool] = ..., push: _Optional[bool] = ..., released: _Optional[bool] = ...) -> None: ...
 
+class HiddenBatch(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[HiddenStates]
+    def __init__(self, rows: _Optional[_Iterable[_Union[HiddenStates, _Mapping]]] = ...) -> None: ...
+
 class PushedDrafts(_message.Message):
     __slots__ = ("request_id", "round", "draft_tokens", "parents", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

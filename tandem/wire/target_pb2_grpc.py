@@ -58,7 +58,7 @@ class TargetStub:
         self.SubscribeHidden = channel.unary_stream(
                 '/tandem.v1.Target/SubscribeHidden',
                 request_serializer=tandem_dot_v1_dot_target__pb2.SubscribeRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_target__pb2.HiddenStates.FromString,
+                response_deserializer=tandem_dot_v1_dot_target__pb2.HiddenBatch.FromString,
                 _registered_method=True)
         self.PushDrafts = channel.stream_unary(
                 '/tandem.v1.Target/PushDrafts',
@@ -155,7 +155,7 @@ def add_TargetServicer_to_server(servicer, server):
             'SubscribeHidden': grpc.unary_stream_rpc_method_handler(
                     servicer.SubscribeHidden,
                     request_deserializer=tandem_dot_v1_dot_target__pb2.SubscribeRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_target__pb2.HiddenStates.SerializeToString,
+                    response_serializer=tandem_dot_v1_dot_target__pb2.HiddenBatch.SerializeToString,
             ),
             'PushDrafts': grpc.stream_unary_rpc_method_handler(
                     servicer.PushDrafts,
@@ -303,7 +303,7 @@ class Target:
             target,
             '/tandem.v1.Target/SubscribeHidden',
             tandem_dot_v1_dot_target__pb2.SubscribeRequest.SerializeToString,
-            tandem_dot_v1_dot_target__pb2.HiddenStates.FromString,
+            tandem_dot_v1_dot_target__pb2.HiddenBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,9 +69,9 @@ class Stream:
     """The target's hidden-state stream, fed by the test."""
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[target_pb2.HiddenStates] = asyncio.Queue()
+        self.queue: asyncio.Queue[target_pb2.HiddenBatch] = asyncio.Queue()
 
-    async def messages(self) -> AsyncIterator[target_pb2.HiddenStates]:
+    async def messages(self) -> AsyncIterator[target_pb2.HiddenBatch]:
         while True:
             yield await self.queue.get()
 
@@ -88,11 +88,17 @@ class Replica:
         self.consumer = asyncio.create_task(self.service.consume(self.stream.messages()))
 
     async def send(self, *messages: target_pb2.HiddenStates) -> None:
-        for item in messages:
-            self.stream.queue.put_nowait(item)
+        """Writes the messages as the target writes a step's rows: in one batch."""
+        await self.forward(target_pb2.HiddenBatch(rows=messages))
+
+    async def forward(self, *batches: target_pb2.HiddenBatch | None) -> None:
+        """Writes batches a target service queued for its replica's stream."""
+        for batch in batches:
+            assert batch is not None
+            self.stream.queue.put_nowait(batch)
         while not self.stream.queue.empty():
             await asyncio.sleep(0.001)
-        await asyncio.sleep(0.001)  # the consumer handles the last one
+        await asyncio.sleep(0.001)  # the consumer handles it
 
     async def drafted_ahead(self) -> None:
         """Waits until every batch drafted ahead so far has finished."""
@@ -203,7 +209,9 @@ def test_the_target_marks_the_step_end_and_the_rounds_that_may_be_drafted_ahead(
             response = await service._step(request, SESSION)
             assert not any(result.HasField("error") for result in response.results)
             queue = service.subscribers["r0"].queue
-            sent.append([queue.get_nowait() for _ in range(queue.qsize())])
+            batches = [queue.get_nowait() for _ in range(queue.qsize())]
+            assert len(batches) == 1  # a step's rows for a replica go in one write
+            sent.append([message for batch in batches if batch is not None for message in batch.rows])
         await service.stop()
         return sent
 
@@ -369,7 +377,7 @@ def test_a_request_the_target_frees_as_an_orphan_is_freed_on_its_replica_too(dra
             # The prompt's step asks the replica to draft ahead: it makes the request's state with no Propose, so no
             # orchestrator session owns the request on the replica.
             await target._step(target_pb2.StepRequest(items=[open_item("a", [5, 6, 7, 8], ahead=3)]), SESSION)
-            await replica.send(*[subscriber.queue.get_nowait() for _ in range(subscriber.queue.qsize())])
+            await replica.forward(*[subscriber.queue.get_nowait() for _ in range(subscriber.queue.qsize())])
             await replica.drafted_ahead()
             draft = replica.service.runner
             assert "a" in draft.requests and replica.service.leases.owned() == 0
@@ -378,9 +386,10 @@ def test_a_request_the_target_frees_as_an_orphan_is_freed_on_its_replica_too(dra
             sweep = asyncio.create_task(target.sweep_orphans(0.01))
             await until(lambda: not runner.requests, "the target freed the orphan")
             sweep.cancel()
-            (released,) = [subscriber.queue.get_nowait() for _ in range(subscriber.queue.qsize())]
-            assert (released.request_id, released.released) == ("a", True)
-            await replica.send(released)
+            (batch,) = [subscriber.queue.get_nowait() for _ in range(subscriber.queue.qsize())]
+            assert batch is not None
+            assert [(message.request_id, message.released) for message in batch.rows] == [("a", True)]
+            await replica.forward(batch)
             await until(lambda: not draft.requests, "the replica freed it")
             assert draft.cache.num_free_blocks == draft.cache.num_blocks
             assert runner.cache.num_free_blocks == runner.cache.num_blocks

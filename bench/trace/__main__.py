@@ -1,0 +1,5 @@
+import sys
+
+from bench.trace import main
+
+sys.exit(main())
