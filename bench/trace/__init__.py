@@ -169,6 +169,9 @@ def _times(row: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in arguments or "--help" in arguments:
+        print(f"usage: python -m bench.trace [--trace-out DIR] [tandem bench arguments]\n\n{__doc__}")
+        return 0
     out = Path("bench/results/trace")
     if "--trace-out" in arguments:
         at = arguments.index("--trace-out")

@@ -83,7 +83,9 @@ def test_pushed_drafts_are_verified_as_the_same_drafts_carried_by_the_item(targe
             opened = await service._step(opening(), SESSION)
             assert list(opened.results[0].new_tokens) == continuation[:1]
         # The rows of the opening step ask the replica to push its drafts.
-        (rows,) = [pushed_service.subscribers["r0"].queue.get_nowait()]
+        batch = pushed_service.subscribers["r0"].queue.get_nowait()
+        assert batch is not None
+        (rows,) = batch.rows
         assert rows.push and rows.draft_ahead == 3
         push(pushed_service, drafts)
         pushed = await pushed_service._step(verification(pushed=3), SESSION)
