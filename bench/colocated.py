@@ -17,7 +17,7 @@ import torch
 from transformers import AutoTokenizer
 
 from draft_server.formats import ProposalRunner, prepare_draft, propose_what_fits
-from draft_server.runner import DraftRunner, ProposeInput, TargetRows
+from draft_server.runner import DraftRunner, ProposeInput, TargetRows, join_rounds
 from draft_server.settings import DraftSettings
 from draft_server.tree_draft import DraftTree, TreeDrafter
 from orchestrator.backends import (
@@ -68,13 +68,19 @@ class LocalDraft:
         self.rows[key] = earlier.followed_by(arrived) if earlier is not None else arrived
 
     async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch:
-        inputs = [ProposeInput(t.request_id, self.rows.pop((t.request_id, t.round)), t.num_steps) for t in tasks]
+        inputs = [ProposeInput(t.request_id, self._take(t.request_id, t.round), t.num_steps) for t in tasks]
         started = time.perf_counter()
         proposals, exhausted = propose_what_fits(self.runner, inputs)
         trees = {key: p if isinstance(p, DraftTree) else DraftTree(p, []) for key, p in proposals.items()}
         drafts = {key: tree.tokens for key, tree in trees.items()}
         parents = {key: tree.parents for key, tree in trees.items() if tree.parents}
         return ProposedBatch(drafts, exhausted, time.perf_counter() - started, parents)
+
+    def _take(self, request_id: str, round_number: int) -> TargetRows:
+        """The request's rows of this round, after those of earlier rounds it drafted nothing for (k = 0), as a
+        replica joins them (draft_server.runner.join_rounds)."""
+        earlier = sorted(key for key in self.rows if key[0] == request_id and key[1] < round_number)
+        return join_rounds([self.rows.pop(key) for key in (*earlier, (request_id, round_number))])
 
     async def release(self, request_ids: Sequence[str]) -> None:
         released = set(request_ids)

@@ -73,6 +73,17 @@ class TargetRows:
         return TargetRows(self.start_position, [*self.next_tokens, *later.next_tokens], features)
 
 
+def join_rounds(parts: Sequence[TargetRows]) -> TargetRows:
+    """One request's rows of several rounds, oldest first, as the rows of the last: a request the orchestrator asked
+    no drafts of for some rounds (k = 0) gets their rows joined to the round it is asked about. Rows that start where
+    the earlier ones start, or before, restart the request (a recompute after preemption, a replay): the earlier
+    ones are stale, e.g. rows in flight when the request was released."""
+    rows = parts[0]
+    for later in parts[1:]:
+        rows = later if later.start_position <= rows.start_position else rows.followed_by(later)
+    return rows
+
+
 @dataclass(frozen=True)
 class ProposeInput:
     request_id: str
