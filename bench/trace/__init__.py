@@ -12,15 +12,15 @@ round with pushed drafts along its critical path:
     ends (draft_end) -> the drafts are queued for the target (push) -> the target reads them (push_arrived) -> the
     step stops waiting for them (take_end) -> the next forward starts (runner_start) -> ends
 
-Every event of it follows the one before by cause, so following each to the first later occurrence of the next one
-stays within the round. (The rows' write completing, rows_written, is logged too but is not on the path: the replica
-may read the rows before the target's stream hears that the write is done.)
-
 and the orchestrator's side of the same step, off that path while drafts are pushed: the step's answer leaves the
 target (step_out) -> reaches the orchestrator (step_answer) -> the next step is sent (step_send) -> reaches the
-target (step_in) -> which starts waiting for the pushed drafts (take_start). Each hop's median and 90th percentile
-go to `--trace-out` (default bench/results/trace) as latest.json and latest.md; the benchmark's own report goes to a
-temporary folder unless `--out` is given. Only rounds whose drafts were pushed (drafting ahead: at most
+target (step_in) -> which starts waiting for the pushed drafts (take_start).
+
+Every event of a path follows the one before by cause, so following each to the first later occurrence of the next
+stays within the round. (The rows' write completing, rows_written, is logged too but is not on the path: the replica
+may read the rows before the target's stream hears that the write is done.) Each hop's mean, median and 90th
+percentile go to `--trace-out` (default bench/results/trace) as latest.json and latest.md; the benchmark's own report
+goes to a temporary folder unless `--out` is given. Only rounds whose drafts were pushed (drafting ahead: at most
 `--draft-ahead` drafting requests) have this path.
 """
 

@@ -7,7 +7,8 @@ Events (see bench/trace/__init__.py for the round they describe):
     target: step_in / step_out (the Step call's handler), take_start / take_end (waiting for pushed drafts),
             compute_start / compute_end (the step handed to the model thread and back), runner_start / runner_end
             (TargetRunner.step on the model thread), rows_yield / rows_written (the write holding a step's last rows
-            for a replica given to gRPC, and gRPC asking for the next one: it is written), push_arrived
+            for a replica given to gRPC, and gRPC asking for the next one: it is written), push_arrived / push_added
+            (a replica's pushed drafts read off their stream, and kept)
     draft:  rows_arrived (the write holding a step's last rows read off the stream), draft_start / draft_end (a
             batch drafted ahead, on the model thread), push (its drafts queued for the target)
     orchestrator: step_send / step_answer (the Step call)
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
+import inspect
 import os
 import sys
 import time
@@ -52,7 +54,7 @@ class _Log:
 def _around(log: _Log, owner: Any, name: str, before: str, after: str) -> None:
     """Wraps owner.name (a plain or a coroutine function) to log `before` and `after` it runs."""
     original = getattr(owner, name)
-    if _is_coroutine_function(original):
+    if inspect.iscoroutinefunction(original):
 
         @functools.wraps(original)
         async def wrapped_coroutine(*args: Any, **kwargs: Any) -> Any:
@@ -74,12 +76,6 @@ def _around(log: _Log, owner: Any, name: str, before: str, after: str) -> None:
             log.event(after)
 
     setattr(owner, name, wrapped)
-
-
-def _is_coroutine_function(function: Callable[..., Any]) -> bool:
-    import inspect
-
-    return inspect.iscoroutinefunction(function)
 
 
 def _target_service(log: _Log, module: ModuleType) -> None:
