@@ -213,16 +213,24 @@ def _multi_step(decode: list[Scheduled], pool: KVPool, free: int, steps: int) ->
     max_new_tokens) when the pool holds all of their tokens; `decode` unchanged otherwise.
 
     Only when nothing else waits for the target (no prompt chunk, no queued request), so that a multi-token step
-    never delays a new request's first token by more than the step it arrived in.
+    never delays a new request's first token by more than the step it arrived in. A step with drafts to verify is
+    one pass for every request, except for requests that adaptive k paused: they decode target-only to their end,
+    and the probe left speculating beside them (Scheduler._pause_speculation) must not cut their steps to one pass
+    each time it drafts; it waits for their extra passes instead.
     """
-    if steps <= 1 or not decode or any(entry.max_drafts for entry in decode):
+    drafting = any(entry.max_drafts for entry in decode)
+    many = [entry for entry in decode if not entry.max_drafts and (entry.request.paused or not drafting)]
+    if steps <= 1 or not many:
         return decode
-    planned = [(entry, min(steps, entry.request.output.remaining)) for entry in decode]
+    planned = {id(entry): min(steps, entry.request.output.remaining) for entry in many}
     # Blocks for the extra tokens beyond the one each entry has room for already.
     need = sum(
-        pool.blocks(entry.request.kv_length + count) - pool.blocks(entry.request.kv_length + 1)
-        for entry, count in planned
+        pool.blocks(entry.request.kv_length + planned[id(entry)]) - pool.blocks(entry.request.kv_length + 1)
+        for entry in many
     )
     if need > free:
         return decode
-    return [Scheduled(entry.request, entry.num_tokens, 0, max(1, count)) for entry, count in planned]
+    return [
+        Scheduled(entry.request, entry.num_tokens, 0, max(1, planned[id(entry)])) if id(entry) in planned else entry
+        for entry in decode
+    ]

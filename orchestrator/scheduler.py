@@ -97,6 +97,7 @@ class Scheduler:
         self.requests_paused = 0  # requests taken off their replica by adaptive k at 0 since start (metrics)
         self.speculation = SpeculationPolicy(settings.num_steps, settings.adaptive_k)
         self.k_in_use = settings.num_steps  # the last step's k (metrics)
+        self._ahead_k = settings.num_steps  # the k of the next round, which replicas draft ahead for
         # Called with (replica id, seconds) after every Propose call that answered (orchestrator.metrics).
         self.propose_listeners: list[Callable[[str, float], None]] = []
         self._wake = asyncio.Event()
@@ -168,7 +169,11 @@ class Scheduler:
         # the batch is paused, the probe drafts as that batch size says (one round in EXPLORE_EVERY), also while the
         # batch fills and few of its requests decode yet.
         speculating = sum(1 for r in self.running.values() if r.decoding and r.wants_speculation)
-        self.k_in_use = self.speculation.choose(batch if self.speculation.paused(batch) else speculating)
+        judged = batch if self.speculation.paused(batch) else speculating
+        self.k_in_use = self.speculation.choose(judged)
+        # What a replica drafts ahead is for the round after this one, which drafts the settled k: not an
+        # exploration's (a paused batch's probe drafted ahead 5 steps for a round of k = 0).
+        self._ahead_k = min(self.k_in_use, self.speculation.k_of(judged))
         plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings, self.k_in_use)
         await self._preempt(plan.preempted)
         for request in plan.admitted:
@@ -215,7 +220,10 @@ class Scheduler:
             (len(done.new_tokens) for task, done in zip(tasks, outcome.results, strict=True) if task.decode_steps > 1),
             default=1,
         )
-        if not plan.chunks:
+        # A paused batch's passes beside its probe's verification (batching._multi_step): the first pass computed
+        # more than the others, so the step is no sample of one pass of its size.
+        mixed = passes > 1 and any(task.draft_tokens or task.pushed_drafts for task in tasks)
+        if not plan.chunks and not mixed:
             # The cost line models decoding steps, which k is chosen for: a step with prompt chunks computes hundreds
             # of tokens at a cost per token (attention over the prompt) that says nothing about a few more rows to
             # verify, and fitted in, it made drafts look dear at 8 requests (docs/architecture.md, adaptive k).
@@ -349,7 +357,7 @@ class Scheduler:
         request = entry.request
         if not self._drafts_next(entry) or rows_to is None or request.needs_move:
             return 0
-        return max(0, min(self.k_in_use, request.output.remaining - 2))
+        return max(0, min(self._ahead_k, request.output.remaining - 2))
 
     def _drafts_next(self, entry: Scheduled) -> bool:
         """Whether the request drafts in its round after this step: it verifies drafts in this one, or this is the

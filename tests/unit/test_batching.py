@@ -114,6 +114,30 @@ def test_decoding_without_drafts_takes_several_tokens_when_nothing_waits(tokeniz
     assert [s.decode_steps for s in plan.decode] == [2]
 
 
+def test_a_paused_batch_keeps_its_passes_beside_the_probes_drafts(tokenizer: PreTrainedTokenizerBase) -> None:
+    # P and Q were paused by adaptive k (no replica, decoding target-only); D is the probe left on its replica, in
+    # one of its exploration rounds (3 drafts). P and Q still take 4 passes; D verifies its drafts in the first.
+    paused = [request(tokenizer, name, prompt=4, generated=2, replica=None) for name in ("P", "Q")]
+    for each in paused:
+        each.paused = True
+    probe = request(tokenizer, "D", prompt=4, generated=2)
+    settings = SchedulerSettings(num_steps=3, max_num_batched_tokens=16, num_scheduler_steps=4)
+    plan = plan_step([*paused, probe], deque(), KVPool(num_blocks=12, block_size=4), settings)
+    assert [(s.request.request_id, s.max_drafts, s.decode_steps) for s in plan.decode] == [
+        ("P", 0, 4),
+        ("Q", 0, 4),
+        ("D", 3, 1),
+    ]
+    # A target-only request that was not paused (it asked for no drafts) keeps to one pass beside drafts: its passes
+    # would hold up the rounds of the requests that speculate.
+    plain = request(tokenizer, "T", prompt=4, generated=2, replica=None)
+    plan = plan_step([plain, probe], deque(), KVPool(num_blocks=12, block_size=4), settings)
+    assert [(s.request.request_id, s.decode_steps) for s in plan.decode] == [("T", 1), ("D", 1)]
+    # Without room for the paused requests' extra tokens, one pass for all.
+    plan = plan_step([*paused, probe], deque(), KVPool(num_blocks=8, block_size=4), settings)
+    assert [s.decode_steps for s in plan.decode] == [1, 1, 1]
+
+
 def test_a_tree_round_gets_room_for_every_node(tokenizer: PreTrainedTokenizerBase) -> None:
     # Topk 4 with 8 draft tokens: a round verifies up to 7 nodes at depth 3. A (kv 9) needs 1 + 7 rows -> 17
     # positions (5 blocks, 2 more), within a budget of 8 tokens; a chain of 3 would need 13 positions (1 more).
