@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from tqdm import tqdm
@@ -40,6 +40,8 @@ class RunResult:
     wall_seconds: float
     requests: tuple[RequestResult, ...]
     kind: str = ""  # the draft kind of a speculative run measured beside others (bench/kinds.py); "" otherwise
+    # CPU seconds the run cost, by process role (bench.cpu); empty where not measured (transformers)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def completion_tokens(self) -> int:
@@ -57,6 +59,16 @@ class RunResult:
     def mean_acceptance_length(self) -> float:
         """1 + accepted / rounds: tokens committed per target verification (bonus included)."""
         return 1 + sum(r.accepted_tokens for r in self.requests) / max(1, self.rounds)
+
+    def cpu_milliseconds_per_token(self) -> dict[str, float]:
+        """CPU milliseconds by process role per completion token."""
+        tokens = max(1, self.completion_tokens)
+        return {role: 1000 * seconds / tokens for role, seconds in self.cpu_seconds.items()}
+
+    @property
+    def cores_busy(self) -> float:
+        """CPU seconds of every measured process over the run's wall time: how many cores it kept busy."""
+        return sum(self.cpu_seconds.values()) / self.wall_seconds
 
     def outputs(self) -> dict[int, tuple[int, ...]]:
         """Each prompt's completion, by prompt index."""

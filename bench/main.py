@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.colocated import ColocatedEngine, ColocatedSettings
+from bench.cpu import CpuMeter, spent
 from bench.harness import Generate, GrpcGenerate, RunResult, run_prompts
 from bench.huggingface import Method, TransformersBaseline, TransformersSettings
 from bench.kinds import DraftKind, draft_kinds
@@ -28,6 +30,7 @@ class Setup:
     label: str  # "split" (three processes, gRPC) or "colocated" (one process)
     kind: str  # the draft kind's name (bench/kinds.py), "" for the one configuration of --draft
     generate: Generate
+    cpu: CpuMeter | None  # the processes that serve it; None: not measured (a stack someone else started)
 
 
 async def _measure(
@@ -64,9 +67,11 @@ async def _measure(
                 order = [target_only, *speculative] if repeat % 2 == 1 else [*speculative, target_only]
                 for setup, speculates in order:
                     kind = setup.kind if speculates else ""
-                    runs.append(
-                        await run_prompts(setup.generate, prompts, concurrency, tokens, speculates, label, kind)
-                    )
+                    before = setup.cpu.sample() if setup.cpu else {}
+                    run = await run_prompts(setup.generate, prompts, concurrency, tokens, speculates, label, kind)
+                    if setup.cpu is not None:
+                        run = replace(run, cpu_seconds=spent(before, setup.cpu.sample()))
+                    runs.append(run)
             for model, method in transformers:
                 runs.append(model.run(prompts, settings.max_new_tokens, method))
     return runs
@@ -116,11 +121,18 @@ async def _benchmark(settings: BenchSettings, kinds: Sequence[DraftKind], prompt
             if settings.address is None:
                 stacks.append(_start_stack(settings, kind))
             clients.append(GrpcGenerate(settings.address or stacks[-1].address))
-        setups = [Setup("split", kind.name, client) for kind, client in zip(kinds, clients, strict=True)]
+        # A stack of our own is measured process by process; a running one (--address) is not ours to look into.
+        meters: list[CpuMeter | None] = [CpuMeter(stack.process.pid, tree=True) for stack in stacks]
+        if not meters:
+            meters = [None] * len(clients)
+        setups = [
+            Setup("split", kind.name, client, meter) for kind, client, meter in zip(kinds, clients, meters, strict=True)
+        ]
         if settings.colocated:
+            own = CpuMeter(os.getpid(), tree=False)
             for kind in kinds:
                 engines.append(_colocated(settings, kind))
-                setups.append(Setup("colocated", kind.name, engines[-1].generate))
+                setups.append(Setup("colocated", kind.name, engines[-1].generate, own))
         baseline = None
         if settings.transformers:
             baseline = TransformersBaseline(

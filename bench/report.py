@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import transformers
 
+from bench.cpu import OWN_PROCESS, SPLIT_ROLES
 from bench.harness import RunResult
 from bench.huggingface import Method
 from bench.plot import Series, save_acceptance_plot
@@ -106,9 +107,25 @@ def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
                     "acceptance_per_position": [round(a, 3) for a in speculative.acceptance_per_position()],
                     "per_round_ms": per_round,
                     "outside_compute_ms_per_round": round(outside_compute(per_round), 3),
+                    "cpu": _cpu(speculative, target_only),
                 }
             )
     return rows
+
+
+def _cpu(speculative: RunResult, target_only: RunResult | None) -> dict[str, Any] | None:
+    """CPU milliseconds per token by process role and the cores kept busy, of the row's two runs (None: not
+    measured, as for a stack the benchmark did not start)."""
+    measured = [(mode, run) for mode, run in (("speculative", speculative), ("target_only", target_only)) if run]
+    if not all(run.cpu_seconds for _, run in measured):
+        return None
+    return {
+        mode: {
+            "ms_per_token": {role: round(ms, 3) for role, ms in run.cpu_milliseconds_per_token().items()},
+            "cores_busy": round(run.cores_busy, 2),
+        }
+        for mode, run in measured
+    }
 
 
 def outside_compute(per_round: dict[str, float]) -> float:
@@ -161,7 +178,7 @@ TABLE_HEADER = (
     "| setup | concurrency | tok/s | tok/s (target-only) | speedup | vs HF greedy | vs HF prompt-lookup "
     "| target-only vs HF greedy | split / colocated | identical to target-only | mean acceptance length "
     "| acceptance per position | per round ms: draft / verify / wire / scheduling (+ drafted ahead) "
-    "| outside compute ms/round |"
+    "| outside compute ms/round | CPU ms per token by process (cores busy): speculative / target-only |"
 )
 
 
@@ -207,7 +224,10 @@ def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, An
         "the prompts identical to Tandem's split target-only completions. Drafted ahead: draft compute a replica did "
         "as soon as the target's rows arrived, before it was asked, while the target's answer and the next Propose "
         "travelled; the draft column is what the round still waited for. Outside compute: a round's wall time (first "
-        "token to last, over the rounds) less its verify, draft and drafted-ahead compute.",
+        "token to last, over the rounds) less its verify, draft and drafted-ahead compute. CPU ms per token: the "
+        "user + system CPU time of each process of the setup during the run over its completion tokens (split: "
+        "target, draft, orchestrator; colocated: the benchmark's own process, which also runs the client), with the "
+        "cores the run kept busy (all of it over the wall time) in brackets.",
         "",
         TABLE_HEADER,
         "|" + "---|" * (TABLE_HEADER.count("|") - 1),
@@ -229,6 +249,7 @@ def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, An
             " ".join(f"{a:.2f}" for a in row["acceptance_per_position"]),
             _per_round(timing),
             f"{row['outside_compute_ms_per_round']:.2f}",
+            _cpu_cell(row.get("cpu")),
         ]
         lines.append(_table_row(cells))
     for row in transformers:
@@ -243,10 +264,26 @@ def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, An
             "–",
             "–",
             row["identical_to_tandem_target_only"] or "–",
-            *["–"] * 4,
+            *["–"] * 5,
         ]
         lines.append(_table_row(cells))
     return "\n".join(lines) + "\n"
+
+
+def _cpu_cell(cpu: dict[str, Any] | None) -> str:
+    """`target 1.10 + draft 0.62 + orchestrator 0.08 (1.6) / target 1.71 + ... (1.8)`; a colocated row's one
+    process `process 1.52 (1.0) / ...`."""
+    if not cpu:
+        return "–"
+    parts = []
+    for mode in ("speculative", "target_only"):
+        if mode in cpu:
+            spent = cpu[mode]["ms_per_token"]
+            roles = [role for role in (*SPLIT_ROLES, OWN_PROCESS) if role in spent]
+            roles += sorted(role for role in spent if role not in roles and spent[role] >= 0.005)
+            text = " + ".join(f"{role} {spent[role]:.2f}" for role in roles)
+            parts.append(f"{text} ({cpu[mode]['cores_busy']:.1f})")
+    return " / ".join(parts)
 
 
 def _table_row(cells: Sequence[object]) -> str:

@@ -173,7 +173,7 @@ class Scheduler:
         self.k_in_use = self.speculation.choose(judged)
         # What a replica drafts ahead is for the round after this one, which drafts the settled k: not an
         # exploration's (a paused batch's probe drafted ahead 5 steps for a round of k = 0).
-        self._ahead_k = min(self.k_in_use, self.speculation.k_of(judged))
+        self._ahead_k = min(self.k_in_use, self.speculation.settled(judged))
         plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings, self.k_in_use)
         await self._preempt(plan.preempted)
         for request in plan.admitted:

@@ -19,14 +19,9 @@ on average. Counted as steps, one such Propose among a fresh server's first made
 for (k about 2 where 5 pays).
 
 The policy picks the k in 0..max_k with the most tokens per second, and keeps the current k unless another is better
-by HYSTERESIS (a noisy estimate must not make k flap), or by RESUME_MARGIN to leave k = 0: a batch size at k = 0 is
-paused (its requests leave their replica), and drafting again there means capturing, streaming and ingesting the
-context of every request admitted at that size before its first draft, which a round's estimate leaves out. Costs are
-measured per bucket of batch sizes; the k is kept per size (a size not chosen at yet starts from the nearest of its
-bucket), so that a wave of 32 requests draining through 17 does not undo the pause of the next wave at 32. Until the
-first measurements of a bucket are in, it uses max_k, which is what measures them; below max_k, one round in
-EXPLORE_EVERY drafts max_k, so that the acceptance of the positions it does not draft and the cost of more steps stay
-measured.
+by HYSTERESIS (a noisy estimate must not make k flap). Until the first measurements of a batch size are in, it uses
+max_k, which is what measures them; below max_k, one round in EXPLORE_EVERY drafts max_k, so that the acceptance of
+the positions it does not draft and the cost of more steps stay measured.
 
 Example (shaped like the demo pair on 2 CPU cores of an earlier machine, hop left out): with a = 4.6 ms,
 c = 0.65 ms a token, u_1 = 1.2 ms and p = 0.8, 0.68, 0.6, 0.53, 0.49, one request gets k = 5 (4.1 tokens in 15.7 ms,
@@ -41,7 +36,6 @@ from dataclasses import dataclass, field
 from statistics import median
 
 HYSTERESIS = 0.05  # another k must promise this much more throughput to replace the current one
-RESUME_MARGIN = 0.15  # ... and this much to replace k = 0 (a paused size: see the module docstring)
 EXPLORE_EVERY = 32  # below max_k, one round in this many drafts max_k, so that acceptance and costs stay measured
 DECAY = 0.98  # weight of the past in the running means (acceptance, ingest, scheduling: about the last 50 count)
 MIN_STEPS = 8  # target steps seen before the target's cost line is trusted
@@ -186,8 +180,8 @@ class SpeculationPolicy:
     scheduling: Average = field(default_factory=Average)
     drafted: list[float] = field(default_factory=list)  # decayed count of rounds that drafted position i
     accepted: list[float] = field(default_factory=list)  # decayed count of rounds that accepted position i
-    current: dict[int, int] = field(default_factory=dict)  # by batch size: the k in use (see k_of)
-    explored: dict[int, int] = field(default_factory=dict)  # by batch size: rounds chosen below max_k
+    current: dict[int, int] = field(default_factory=dict)  # by bucket(batch): the k in use
+    explored: dict[int, int] = field(default_factory=dict)  # by bucket(batch): rounds chosen below max_k
 
     def __post_init__(self) -> None:
         self.drafted = [0.0] * self.max_k
@@ -199,38 +193,31 @@ class SpeculationPolicy:
             return self.max_k
         size = bucket(batch)
         draft = self.draft.get(size)
-        current = self.k_of(batch)
         if self.target.count < MIN_STEPS or draft is None or draft.count < MIN_PROPOSES or self.drafted[0] == 0:
-            return current
+            return self.current.get(size, self.max_k)
         hop = self.draft_hop[size].value + draft.ingest
         rates = {k: self.throughput(batch, k, draft.per_step, hop) for k in range(self.max_k + 1)}
         best = max(rates, key=lambda k: rates[k])
-        if rates[best] > rates[current] * (1 + (RESUME_MARGIN if current == 0 else HYSTERESIS)):
-            current = best
-        self.current[batch] = current
+        current = self.current.get(size, self.max_k)
+        if rates[best] > rates[current] * (1 + HYSTERESIS):
+            self.current[size] = current = best
         if current == self.max_k:
             return current
         # Positions past k are not drafted, so their acceptance would never be measured again (nor would it be with
         # k = 0): a draft that got better, or a batch that got smaller, would never be asked for more.
-        self.explored[batch] = self.explored.get(batch, 0) + 1
-        return self.max_k if self.explored[batch] % EXPLORE_EVERY == 0 else current
+        self.explored[size] = self.explored.get(size, 0) + 1
+        return self.max_k if self.explored[size] % EXPLORE_EVERY == 0 else current
 
-    def k_of(self, batch: int) -> int:
-        """The k that rounds of `batch` requests draft apart from exploration (the next round's, most likely): the
-        one chosen at that size, else the one chosen at the nearest size of its bucket (whose costs it shares), else
-        max_k, which is what measures the bucket."""
+    def settled(self, batch: int) -> int:
+        """The k that rounds of `batch` requests draft apart from exploration: the next round's, most likely."""
         if not self.adaptive or self.max_k == 0 or batch == 0:
             return self.max_k
-        if batch in self.current:
-            return self.current[batch]
-        size = bucket(batch)
-        near = [seen for seen in self.current if bucket(seen) == size]
-        return self.current[min(near, key=lambda seen: (abs(seen - batch), seen))] if near else self.max_k
+        return self.current.get(bucket(batch), self.max_k)
 
     def paused(self, batch: int) -> bool:
         """Whether measurements settled this batch size at k = 0 (never the configured k it starts from): drafting
         does not pay there, so its requests may as well decode without a replica (Scheduler._pause_speculation)."""
-        return self.adaptive and self.max_k > 0 and batch > 0 and self.k_of(batch) == 0
+        return self.adaptive and self.max_k > 0 and batch > 0 and self.current.get(bucket(batch)) == 0
 
     def throughput(self, batch: int, k: int, draft_step_s: float, draft_hop_s: float = 0.0) -> float:
         """Tokens per second of a round of `batch` requests with k drafts each, by the current estimates;

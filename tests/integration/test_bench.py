@@ -64,6 +64,18 @@ def test_bench_writes_the_report_with_medians_transformers_rows_and_identical_ou
         assert row["outside_compute_ms_per_round"] == pytest.approx(max(0.0, timing["round"] - compute), abs=2e-3)
         assert row["vs_transformers_greedy"] > 0 and row["vs_transformers_prompt_lookup"] > 0
         assert row["target_only_vs_transformers_greedy"] > 0
+        # CPU time by process: the split stack's three services (a target-only run leaves the replica idle but for
+        # its event loop), the colocated engine's one process; every measured run kept some core busy.
+        cpu = row["cpu"]
+        speculative, target_only = cpu["speculative"]["ms_per_token"], cpu["target_only"]["ms_per_token"]
+        if setup == "split":
+            assert {"target", "draft", "orchestrator"} <= set(speculative) and "target" in target_only
+            assert speculative["target"] > 0 and speculative["draft"] > 0 and speculative["orchestrator"] > 0
+            assert target_only["target"] > 0
+        else:
+            assert set(speculative) == set(target_only) == {"process"}
+            assert speculative["process"] > 0
+        assert cpu["speculative"]["cores_busy"] > 0 and cpu["target_only"]["cores_busy"] > 0
 
     hf = {row["setup"]: row for row in document["transformers"]}
     assert set(hf) == {"transformers greedy", "transformers prompt-lookup"}
@@ -97,6 +109,8 @@ def test_bench_writes_the_report_with_medians_transformers_rows_and_identical_ou
     table = (out / "latest.md").read_text()
     assert "median of 2 runs each" in table
     assert "| vs HF greedy | vs HF prompt-lookup |" in table and "| outside compute ms/round |" in table
+    assert " CPU ms per token by process (cores busy): speculative / target-only |" in table
+    assert any(line.startswith("| split |") and "target " in line and "draft " in line for line in table.splitlines())
     assert table.count("| split |") == 2 and table.count("| colocated |") == 2
     assert "| transformers greedy | 1 (batch 1, sequential) |" in table
     assert "| transformers prompt-lookup | 1 (batch 1, sequential) |" in table

@@ -6,10 +6,8 @@ import pytest
 
 from orchestrator.speculation import (
     EXPLORE_EVERY,
-    HYSTERESIS,
     MIN_PROPOSES,
     MIN_STEPS,
-    RESUME_MARGIN,
     WINDOW,
     CostLine,
     SpeculationPolicy,
@@ -174,41 +172,19 @@ def test_a_batch_size_is_paused_only_once_measurements_settle_it_at_zero() -> No
     assert not fixed.paused(32)
 
 
-def test_k_is_kept_per_batch_size_and_a_new_size_starts_from_the_nearest_of_its_bucket() -> None:
-    """A wave of 32 requests pauses at 32; as it drains, 17 requests (the same bucket, same draft costs) make drafting
-    pay again. That must not undo the pause of the next wave at 32, which costs a wave's prompts captured, streamed
-    and ingested for nothing (it did, when k was kept per bucket)."""
+def test_the_settled_k_is_the_one_rounds_draft_apart_from_exploration() -> None:
+    """What a replica drafts ahead for (Scheduler._ahead_k): at a batch size settled below max_k, the settled k, also
+    in the rounds that explore at max_k."""
     policy = warmed()
-    assert policy.choose(32) == 0 and policy.paused(32)
-    assert policy.k_of(30) == 0 and policy.paused(30)  # not chosen at 30 yet: the nearest size of the bucket, 32
-    policy.current[17] = 5  # what the rates at 17 chose in the tail of a wave
-    assert policy.k_of(18) == 5 and policy.k_of(31) == 0  # nearest: 17 and 32
-    assert policy.choose(32) == 0 and policy.paused(32)
-    assert policy.k_of(16) == 5  # another bucket, never chosen: the configured k, which measures it
-
-
-def test_leaving_k_zero_takes_a_wider_margin_than_moving_between_other_ks() -> None:
-    """A draft accepted so rarely that drafting promises between HYSTERESIS and RESUME_MARGIN more than k = 0 at one
-    request: a paused size stays paused, while a size drafting some other k moves to the best one."""
-    assert HYSTERESIS < RESUME_MARGIN
-    for percent in range(60, 0, -1):  # acceptance of the first position; later ones decay from it
-        policy = warmed()
-        for round_number in range(400):
-            draw = (round_number * 37) % 100
-            policy.observe_round(5, sum(1 for i in range(5) if draw < percent * 0.8**i))
-        draft, hop = policy.draft[1], policy.draft_hop[1].value
-        rates = {k: policy.throughput(1, k, draft.per_step, hop + draft.ingest) for k in range(6)}
-        best = max(rates, key=lambda k: rates[k])
-        if best > 0 and (1 + HYSTERESIS) * rates[0] < rates[best] < (1 + RESUME_MARGIN) * rates[0]:
-            break
-    else:
-        raise AssertionError("no acceptance put drafting between the two margins")
-    policy.current[1] = 0
-    assert policy.choose(1) == 0  # paused: drafting is not better by RESUME_MARGIN
-    worse = min((k for k in rates if k > 0), key=lambda k: rates[k])
-    assert rates[best] > (1 + HYSTERESIS) * rates[worse], rates
-    policy.current[1] = worse
-    assert policy.choose(1) == best  # the same estimates move a k above 0
+    assert policy.settled(32) == 5  # never chosen at: the configured k
+    chosen = [policy.choose(32) for _ in range(EXPLORE_EVERY)]
+    assert chosen.count(5) == 1 and chosen[-1] == 5  # the last one explored
+    assert policy.settled(32) == 0 and policy.settled(17) == 0  # the same bucket
+    assert policy.settled(1) == 5
+    fixed = warmed()
+    fixed.adaptive = False
+    fixed.choose(32)
+    assert fixed.settled(32) == 5
 
 
 def test_a_new_requests_ingest_is_paid_per_propose_not_per_draft_step() -> None:
