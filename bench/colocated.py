@@ -17,7 +17,7 @@ import torch
 from transformers import AutoTokenizer
 
 from draft_server.formats import ProposalRunner, prepare_draft, propose_what_fits
-from draft_server.runner import DraftRunner, ProposeInput, TargetRows, join_rounds
+from draft_server.runner import DraftRunner, ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
 from draft_server.tree_draft import DraftTree, TreeDrafter
 from orchestrator.backends import (
@@ -79,8 +79,7 @@ class LocalDraft:
     def _take(self, request_id: str, round_number: int) -> TargetRows:
         """The request's rows of this round, after those of earlier rounds it drafted nothing for (k = 0), as a
         replica joins them (draft_server.runner.join_rounds)."""
-        earlier = sorted(key for key in self.rows if key[0] == request_id and key[1] < round_number)
-        return join_rounds([self.rows.pop(key) for key in (*earlier, (request_id, round_number))])
+        return join_rounds(pop_rounds(self.rows, request_id, round_number))
 
     async def release(self, request_ids: Sequence[str]) -> None:
         released = set(request_ids)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -71,6 +71,16 @@ class TargetRows:
             raise DraftRequestError(f"rows at position {later.start_position} do not continue rows ending at {end}")
         features = torch.cat([self.features, later.features])
         return TargetRows(self.start_position, [*self.next_tokens, *later.next_tokens], features)
+
+
+Kept = TypeVar("Kept")
+
+
+def pop_rounds(kept: dict[tuple[str, int], Kept], request_id: str, round_number: int) -> list[Kept]:
+    """Takes out of `kept` (keyed by request id and round) the request's entry of `round_number` and those of its
+    earlier rounds, oldest first: the rounds join_rounds joins."""
+    earlier = sorted(key for key in kept if key[0] == request_id and key[1] < round_number)
+    return [kept.pop(key) for key in (*earlier, (request_id, round_number))]
 
 
 def join_rounds(parts: Sequence[TargetRows]) -> TargetRows:

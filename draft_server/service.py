@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import grpc
 
 from draft_server.formats import PreparedDraft, ProposalRunner, prepare_draft, propose_what_fits
-from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, TargetRows, join_rounds
+from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
 from draft_server.shared_tables import pull_tables
 from draft_server.tree_draft import DraftTree, TreeDrafter
@@ -386,8 +386,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     def _pop_rows(self, request_id: str, round_number: int) -> TargetRows:
         """Takes the request's rows of this round, after those of earlier rounds it was not asked to draft for
         (the orchestrator chose k = 0 then); the caller holds the rows' lock."""
-        earlier = sorted(k for k in self._rows if k[0] == request_id and k[1] < round_number)
-        return join_rounds([self._rows.pop(k)[0] for k in (*earlier, (request_id, round_number))])
+        return join_rounds([rows for rows, _ in pop_rounds(self._rows, request_id, round_number)])
 
     def _drop_stale_rows(self) -> None:
         """Drops the rows of requests that got none for rows_ttl_s: rows of a request's last round arrive after it

@@ -97,7 +97,6 @@ class Scheduler:
         self.requests_paused = 0  # requests taken off their replica by adaptive k at 0 since start (metrics)
         self.speculation = SpeculationPolicy(settings.num_steps, settings.adaptive_k)
         self.k_in_use = settings.num_steps  # the last step's k (metrics)
-        self._ahead_k = settings.num_steps  # the k of the next round, which replicas draft ahead for
         # Called with (replica id, seconds) after every Propose call that answered (orchestrator.metrics).
         self.propose_listeners: list[Callable[[str, float], None]] = []
         self._wake = asyncio.Event()
@@ -171,9 +170,6 @@ class Scheduler:
         speculating = sum(1 for r in self.running.values() if r.decoding and r.wants_speculation)
         judged = batch if self.speculation.paused(batch) else speculating
         self.k_in_use = self.speculation.choose(judged)
-        # What a replica drafts ahead is for the round after this one, which drafts the settled k: not an
-        # exploration's (a paused batch's probe drafted ahead 5 steps for a round of k = 0).
-        self._ahead_k = min(self.k_in_use, self.speculation.settled(judged))
         plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings, self.k_in_use)
         await self._preempt(plan.preempted)
         for request in plan.admitted:
@@ -190,9 +186,12 @@ class Scheduler:
         asked = [entry for entry in plan.decode if entry.request.request_id not in pushed]
         drafts, timings = await self._propose(asked)
         drafting = sum(1 for entry in (*plan.decode, *plan.chunks) if self._drafts_next(entry))
-        ahead = drafting <= self.settings.draft_ahead
+        # What a replica drafts ahead is for the round after this one, which drafts the settled k, not an
+        # exploration's (a paused batch's probe drafted ahead 5 steps for a round of k = 0); nothing when the step
+        # has more drafting requests than settings.draft_ahead.
+        ahead_k = min(self.k_in_use, self.speculation.settled(judged)) if drafting <= self.settings.draft_ahead else 0
         tasks = [
-            self._task(entry, drafts.get(entry.request.request_id), ahead, entry.request.request_id in pushed)
+            self._task(entry, drafts.get(entry.request.request_id), ahead_k, entry.request.request_id in pushed)
             for entry in (*plan.decode, *plan.chunks)
         ]
         # The replica each request had when its item was built: a replica failing while the results are read moves
@@ -320,13 +319,13 @@ class Scheduler:
         self,
         entry: Scheduled,
         drafts: tuple[list[int], list[int]] | None,  # (tokens, parents)
-        ahead: bool,  # the step is small enough to draft ahead (settings.draft_ahead)
+        ahead_k: int,  # at most this many drafts ahead for the next round (0: none this step)
         pushed: bool,  # the request's replica pushed this round's drafts to the target
     ) -> StepTask:
         request = entry.request
         params = request.params
         rows_to = self._hidden_rows_to(request.replica)
-        draft_ahead = self._draft_ahead(entry, rows_to) if ahead else 0
+        draft_ahead = self._draft_ahead(entry, rows_to, ahead_k)
         return StepTask(
             request_id=request.request_id,
             round=request.round + 1,
@@ -350,14 +349,14 @@ class Scheduler:
         replica = self.replicas.get(replica_id)
         return replica is not None and replica.backend.pushes
 
-    def _draft_ahead(self, entry: Scheduled, rows_to: str | None) -> int:
-        """Steps the request's replica may draft for its next round once this step's rows reach it: the k of this
-        round, within what the request may still generate after at least one more token; 0 when it is not drafting
+    def _draft_ahead(self, entry: Scheduled, rows_to: str | None, ahead_k: int) -> int:
+        """Steps the request's replica may draft for its next round once this step's rows reach it: `ahead_k`,
+        within what the request may still generate after at least one more token; 0 when it is not drafting
         (target-only, a move, its last round)."""
         request = entry.request
-        if not self._drafts_next(entry) or rows_to is None or request.needs_move:
+        if ahead_k == 0 or not self._drafts_next(entry) or rows_to is None or request.needs_move:
             return 0
-        return max(0, min(self._ahead_k, request.output.remaining - 2))
+        return max(0, min(ahead_k, request.output.remaining - 2))
 
     def _drafts_next(self, entry: Scheduled) -> bool:
         """Whether the request drafts in its round after this step: it verifies drafts in this one, or this is the

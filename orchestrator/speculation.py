@@ -193,12 +193,12 @@ class SpeculationPolicy:
             return self.max_k
         size = bucket(batch)
         draft = self.draft.get(size)
+        current = self.settled(batch)
         if self.target.count < MIN_STEPS or draft is None or draft.count < MIN_PROPOSES or self.drafted[0] == 0:
-            return self.current.get(size, self.max_k)
+            return current
         hop = self.draft_hop[size].value + draft.ingest
         rates = {k: self.throughput(batch, k, draft.per_step, hop) for k in range(self.max_k + 1)}
         best = max(rates, key=lambda k: rates[k])
-        current = self.current.get(size, self.max_k)
         if rates[best] > rates[current] * (1 + HYSTERESIS):
             self.current[size] = current = best
         if current == self.max_k:
