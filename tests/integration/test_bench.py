@@ -65,13 +65,15 @@ def test_bench_writes_the_report_with_medians_transformers_rows_and_identical_ou
         assert row["vs_transformers_greedy"] > 0 and row["vs_transformers_prompt_lookup"] > 0
         assert row["target_only_vs_transformers_greedy"] > 0
         # CPU time by process: the split stack's three services (a target-only run leaves the replica idle but for
-        # its event loop), the colocated engine's one process; every measured run kept some core busy.
+        # its event loop), the colocated engine's one process; every measured run kept some core busy. The kernel
+        # counts CPU time in clock ticks (10 ms): in a run of 16 tokens one process may show none (the orchestrator
+        # did, once), so only the stack's total must be above 0 (tests/unit/test_bench_cpu.py checks the counts).
         cpu = row["cpu"]
         speculative, target_only = cpu["speculative"]["ms_per_token"], cpu["target_only"]["ms_per_token"]
         if setup == "split":
             assert {"target", "draft", "orchestrator"} <= set(speculative) and "target" in target_only
-            assert speculative["target"] > 0 and speculative["draft"] > 0 and speculative["orchestrator"] > 0
-            assert target_only["target"] > 0
+            assert all(ms >= 0 for ms in (*speculative.values(), *target_only.values()))
+            assert sum(speculative.values()) > 0 and sum(target_only.values()) > 0
         else:
             assert set(speculative) == set(target_only) == {"process"}
             assert speculative["process"] > 0
