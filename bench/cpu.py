@@ -4,7 +4,7 @@ On a machine with few cores the split stack's three processes share them: a run'
 its CPU time says how much of the machine it kept busy and which process did. A meter samples the user + system
 seconds of a set of processes before and after a run; the report divides the difference by the run's tokens.
 
-Roles of the split stack are read from each process's command line (`tandem.cli target|draft|orchestrator`, the
+Roles of the split stack are read from each process's command line (`launch.cli target|draft|orchestrator`, the
 children of `tandem serve`; the launcher itself is `serve`); the colocated engine runs in the benchmark's own
 process, which also runs the client, so its one role is `process`. A process that exits during a run (a replica
 killed by a test) takes its seconds with it.
@@ -51,9 +51,9 @@ def _seconds(process: psutil.Process) -> float:
 
 
 def _role(command: list[str]) -> str:
-    """`python -m tandem.cli draft --model ...` -> "draft"; anything else under the stack -> "other"."""
-    if "tandem.cli" in command:
-        index = command.index("tandem.cli")
+    """`python -m launch.cli draft --model ...` -> "draft"; anything else under the stack -> "other"."""
+    if "launch.cli" in command:
+        index = command.index("launch.cli")
         if index + 1 < len(command):
             return command[index + 1]
     return "other"

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.settings import BenchSettings
+from launch.processes import hybrid_arguments, ngram_arguments, tree_arguments
 from orchestrator.settings import HybridSettings, NgramSettings
-from tandem.launcher import hybrid_arguments, ngram_arguments, tree_arguments
 from tandem.settings import TreeShape
 
 KIND_NAMES = ("chain", "tree", "ngram", "hybrid")

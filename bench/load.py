@@ -26,9 +26,9 @@ from bench.load_report import KVState, LoadRun, StreamResult, write
 from bench.load_settings import LoadSettings
 from bench.memory import MemorySampler, command_option
 from bench.prompts import held_out_prompts
+from launch.processes import ServeProcess
 from orchestrator.settings import SchedulerSettings
 from tandem.grpc_util import channel_options
-from tandem.launcher import ServeProcess
 from tandem.wire import (
     draft_pb2,
     draft_pb2_grpc,

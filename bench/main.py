@@ -19,7 +19,7 @@ from bench.kinds import DraftKind, draft_kinds
 from bench.prompts import held_out_prompts
 from bench.report import write, write_requests
 from bench.settings import BenchSettings
-from tandem.launcher import ServeProcess
+from launch.processes import ServeProcess
 from tandem.wire import orchestrator_pb2
 
 WARMUP_PROMPT = "def main():\n"

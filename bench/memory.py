@@ -35,8 +35,8 @@ def process_name(process: psutil.Process, root_pid: int) -> str:
     if process.pid == root_pid:
         return "serve"
     arguments = process.cmdline()
-    if "tandem.cli" in arguments:
-        command = arguments[arguments.index("tandem.cli") + 1 :]
+    if "launch.cli" in arguments:
+        command = arguments[arguments.index("launch.cli") + 1 :]
         if command and command[0] == "draft" and "--replica-id" in command:
             return command[command.index("--replica-id") + 1]
         if command:

@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from tandem.training.data import HELD_OUT_PACKAGES, split_corpus, stdlib_root
+from training.data import HELD_OUT_PACKAGES, split_corpus, stdlib_root
 
 _DEFINITION = re.compile(r"^\s*def \w+\(.*\).*:\s*$")
 

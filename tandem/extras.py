@@ -40,5 +40,5 @@ class Extra:
             raise StartupError(f"{needed_by}: {reason}")
 
 
-RAY = Extra("ray", "ray")  # tandem serve --launcher ray (tandem/ray_launcher.py)
+RAY = Extra("ray", "ray")  # tandem serve --launcher ray (launch/ray_cluster.py)
 BENCH = Extra("bench", "matplotlib")  # the acceptance plot of tandem bench (bench/plot.py)

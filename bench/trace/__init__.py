@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         python_path = os.pathsep.join(filter(None, [str(HOOK_DIR), os.environ.get("PYTHONPATH")]))
         environment = {**os.environ, "PYTHONPATH": python_path, "TANDEM_TRACE_DIR": str(logs)}
         print(f"bench.trace: tandem bench {' '.join(bench_args)}", file=sys.stderr, flush=True)
-        finished = subprocess.run([sys.executable, "-m", "tandem.cli", "bench", *bench_args], env=environment)
+        finished = subprocess.run([sys.executable, "-m", "launch.cli", "bench", *bench_args], env=environment)
         if finished.returncode != 0:
             print(f"bench.trace: tandem bench exited with {finished.returncode}", file=sys.stderr)
             return finished.returncode

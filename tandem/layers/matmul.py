@@ -114,7 +114,7 @@ def linear(
     rows = x.shape[0]
     if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.float32 or rows == 0:
         return F.linear(x, weight, bias)
-    # oneDNN's op has no gradient: training (tandem.training) computes through the other two.
+    # oneDNN's op has no gradient: training (training) computes through the other two.
     tracked = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     how = route(rows, weight.shape[0], weight.shape[1], ONEDNN and not tracked, prepacked is not None)
     if how in ("prepacked", "onednn"):

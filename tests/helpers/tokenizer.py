@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.training.data import train_tokenizer
+from training.data import train_tokenizer
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"

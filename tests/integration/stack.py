@@ -16,8 +16,8 @@ from pathlib import Path
 
 import grpc
 
+from launch.processes import ServeProcess
 from tandem.grpc_util import channel_options
-from tandem.launcher import ServeProcess
 from tandem.wire import (
     common_pb2,
     draft_pb2,
@@ -33,7 +33,7 @@ READY_LINE = re.compile(r"tandem ready: Generate on (\S+)")
 
 
 def tandem_command(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "tandem.cli", *arguments]
+    return [sys.executable, "-m", "launch.cli", *arguments]
 
 
 Stack = ServeProcess

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tandem.cli import build_parser
+from launch.cli import build_parser
 from tandem.settings import DEMO_TARGET
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -81,6 +82,15 @@ def test_images_run_as_a_non_root_user_with_a_health_check(dockerfile: Path) -> 
     assert healthcheck.endswith('CMD ["python", "/opt/tandem/healthcheck.py"]')
     assert ("COPY", "deploy/docker/healthcheck.py /opt/tandem/healthcheck.py") in steps
     assert ("ENTRYPOINT", '["tandem"]') in steps
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
+def test_images_copy_every_package_the_project_installs(dockerfile: Path) -> None:
+    # pyproject.toml's package list ("tandem*", "launch*", ...): an image without one fails at its first import.
+    project = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())
+    packages = [name.rstrip("*") for name in project["tool"]["setuptools"]["packages"]["find"]["include"]]
+    copied = {arguments for keyword, arguments in instructions(dockerfile) if keyword == "COPY"}
+    assert [package for package in packages if f"{package} ./{package}" not in copied] == []
 
 
 def test_the_gpu_image_has_a_cuda_base_and_the_chart_ray_version() -> None:

@@ -41,11 +41,11 @@ def stat_fields(pid: int) -> list[str] | None:
 
 
 def command_name(arguments: list[str]) -> str:
-    """The module a Python process runs, with the command for tandem.cli: "tandem.cli draft", "target_server.rank"."""
+    """The module a Python process runs, with the command for launch.cli: "launch.cli draft", "target_server.rank"."""
     if "-m" not in arguments:
         return arguments[0]
     module = arguments[arguments.index("-m") + 1]
-    return f"{module} {arguments[arguments.index(module) + 1]}" if module == "tandem.cli" else module
+    return f"{module} {arguments[arguments.index(module) + 1]}" if module == "launch.cli" else module
 
 
 def descendants(root: int) -> list[Process]:
@@ -97,10 +97,10 @@ def test_every_process_ends_with_a_sigkilled_serve(llama_target: Path, random_dr
         processes = descendants(stack.process.pid)
         try:
             assert sorted(process.name for process in processes) == [
-                "tandem.cli draft",
-                "tandem.cli draft",
-                "tandem.cli orchestrator",
-                "tandem.cli target",
+                "launch.cli draft",
+                "launch.cli draft",
+                "launch.cli orchestrator",
+                "launch.cli target",
                 "target_server.rank",
             ]
             stack.process.send_signal(signal.SIGKILL)
@@ -123,7 +123,7 @@ def test_every_process_ends_with_a_sigkilled_serve(llama_target: Path, random_dr
 
 TOOL = """
 import sys
-from tandem.launcher import ServeProcess
+from launch.processes import ServeProcess
 stack = ServeProcess(sys.argv[1:])
 print(stack.process.pid, flush=True)
 sys.stdin.read()  # until the test kills this process
@@ -144,10 +144,10 @@ def test_a_stack_started_by_a_tool_ends_with_the_tool(llama_target: Path, random
         processes = descendants(tool.pid)
         assert serve_pid in {process.pid for process in processes}
         assert sorted(process.name for process in processes) == [
-            "tandem.cli draft",
-            "tandem.cli orchestrator",
-            "tandem.cli serve",
-            "tandem.cli target",
+            "launch.cli draft",
+            "launch.cli orchestrator",
+            "launch.cli serve",
+            "launch.cli target",
         ]
         tool.kill()
         tool.wait()

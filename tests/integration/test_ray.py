@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tandem.launcher import ServeProcess
+from launch.processes import ServeProcess
 from tests.integration.stack import Completion, generate, run_to_exit, serve
 from tests.integration.test_greedy_equivalence import reference_greedy
 

@@ -164,8 +164,8 @@ def test_every_service_process_starts_with_the_service_environment(stack: Stack)
             environment = (entry / "environ").read_bytes().split(b"\0")
         except OSError:  # the process ended meanwhile
             continue
-        if parent == stack.process.pid and b"tandem.cli" in command:
-            children[command[command.index(b"tandem.cli") + 1].decode()] = environment
+        if parent == stack.process.pid and b"launch.cli" in command:
+            children[command[command.index(b"launch.cli") + 1].decode()] = environment
     assert set(children) == {"target", "draft", "orchestrator"}
     expected = os.environ.get("GOMP_SPINCOUNT", SERVICE_ENVIRONMENT["GOMP_SPINCOUNT"]).encode()
     for environment in children.values():

@@ -1,4 +1,4 @@
-"""What a service started as a Ray actor makes of its stack's TLS (tandem.actor_security), without Ray."""
+"""What a service started as a Ray actor makes of its stack's TLS (launch.actor_security), without Ray."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from draft_server.settings import DraftSettings
+from launch.actor_security import ActorSecurity
+from launch.stack_security import ServeSecurity, StackSecurity
 from orchestrator.settings import OrchestratorSettings
-from tandem.actor_security import ActorSecurity
 from tandem.certificates import INTERNAL_NAME, CertificatePems
-from tandem.serve_security import ServeSecurity, StackSecurity
 from tandem.serving import ListenSettings
 from tandem.transport import Insecure, Tls, TransportConfigError
 from target_server.settings import TargetSettings

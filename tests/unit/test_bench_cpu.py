@@ -11,10 +11,10 @@ from bench.cpu import OWN_PROCESS, CpuMeter, spent
 
 
 def test_a_process_trees_seconds_are_summed_by_the_role_its_command_line_names() -> None:
-    # A child run as `python -c ... tandem.cli draft`: its role is the word after tandem.cli, as for the services.
+    # A child run as `python -c ... launch.cli draft`: its role is the word after launch.cli, as for the services.
     burn = "import sys, time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\ninput()"
     child = subprocess.Popen(
-        [sys.executable, "-c", burn, "tandem.cli", "draft"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL
+        [sys.executable, "-c", burn, "launch.cli", "draft"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL
     )
     try:
         meter = CpuMeter(child.pid, tree=True)

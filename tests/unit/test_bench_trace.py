@@ -23,9 +23,9 @@ def test_a_walk_much_longer_than_the_median_is_left_out() -> None:
 
 
 def test_logs_are_read_by_the_role_of_their_process(tmp_path: Path) -> None:
-    (tmp_path / "1.log").write_text("/x/tandem/cli.py target --model\n5 runner_end\n1 step_in\n")
-    (tmp_path / "2.log").write_text("/x/tandem/cli.py draft --model\n3 rows_arrived\n")
-    (tmp_path / "3.log").write_text("/x/tandem/cli.py bench --draft\n2 runner_start\n")  # the benchmark's own
+    (tmp_path / "1.log").write_text("/x/launch/cli.py target --model\n5 runner_end\n1 step_in\n")
+    (tmp_path / "2.log").write_text("/x/launch/cli.py draft --model\n3 rows_arrived\n")
+    (tmp_path / "3.log").write_text("/x/launch/cli.py bench --draft\n2 runner_start\n")  # the benchmark's own
     assert read_events(tmp_path) == [
         Event(1, "target:step_in"),
         Event(3, "draft:rows_arrived"),

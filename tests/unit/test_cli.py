@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import build_parser, main, scheduler_settings_of, tree_shape_of
-from tandem.launcher import Launcher, ServeSettings
+from launch.cli import build_parser, main, scheduler_settings_of, tree_shape_of
+from launch.processes import Launcher, ServeSettings
 from tandem.settings import TreeShape
 
 

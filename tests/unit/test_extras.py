@@ -14,7 +14,7 @@ from tandem.errors import StartupError
 from tandem.extras import BENCH, RAY, Extra
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("tandem", "orchestrator", "target_server", "draft_server", "bench")
+PACKAGES = ("tandem", "orchestrator", "target_server", "draft_server", "launch", "training", "bench")
 OPTIONAL = ("ray", "matplotlib")
 
 # Imports every module of the packages but the Ray launcher itself, and reports which optional modules came along.
@@ -24,7 +24,7 @@ imported = []
 for package in sys.argv[1].split(","):
     root = importlib.import_module(package)
     for module in pkgutil.walk_packages(root.__path__, package + "."):
-        if module.name != "tandem.ray_launcher":
+        if module.name != "launch.ray_cluster":
             importlib.import_module(module.name)
             imported.append(module.name)
 optional = [name for name in sys.argv[2].split(",") if name in sys.modules]
@@ -42,7 +42,7 @@ def test_importing_every_module_but_the_ray_launcher_imports_no_optional_depende
         check=True,
     )
     report = json.loads(finished.stdout.splitlines()[-1])
-    wanted = {"tandem.cli", "tandem.launcher", "orchestrator.main", "target_server.main", "draft_server.main"}
+    wanted = {"launch.cli", "launch.processes", "orchestrator.main", "target_server.main", "draft_server.main"}
     assert wanted | {"bench.report", "bench.plot"} <= set(report["imported"])
     assert report["optional"] == []
 

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from launch.cli import _hybrid, _ngram, build_parser
+from launch.processes import Launcher, ServeSettings, ready_line
 from orchestrator.backends import BackendError, ProposedBatch, ProposeTask
 from orchestrator.hybrid import HybridDrafter, MergedDrafts, merge_branch, with_hybrid
 from orchestrator.ngram import NgramDrafter, lookup
 from orchestrator.output import Stats
 from orchestrator.scheduler import draft_depth, tree_fault
 from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
-from tandem.cli import _hybrid, _ngram, build_parser
-from tandem.launcher import Launcher, ServeSettings, ready_line
 from tandem.sampling.tree_verify import TreeOutcome, tree_depths, verify_tree
 from tandem.sampling.verify import verify_sampled
 from tandem.settings import TreeShape

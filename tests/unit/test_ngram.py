@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from launch.cli import _ngram, build_parser
+from launch.processes import Launcher, ServeSettings, ready_line
 from orchestrator.backends import ProposeTask
 from orchestrator.ngram import NGRAM_REPLICA, NgramDrafter, add_ngram_replica, check_one_draft_kind, lookup
 from orchestrator.replicas import ReplicaPool
 from orchestrator.settings import DiscoverySettings, NgramSettings, OrchestratorSettings
-from tandem.cli import _ngram, build_parser
 from tandem.errors import StartupError
-from tandem.launcher import Launcher, ServeSettings, ready_line
 
 
 def test_the_longest_suffix_is_tried_first() -> None:

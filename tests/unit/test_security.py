@@ -13,14 +13,14 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from launch.cli import main as cli_main
+from launch.stack_security import ServeSecurity
 from orchestrator.admin import address_allowed
 from orchestrator.main import check_admin_settings
 from orchestrator.settings import AdminSettings
 from tandem.auth import Unauthenticated, check_bearer, resolve_secret
 from tandem.certificates import INTERNAL_NAME, CertificateFiles, make_certificates
-from tandem.cli import main as cli_main
 from tandem.errors import StartupError
-from tandem.serve_security import ServeSecurity
 from tandem.serving import ListenSettings, start_server
 from tandem.transport import Insecure, Tls, TransportConfigError, TransportSecurity, internal_security
 from tests.helpers.secured_calls import health_code

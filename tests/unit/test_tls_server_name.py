@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from launch.cli import main as cli_main
 from tandem.certificates import make_certificates
-from tandem.cli import main as cli_main
 from tandem.serving import ListenSettings, start_server
 from tandem.transport import Insecure, Tls, TransportConfigError, TransportSecurity
 from tests.helpers.secured_calls import health_code

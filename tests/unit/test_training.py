@@ -1,4 +1,4 @@
-"""The demo training pipeline (tandem.training) on tiny shapes.
+"""The demo training pipeline (training) on tiny shapes.
 
 What is trained must be what is served: the dense training forwards are compared with the paged serving forwards
 and with transformers, the saved files are read back by the serving loaders, and the unrolled draft chains of the
@@ -25,7 +25,10 @@ from tandem.models.aux_layers import resolve_capture
 from tandem.models.eagle3 import load_eagle3
 from tandem.models.mtp import MTPLayerOutput, load_mtp
 from tandem.settings import KVCacheSettings
-from tandem.training.data import (
+from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
+from tests.helpers.eagle3_mla_checkpoints import TinyEagle3MLASpec, write_tiny_eagle3_mla
+from tests.helpers.mtp_checkpoints import TinyChainedMTPSpec, write_tiny_chained_mtp
+from training.data import (
     END_OF_TEXT,
     HELD_OUT_PACKAGES,
     PAD,
@@ -37,8 +40,8 @@ from tandem.training.data import (
     token_id,
     train_tokenizer,
 )
-from tandem.training.dense import chain_mask, target_forward, unrolled_draft_logits, unrolled_mtp_outputs
-from tandem.training.eagle3 import (
+from training.dense import chain_mask, target_forward, unrolled_draft_logits, unrolled_mtp_outputs
+from training.eagle3 import (
     IGNORED_LABEL,
     DraftShape,
     DraftTraining,
@@ -52,8 +55,8 @@ from tandem.training.eagle3 import (
     target_to_draft_map,
     train_draft,
 )
-from tandem.training.mtp import MTPShape, build_mtp, mtp_inputs, save_mtp, train_mtp
-from tandem.training.target import (
+from training.mtp import MTPShape, build_mtp, mtp_inputs, save_mtp, train_mtp
+from training.target import (
     OptimiserSettings,
     TargetShape,
     TargetTraining,
@@ -63,9 +66,6 @@ from tandem.training.target import (
     save_target,
     train_target,
 )
-from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
-from tests.helpers.eagle3_mla_checkpoints import TinyEagle3MLASpec, write_tiny_eagle3_mla
-from tests.helpers.mtp_checkpoints import TinyChainedMTPSpec, write_tiny_chained_mtp
 
 TOLERANCE = 1e-4
 TINY_TARGET = TargetShape(

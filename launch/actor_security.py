@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from draft_server.settings import DraftSettings
+from launch.stack_security import StackSecurity
 from orchestrator.settings import OrchestratorSettings
 from tandem.certificates import INTERNAL_NAME, CertificatePems
-from tandem.serve_security import StackSecurity
 from tandem.serving import ListenSettings
 from tandem.transport import Insecure, Tls, internal_security, read_pem
 from target_server.settings import TargetSettings

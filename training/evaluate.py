@@ -27,8 +27,8 @@ from tandem.models.llama import LlamaForCausalLM
 from tandem.models.mtp import load_mtp
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
-from tandem.training.target import load_llama_target
 from target_server.runner import TargetRunner
+from training.target import load_llama_target
 
 GREEDY = SamplingParams()
 

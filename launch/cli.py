@@ -16,18 +16,9 @@ from bench.kinds import KIND_NAMES, TREE_KIND
 from bench.load_settings import LoadSettings
 from bench.settings import BenchSettings
 from draft_server.settings import MTP_FEEDBACKS, MTP_MODES, DraftSettings
-from orchestrator.settings import (
-    AdminSettings,
-    DiscoverySettings,
-    HttpSettings,
-    HybridSettings,
-    NgramSettings,
-    OrchestratorSettings,
-    SchedulerSettings,
-    parse_host_port,
-)
-from tandem.cli_devices import Placement, add_device_options, placement_of
-from tandem.cli_security import (
+from launch.devices import Placement, add_device_options, placement_of
+from launch.processes import ServeSettings, serve
+from launch.security_flags import (
     add_admin_options,
     add_admin_token_options,
     add_api_key_options,
@@ -39,12 +30,21 @@ from tandem.cli_security import (
     internal_security_of,
     public_security_of,
 )
+from launch.stack_security import ServeSecurity
+from orchestrator.settings import (
+    AdminSettings,
+    DiscoverySettings,
+    HttpSettings,
+    HybridSettings,
+    NgramSettings,
+    OrchestratorSettings,
+    SchedulerSettings,
+    parse_host_port,
+)
 from tandem.devices import DTYPES
 from tandem.errors import StartupError
 from tandem.extras import RAY
-from tandem.launcher import ServeSettings, serve
 from tandem.models.aux_layers import CONVENTIONS
-from tandem.serve_security import ServeSecurity
 from tandem.serving import ListenSettings, configure_logging
 from tandem.settings import (
     DEMO_CHAT_TEMPLATE,
@@ -727,7 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             served_model_name=args.served_model_name,
         )
         if settings.launcher == "ray":
-            from tandem.ray_launcher import serve_on_ray  # imports ray: only on this path
+            from launch.ray_cluster import serve_on_ray  # imports ray: only on this path
 
             return serve_on_ray(settings)
         return serve(settings)
@@ -773,11 +773,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench-load":
         return _bench_load(args)
     if args.command == "generate":
-        from tandem.client import generate
+        from launch.client import generate
 
         return generate(args)
     if args.command == "scale":
-        from tandem.client import scale
+        from launch.client import scale
 
         return scale(args.address, args.draft_replicas, client_security_of(args), admin_token_of(args))
     configure_logging(args.command)

@@ -8,8 +8,8 @@ import time
 
 import grpc
 
+from launch.security_flags import api_key_of, client_security_of
 from tandem.auth import bearer_metadata
-from tandem.cli_security import api_key_of, client_security_of
 from tandem.transport import TransportSecurity
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 

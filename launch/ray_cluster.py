@@ -7,7 +7,7 @@ restarted (max_restarts=0). As with the process launcher, a target or orchestrat
 on its own) is reported and `tandem serve` exits non-zero; a draft replica that dies is reported and
 serving goes on without it (the orchestrator moves its requests to the other replicas or target-only).
 TLS (`--internal-tls`, or `--tls-cert/--tls-key/--tls-ca`) reaches each actor as certificate bytes
-(tandem.actor_security), since an actor may run on a machine without the launcher's files.
+(launch.actor_security), since an actor may run on a machine without the launcher's files.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from draft_server.settings import DraftSettings
+from launch.actor_security import ActorSecurity, ServiceSettings
+from launch.processes import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, ServeSettings, http_line, ready_line
+from launch.stack_security import StackSecurity
 from orchestrator.settings import AdminSettings, HttpSettings, OrchestratorSettings
-from tandem.actor_security import ActorSecurity, ServiceSettings
 from tandem.errors import StartupError
-from tandem.launcher import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, ServeSettings, http_line, ready_line
 from tandem.models.aux_layers import Convention
-from tandem.serve_security import StackSecurity
 from tandem.serving import ListenSettings, configure_logging
 from tandem.settings import service_environment
 from tandem.transport import TransportConfigError

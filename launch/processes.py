@@ -26,10 +26,10 @@ from types import FrameType
 import grpc
 
 from draft_server.settings import DraftSettings, MTPFeedback, MTPMode
+from launch.stack_security import ServeSecurity, StackSecurity, without_secrets
 from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
 from tandem.grpc_util import channel_options
 from tandem.lifetime import start_child
-from tandem.serve_security import ServeSecurity, StackSecurity, without_secrets
 from tandem.settings import KVCacheSettings, TreeShape
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 from target_server.settings import TargetSettings
@@ -53,7 +53,7 @@ class ServeSettings:
     dtype: str = "float32"  # resolved, as device (tandem.devices)
     device: str = "cpu"  # target rank 0's and every draft replica's: "cpu" or "cuda:N"
     cache: KVCacheSettings = field(default_factory=KVCacheSettings)  # the target's pool, and each replica's
-    launcher: str = "process"  # "ray": tandem.ray_launcher
+    launcher: str = "process"  # "ray": launch.ray_cluster
     ray_address: str | None = None  # the Ray cluster to join; None: start a local one
     tp: int = TargetSettings.tp  # the target's tensor-parallel ranks
     target_threads: int = TargetSettings.threads  # intra-op threads of each target rank (0: its share of the cores)
@@ -261,7 +261,7 @@ class Launcher:
         environment: Mapping[str, str] | None = None,
     ) -> Path:
         ready_file = Path(self._workdir.name) / f"{name}.address"
-        command = [sys.executable, "-m", "tandem.cli", *arguments, "--host", host, "--port", str(port)]
+        command = [sys.executable, "-m", "launch.cli", *arguments, "--host", host, "--port", str(port)]
         command += ["--ready-file", str(ready_file)]
         # Children ignore the terminal's SIGINT (own session); the launcher stops them in order, and should it be
         # killed instead, they get SIGTERM from the kernel (tandem.lifetime).
@@ -389,7 +389,7 @@ class ServeProcess:
     """
 
     def __init__(self, arguments: Sequence[str], ready_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        command = [sys.executable, "-m", "tandem.cli", "serve", *arguments]
+        command = [sys.executable, "-m", "launch.cli", "serve", *arguments]
         self.process = start_child(command, pipe_output=True)
         self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()

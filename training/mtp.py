@@ -1,6 +1,6 @@
 """Trains chained MTP layers (Step-3.5 style, tandem.models.mtp) for a Llama target and saves them in its format.
 
-Data: the EAGLE3 heads' greedy continuations (tandem.training.eagle3.collect_draft_data), of which the MTP layers
+Data: the EAGLE3 heads' greedy continuations (training.eagle3.collect_draft_data), of which the MTP layers
 take the target's PRE-norm final stream h_T (capture index num_layers) and the tokens x and greedy predictions g.
 
 Training-time test. The runner (draft_server/mtp_runner.py) has layer k at position p consume (h_{k-1}[p], x[p+k+1])
@@ -8,7 +8,7 @@ and predict x[p+k+2], with h_{-1} = h_T and h_k layer k's pre-norm output; draft
 committed position P, and layer k's rows before P are committed rows or rows of this round's guesses. Along the path
 greedy verification accepts, every guess is the target's greedy token, which in a greedy continuation is the
 sequence's own next token, so every row the runner computes is the row of one causal pass over the sequence with
-each layer fed the previous layer's output rows (tandem.training.dense.unrolled_mtp_outputs):
+each layer fed the previous layer's output rows (training.dense.unrolled_mtp_outputs):
     layer k, row p: (h_{k-1}[p], x[p + k + 1])   -> label g[p + k + 1], the target's greedy token for p + k + 2
 Rows whose token or label lies past the sequence end are ignored. Gradients flow through the chain, as in DeepSeek-V3's
 MTP training: layer k's loss also trains the layers whose output it consumes.
@@ -31,11 +31,11 @@ import torch
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.mtp import MTPConfig, MTPModel
 from tandem.models.registry import target_architecture
-from tandem.training.checkpoint import checkpoint_tensors, save_tensors
-from tandem.training.dense import unrolled_mtp_outputs
-from tandem.training.eagle3 import IGNORED_LABEL, DraftData, shifted
-from tandem.training.heads import DraftRecord, DraftTraining, step_losses, train_head
-from tandem.training.target import LossPoint, OptimiserSettings
+from training.checkpoint import checkpoint_tensors, save_tensors
+from training.dense import unrolled_mtp_outputs
+from training.eagle3 import IGNORED_LABEL, DraftData, shifted
+from training.heads import DraftRecord, DraftTraining, step_losses, train_head
+from training.target import LossPoint, OptimiserSettings
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Data: held-in prompts continued greedily by the target; for every position t of 
 aux features f[t] and its greedy prediction g[t] (the token the target would put at t + 1).
 
 Training-time test (EAGLE-3): the chain the draft server runs (draft_server/runner.py) is unrolled for every anchor
-p at once (tandem.training.dense.unrolled_draft_logits):
+p at once (training.dense.unrolled_draft_logits):
     step 0  row of anchor p: (f[p], x[p + 1]), attends causally to ingested rows   -> label g[p + 1]
     step j  row at position p + j: (draft hidden of step j - 1, g[p + j])            -> label g[p + j + 1]
 At inference the token of step j is the draft's own guess d_j; along the accepted path it equals g[p + j], so the
@@ -29,10 +29,10 @@ from tqdm import tqdm
 from tandem.models.aux_layers import resolve_capture
 from tandem.models.eagle3 import Eagle3Config, Eagle3Draft
 from tandem.models.llama import LlamaForCausalLM
-from tandem.training.checkpoint import checkpoint_tensors, save_tensors
-from tandem.training.dense import unrolled_draft_logits
-from tandem.training.heads import DraftRecord, DraftTraining, step_losses, train_head
-from tandem.training.target import LossPoint, greedy_generate
+from training.checkpoint import checkpoint_tensors, save_tensors
+from training.dense import unrolled_draft_logits
+from training.heads import DraftRecord, DraftTraining, step_losses, train_head
+from training.target import LossPoint, greedy_generate
 
 IGNORED_LABEL = -100
 # Checkpoint prefixes per head architecture, the inverse of tandem.models.eagle3.EAGLE3_RENAMES: SpecForge's

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tandem.training.target import LossPoint
+from training.target import LossPoint
 
 METADATA = "metadata.json"
 CURVES = "loss_curve.json"

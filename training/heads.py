@@ -1,7 +1,7 @@
 """The training loop shared by the draft heads (EAGLE3 heads of either layer kind, chained MTP layers).
 
 Each head brings its own loss over a batch of sequences (the chain it runs at serving time, unrolled); the loop
-brings what must be the same for all of them: AdamW with the target's schedule (tandem.training.target), a wall-time
+brings what must be the same for all of them: AdamW with the target's schedule (training.target), a wall-time
 budget, a progress bar, the loss curve and the per-step accuracy of the last batches.
 """
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from tandem.training.target import LossPoint, OptimiserSettings, training_progress
+from training.target import LossPoint, OptimiserSettings, training_progress
 
 # A batch's loss: sequence rows [batch] -> (scalar loss to minimise, accuracy per chain step on labelled rows).
 BatchLoss = Callable[[torch.Tensor], tuple[torch.Tensor, list[float]]]

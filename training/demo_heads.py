@@ -1,10 +1,10 @@
 """The demo's draft heads, by name: what each takes of the collected data, how it trains, and what it is scored on.
 
-    eagle3      EAGLE3 head with a Llama layer (SpecForge layout), unrolled chain of tandem.training.eagle3
+    eagle3      EAGLE3 head with a Llama layer (SpecForge layout), unrolled chain of training.eagle3
     eagle3-mla  EAGLE3 head with an MLA layer (Eagle3DeepseekV2ForCausalLM, Kimi-K2.5 layout), the same chain
-    mtp         chained MTP layers (Step-3.5 style, tandem.training.mtp), one draft step per layer
+    mtp         chained MTP layers (Step-3.5 style, training.mtp), one draft step per layer
 
-Every head is trained on the same greedy continuations of the served target (tandem.training.demo's data stage),
+Every head is trained on the same greedy continuations of the served target (training.demo's data stage),
 collected once at the union of the heads' capture indices; each head takes its own columns (captured_features).
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from tandem.models.llama import LlamaForCausalLM
-from tandem.training.eagle3 import (
+from training.eagle3 import (
     DraftData,
     DraftShape,
     LatentAttentionShape,
@@ -30,9 +30,9 @@ from tandem.training.eagle3 import (
     target_to_draft_map,
     train_draft,
 )
-from tandem.training.heads import DraftRecord, DraftTraining
-from tandem.training.mtp import MTPShape, build_mtp, mtp_training_defaults, save_mtp, train_mtp
-from tandem.training.target import LossPoint
+from training.heads import DraftRecord, DraftTraining
+from training.mtp import MTPShape, build_mtp, mtp_training_defaults, save_mtp, train_mtp
+from training.target import LossPoint
 
 
 def mla_draft_shape() -> DraftShape:

@@ -1,7 +1,7 @@
-"""Trains the bundled demo pair from scratch: `python -m tandem.training.demo --out DIR [--budget-minutes N]`.
+"""Trains the bundled demo pair from scratch: `python -m training.demo --out DIR [--budget-minutes N]`.
 
 Stages, each with a progress bar and its wall time recorded in DIR/metadata.json:
-    corpus      the interpreter's standard library split into train / held-out packages (tandem.training.data)
+    corpus      the interpreter's standard library split into train / held-out packages (training.data)
     tokenizer   byte-level BPE trained on the train split only
     target      a Llama-architecture code model trained on the train split                  -> DIR/target/
     data        greedy continuations of held-in prompts by the saved target, with the aux features of every head
@@ -9,11 +9,11 @@ Stages, each with a progress bar and its wall time recorded in DIR/metadata.json
     eagle3-mla  an EAGLE3 head with an MLA layer (Kimi-K2.5 layout), the same chain             -> DIR/eagle3-mla/
     mtp         3 chained MTP layers (Step-3.5 style), each on the previous one's outputs       -> DIR/mtp/
     evaluate    per head, greedy acceptance length on held-out prompts (k = 5, or the MTP head's layers), step timings
-The heads are described in tandem.training.demo_heads. The loss curves go to DIR/loss_curve.json and .md.
+The heads are described in training.demo_heads. The loss curves go to DIR/loss_curve.json and .md.
 
 `--only-heads eagle3-mla,mtp` trains only the named heads on the target already in DIR, with its tokenizer: the
 tokenizer is read instead of trained, the target stage is skipped, and what DIR's metadata and curves hold of the
-target and the other heads is kept (tandem.training.records).
+target and the other heads is kept (training.records).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from tandem.training.data import (
+from training.data import (
     END_OF_TEXT,
     HELD_OUT_PACKAGES,
     PAD,
@@ -44,17 +44,17 @@ from tandem.training.data import (
     token_id,
     train_tokenizer,
 )
-from tandem.training.demo_heads import DEMO_HEADS, HeadContext, HeadSettings
-from tandem.training.eagle3 import collect_draft_data
-from tandem.training.evaluate import measure_acceptance
-from tandem.training.records import (
+from training.demo_heads import DEMO_HEADS, HeadContext, HeadSettings
+from training.eagle3 import collect_draft_data
+from training.evaluate import measure_acceptance
+from training.records import (
     directory_megabytes,
     merge_metadata,
     read_curves,
     read_metadata,
     write_curves,
 )
-from tandem.training.target import (
+from training.target import (
     LossPoint,
     TargetShape,
     TargetTraining,
@@ -64,7 +64,7 @@ from tandem.training.target import (
     train_target,
 )
 
-LOG = logging.getLogger("tandem.training.demo")
+LOG = logging.getLogger("training.demo")
 TARGET_NOTE = "Next-token cross-entropy (nats) on the training blocks."
 
 
@@ -191,7 +191,7 @@ def run_demo(
             report = measure_acceptance(target_dir, out / name, eval_prompts, num_steps, settings.eval_new_tokens)
             trained[name]["acceptance"] = asdict(report)
 
-    command = f"python -m tandem.training.demo --out {out} --budget-minutes {settings.budget_minutes:g}"
+    command = f"python -m training.demo --out {out} --budget-minutes {settings.budget_minutes:g}"
     if not with_target:
         command += f" --only-heads {','.join(heads)}"
     run = {

@@ -1,7 +1,7 @@
 """Trains the demo target: a Llama-architecture causal LM, built from the config.json it is saved with.
 
 The model is tandem.models.llama.LlamaForCausalLM, the class the target server runs; training drives it through the
-dense forward of tandem.training.dense. Weights are stored in the Hugging Face layout, so transformers'
+dense forward of training.dense. Weights are stored in the Hugging Face layout, so transformers'
 AutoModelForCausalLM reads the same files.
 """
 
@@ -23,8 +23,8 @@ from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 from tandem.models.config import ModelConfig
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.registry import load_target
-from tandem.training.checkpoint import checkpoint_tensors, save_tensors
-from tandem.training.dense import DenseKV, target_forward
+from training.checkpoint import checkpoint_tensors, save_tensors
+from training.dense import DenseKV, target_forward
 
 
 @dataclass(frozen=True)

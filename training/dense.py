@@ -274,7 +274,7 @@ def unrolled_mtp_outputs(
     step_tokens: Sequence[torch.Tensor],  # per MTP layer k, [batch, time]: the token row p takes, x[p + k + 1]
     chain: bool = True,
 ) -> list[MTPLayerOutput]:  # per MTP layer, stream and normed [batch, time, hidden]
-    """Every chained MTP layer over every position at once, each layer one causal pass (tandem.training.mtp says why
+    """Every chained MTP layer over every position at once, each layer one causal pass (training.mtp says why
     that is the runner's chain): layer k's row p takes (h_{k-1}[p], step_tokens[k][:, p]), h_{-1} = target_hidden;
     without `chain` every layer takes target_hidden, as the runner's non-chain mode does."""
     positions = torch.arange(target_hidden.shape[1], device=target_hidden.device)

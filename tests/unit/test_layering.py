@@ -1,0 +1,51 @@
+"""Layers point one way: the library imports no service, the services import neither the launchers nor the bench.
+
+tandem/ (library) <- target_server/, draft_server/, orchestrator/ (services) <- launch/ (command line, launchers,
+security wiring); training/ and bench/ sit beside launch/. Read from the source (every import statement, also those
+inside functions), so a lazy import cannot hide an arrow pointing up.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ("target_server", "draft_server", "orchestrator")
+ABOVE_SERVICES = ("launch", "training", "bench")
+# What each package may not import (top-level package names).
+FORBIDDEN = {
+    "tandem": (*SERVICES, *ABOVE_SERVICES),
+    **{service: ABOVE_SERVICES for service in SERVICES},
+}
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The top-level package names that a module's import statements name (relative imports stay in the package)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_reader_sees_imports_inside_functions(tmp_path: Path) -> None:
+    module = tmp_path / "module.py"
+    module.write_text(
+        "import os\n\ndef late():\n    from orchestrator.scheduler import Scheduler\n    import bench.main\n"
+    )
+    assert imported_packages(module) == {"os", "orchestrator", "bench"}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_import_points_up(package: str) -> None:
+    wrong = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for name in sorted(imported_packages(path) & set(FORBIDDEN[package])):
+            wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not wrong, "\n".join(wrong)
