@@ -44,16 +44,15 @@ from tandem.models.tokenizer_digest import tokenizer_digest
 from tandem.parallel.vocab import assemble_shards
 from tandem.settings import KVCacheSettings, TreeShape
 from tandem.wire import orchestrator_pb2
+from target_server.items import MAX_DRAFT_TOKENS, CapturedRows, ItemStatus, OpenRequest, StepItem
 from target_server.main import target_info
-from target_server.runner import MAX_DRAFT_TOKENS, CapturedRows, ItemStatus, OpenRequest, StepItem, TargetRunner
+from target_server.runner import TargetRunner
 
 REPLICA_ID = "colocated"
 
 
 class LocalDraft:
     """A DraftBackend over an in-process draft runner; the target hands it rows directly."""
-
-    pushes = False  # in one process there is nothing to skip
 
     def __init__(self, runner: ProposalRunner, capture: tuple[int, ...], tokens_only: bool) -> None:
         self.runner = runner

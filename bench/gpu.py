@@ -8,7 +8,7 @@ it times, on TargetRunner steps:
                  length L (1..k+1) a round commits L tokens, so tok/s at L is batch * L / round time. Draft compute
                  and the wire are not included: this measures what the target can deliver at a given acceptance.
 Results go to --out as JSON and Markdown. On a machine without CUDA it stops with one line and exit code 2.
-Nothing here has run on a GPU yet (README, "GPU").
+Nothing here has run on a GPU yet (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from tandem.models.registry import TargetModel, target_architecture
 from tandem.parallel.group import SINGLE_PROCESS
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
-from target_server.runner import StepItem, TargetRunner
+from target_server.items import StepItem
+from target_server.runner import TargetRunner
 
 # Llama-3.1-8B's config.json, the fields Tandem reads.
 LLAMA_3_1_8B: dict[str, Any] = {

@@ -31,7 +31,8 @@ from tandem.models.eagle3 import Eagle3Draft, load_eagle3
 from tandem.models.registry import load_target
 from tandem.sampling.params import SamplingParams
 from tandem.settings import DEMO_DRAFT, DEMO_TARGET, KVCacheSettings
-from target_server.runner import OpenRequest, StepItem, TargetRunner
+from target_server.items import OpenRequest, StepItem
+from target_server.runner import TargetRunner
 
 VARIANTS = ("prepacked", "plain")
 PHASES = ("verify", "decode", "propose")

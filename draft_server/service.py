@@ -10,10 +10,6 @@ as the step's last message (`step_end`) arrives, one batch for the step, while t
 orchestrator and its Propose travels here. Propose then takes the drafts made ahead (waiting for them if they are
 still being made) when it asks for the same number of steps, the first ones of a longer chain, and drafts again
 from the same rows otherwise. Rows a Propose already waits for are never drafted ahead.
-
-Pushing: rows that also carry `push` are drafted ahead the same way, but their drafts go to the target at once, on
-the replica's PushDrafts stream (target_server/pushed.py), and no Propose asks for them: the orchestrator's next item
-for the request tells the target to verify what the replica pushed.
 """
 
 from __future__ import annotations
@@ -70,11 +66,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self._ahead_wanted: dict[Key, int] = {}  # rows of this step to draft ahead, and their steps
         self._ahead: dict[Key, tuple[DraftedAhead, float]] = {}  # drafts made (or being made) ahead, arrival time
         self._asked: set[Key] = set()  # rows a Propose is waiting for: never drafted ahead
-        self._to_push: set[Key] = set()  # rows to draft ahead whose drafts go to the target (HiddenStates.push)
-        # What push_drafts writes to the target; None until it runs (the replica then keeps every draft for a Propose).
-        self._pushes: asyncio.Queue[target_pb2.PushedBatch] | None = None
         self.drafted_ahead = 0  # proposals answered with drafts made ahead (GetInfo)
-        self.pushed = 0  # requests whose drafts made ahead went to the target (GetInfo)
         # Requests dropped for lack of KV room: this replica holds none of their state until their rows start over
         # (a replay), so rows that continue them are not drafted (a batch with them would fail as a whole).
         self._dropped: set[str] = set()
@@ -103,8 +95,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             return
         owner = self.leases.owner(message.request_id)
         if owner:
-            # The target runs the request, so its orchestrator is alive, though with pushed drafts it may not
-            # call this replica for a long time (and its stream here may have dropped).
+            # The target runs the request, so its orchestrator is alive, though it may not call this replica for a
+            # while (and its stream here may have dropped).
             self.leases.seen(owner, time.monotonic())
         rows = TargetRows(message.start_position, list(message.next_tokens), tensor_from_proto(message.features))
         key = (message.request_id, message.round)
@@ -120,8 +112,6 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             self._dropped.discard(message.request_id)
         if message.draft_ahead > 0 and key not in self._asked:
             self._ahead_wanted[key] = message.draft_ahead
-            if message.push and self._pushes is not None:
-                self._to_push.add(key)
         if message.step_end and self._ahead_wanted:
             self._start_ahead(self._ahead_wanted)
             self._ahead_wanted = {}
@@ -145,62 +135,13 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             batch[key].exhausted = "it was dropped for lack of KV room and needs a replay"
             batch[key].done.set_result(None)
         if not live:
-            self._push(batch)
             return
         inputs = [ProposeInput(key[0], ahead.rows, ahead.num_steps) for key, ahead in live.items()]
         computing = self.model_thread.start(_timed_proposals, self.runner, inputs)
         computing.add_done_callback(lambda done: _settle(live, done))
-        computing.add_done_callback(lambda _: self._push(batch))  # after _settle, which gives each its drafts
 
     def _needs_replay(self, request_id: str, rows: TargetRows) -> bool:
         return request_id in self._dropped and rows.start_position > 0
-
-    async def push_drafts(self, target: target_pb2_grpc.TargetStub) -> None:
-        """Writes the drafts made ahead for pushing to the target (PushDrafts) for the life of the replica; returns
-        or raises only when the stream ends (the target went away, as the hidden-state stream does then)."""
-        pushes: asyncio.Queue[target_pb2.PushedBatch] = asyncio.Queue()
-
-        async def batches() -> AsyncIterator[target_pb2.PushedBatch]:
-            while True:
-                yield await pushes.get()
-
-        self._pushes = pushes
-        try:
-            await target.PushDrafts(batches())
-        finally:
-            self._pushes = None
-
-    def _push(self, batch: Mapping[Key, DraftedAhead]) -> None:
-        """Sends the target the drafts of a settled draft-ahead batch whose rows asked for it (nothing asks for
-        them here then); a request released meanwhile is skipped."""
-        keys = [key for key in batch if key in self._to_push]
-        self._to_push.difference_update(batch)
-        if not keys or self._pushes is None:
-            return
-        message = target_pb2.PushedBatch(replica_id=self.settings.replica_id)
-        for key in keys:
-            made = batch[key]
-            entry = self._ahead.get(key)
-            if entry is None or entry[0] is not made:  # released (or taken by a Propose after all)
-                continue
-            del self._ahead[key]
-            pushed = target_pb2.PushedDrafts(request_id=key[0], round=key[1])
-            error = _batch_failure(key[0], made)
-            if error is None and made.exhausted is not None:
-                self._dropped.add(key[0])
-                error = self._no_room(made.exhausted)
-            if error is not None:
-                pushed.error.CopyFrom(error.as_proto())
-            else:
-                tree = _as_tree(made.proposal)
-                pushed.draft_tokens.extend(tree.tokens)
-                pushed.parents.extend(tree.parents)
-            message.drafts.append(pushed)
-            # One batch drafted them all; a request not drafted (it needs a replay) has no compute of its own.
-            message.compute_seconds = max(message.compute_seconds, made.finished - made.started)
-        if message.drafts:
-            self.pushed += len(message.drafts)
-            self._pushes.put_nowait(message)
 
     async def GetInfo(
         self, request: draft_pb2.DraftInfoRequest, context: grpc.aio.ServicerContext
@@ -215,8 +156,6 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             kv_blocks_total=self.runner.cache.num_blocks,
             kv_blocks_free=self.runner.cache.num_free_blocks,
             drafted_ahead=self.drafted_ahead,
-            pushes_drafts=self._pushes is not None,
-            pushed=self.pushed,
         )
 
     async def Propose(
@@ -467,7 +406,7 @@ def _usable(made: DraftedAhead, num_steps: int) -> Any:
 
 async def start_draft(settings: DraftSettings) -> tuple[DraftService, list[asyncio.Task[None]], grpc.aio.Channel]:
     """Builds the replica against its target; raises IncompatibleDraft / AuxLayerError on a mismatch. Returns it
-    with its essential tasks: the hidden-state stream from the target and the drafts pushed to it."""
+    with its essential task: the hidden-state stream from the target."""
     # Before any torch work on this thread (tandem.model_thread).
     model_thread = ModelThread("draft-model", settings.threads)
     security = settings.target_security
@@ -505,5 +444,4 @@ async def start_draft(settings: DraftSettings) -> tuple[DraftService, list[async
         )
     )
     consumer = asyncio.create_task(service.consume(stream), name="hidden-state stream from the target")
-    pusher = asyncio.create_task(service.push_drafts(target), name="drafts pushed to the target")
-    return service, [consumer, pusher], channel
+    return service, [consumer], channel

@@ -62,12 +62,6 @@ class StepTask:
     # When this item commits tokens, the replica its rows go to may draft this many steps for the next round at once,
     # before it is asked (0: when asked). A backend whose draft cannot run beside the target ignores it.
     draft_ahead: int = 0
-    # With draft_ahead: the replica sends those drafts to the target itself (a DraftBackend with `pushes`).
-    push_drafts: bool = False
-    # Verify the drafts the request's replica pushed for its previous round, at most this many and at most
-    # pushed_depth deep, instead of draft_tokens (which are empty then); the target reports them in StepDone.pushed.
-    pushed_drafts: int = 0
-    pushed_depth: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,25 +72,12 @@ class StepDone:
     new_tokens: list[int] = field(default_factory=list)  # empty for a prompt chunk
     streaming: bool = False  # hidden rows go to the request's replica
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token when the task asked
-    pushed: PushedDone | None = None  # for a task with pushed_drafts
-
-
-@dataclass(frozen=True)
-class PushedDone:
-    """What the target verified of a task's pushed drafts: the tokens and parents (a tree; () for a chain), or why
-    none (`failure`: UNAVAILABLE none came in time, INVALID malformed, EXHAUSTED the replica dropped the request)."""
-
-    tokens: Sequence[int] = ()
-    parents: Sequence[int] = ()
-    failure: BackendError | None = None
-    compute_seconds: float = 0.0  # the replica's batch that drafted them
 
 
 @dataclass(frozen=True)
 class StepOutcome:
     results: list[StepDone]  # one per task, in order
     compute_seconds: float
-    pushed_wait_seconds: float = 0.0  # of the call, waited on the target for pushed drafts before computing
 
 
 @dataclass(frozen=True)
@@ -135,9 +116,6 @@ class TargetBackend(Protocol):
 
 
 class DraftBackend(Protocol):
-    # The replica sends drafts it made ahead to the target itself when a task asks (StepTask.push_drafts).
-    pushes: bool
-
     async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch: ...
 
     async def release(self, request_ids: Sequence[str]) -> None: ...

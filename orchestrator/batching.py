@@ -56,9 +56,6 @@ class ActiveRequest:
     # replica starts it from scratch (it is new to the request, or it dropped the request's state).
     needs_move: bool = False
     cancelled: bool = False
-    # The round whose drafts the replica pushes to the target (it was asked to, StepTask.push_drafts): the next
-    # round's item tells the target to verify them instead of carrying drafts. None: the replica is asked (Propose).
-    pushed_round: int | None = None
     # Adaptive k settled at 0 for the batch this request decodes in: it left its replica and decodes target-only
     # (no hidden rows, several tokens a step) to its end.
     paused: bool = False
@@ -71,7 +68,6 @@ class ActiveRequest:
         every committed row there (if it holds the request), and the replica's next Propose ingests them all."""
         self.replica = replica
         self.needs_move = self.opened
-        self.pushed_round = None
         self.ingested = False
 
     @property
@@ -116,6 +112,10 @@ class StepPlan:
     chunks: list[Scheduled] = field(default_factory=list)  # running prefills, then admitted requests
     admitted: list[ActiveRequest] = field(default_factory=list)  # taken from the waiting queue
     preempted: list[ActiveRequest] = field(default_factory=list)
+
+    def entries(self) -> list[Scheduled]:
+        """Every item of the step, in the order the target gets them: decoding requests, then prompt chunks."""
+        return [*self.decode, *self.chunks]
 
 
 def plan_step(
@@ -215,7 +215,7 @@ def _multi_step(decode: list[Scheduled], pool: KVPool, free: int, steps: int) ->
     Only when nothing else waits for the target (no prompt chunk, no queued request), so that a multi-token step
     never delays a new request's first token by more than the step it arrived in. A step with drafts to verify is
     one pass for every request, except for requests that adaptive k paused: they decode target-only to their end,
-    and the probe left speculating beside them (Scheduler._pause_speculation) must not cut their steps to one pass
+    and the probe left speculating beside them (Placement.pause_speculation) must not cut their steps to one pass
     each time it drafts; it waits for their extra passes instead.
     """
     drafting = any(entry.max_drafts for entry in decode)

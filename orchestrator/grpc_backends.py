@@ -13,7 +13,6 @@ from orchestrator.backends import (
     FailureKind,
     ProposedBatch,
     ProposeTask,
-    PushedDone,
     StepDone,
     StepOutcome,
     StepTask,
@@ -138,24 +137,17 @@ class GrpcTarget:
     """The target over gRPC. `session` names this orchestrator to the target (tandem.leases): when it goes away,
     the target frees its requests."""
 
-    def __init__(
-        self, stub: target_pb2_grpc.TargetStub, timeout_s: float, session: str = "", pushed_wait_s: float = 0.0
-    ) -> None:
+    def __init__(self, stub: target_pb2_grpc.TargetStub, timeout_s: float, session: str = "") -> None:
         self.stub = stub
         self.timeout_s = timeout_s
-        self.pushed_wait_s = pushed_wait_s  # how long the target waits for pushed drafts (the draft timeout)
         self.metadata = session_metadata(session) if session else ()
         self._step: CallStream[target_pb2.StepResponse] = CallStream(
             lambda: stub.StepStream(metadata=self.metadata), "target step", timeout_s
         )
 
     async def step(self, tasks: Sequence[StepTask], preempt: Sequence[str]) -> StepOutcome:
-        request = target_pb2.StepRequest(
-            items=[_step_item(task) for task in tasks], preempt=preempt, pushed_wait_seconds=self.pushed_wait_s
-        )
-        # A step that verifies pushed drafts may wait for them on the target before it computes.
-        waits = any(task.pushed_drafts for task in tasks)
-        response = await self._step.call(request, self.timeout_s + (self.pushed_wait_s if waits else 0.0))
+        request = target_pb2.StepRequest(items=[_step_item(task) for task in tasks], preempt=preempt)
+        response = await self._step.call(request, self.timeout_s)
         results = [
             StepDone(
                 result.request_id,
@@ -164,11 +156,10 @@ class GrpcTarget:
                 list(result.new_tokens),
                 result.streaming,
                 logprobs_from_proto(result.logprobs),
-                _pushed_done(result) if task.pushed_drafts else None,
             )
-            for task, result in zip(tasks, response.results, strict=True)
+            for result in response.results
         ]
-        return StepOutcome(results, response.compute_seconds, response.pushed_wait_seconds)
+        return StepOutcome(results, response.compute_seconds)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         try:
@@ -177,11 +168,6 @@ class GrpcTarget:
             )
         except grpc.aio.AioRpcError as error:
             raise _backend_error(error, "target release") from None
-
-
-def _pushed_done(result: target_pb2.StepResult) -> PushedDone:
-    failure = _item_failure("pushed drafts", result.draft_error) if result.HasField("draft_error") else None
-    return PushedDone(list(result.pushed_tokens), list(result.pushed_parents), failure, result.draft_compute_seconds)
 
 
 def _step_item(task: StepTask) -> target_pb2.StepItem:
@@ -198,9 +184,6 @@ def _step_item(task: StepTask) -> target_pb2.StepItem:
         top_logprobs=task.top_logprobs or 0,
         decode_steps=task.decode_steps,
         draft_ahead=task.draft_ahead,
-        push_drafts=task.push_drafts,
-        pushed_drafts=task.pushed_drafts,
-        pushed_depth=task.pushed_depth,
     )
     if task.open is not None:
         sampling = task.open.sampling
@@ -224,12 +207,9 @@ def _step_item(task: StepTask) -> target_pb2.StepItem:
 class GrpcDraft:
     """A draft replica over gRPC; `session` as for GrpcTarget."""
 
-    def __init__(
-        self, stub: draft_pb2_grpc.DraftStub, timeout_s: float, session: str = "", pushes: bool = False
-    ) -> None:
+    def __init__(self, stub: draft_pb2_grpc.DraftStub, timeout_s: float, session: str = "") -> None:
         self.stub = stub
         self.timeout_s = timeout_s
-        self.pushes = pushes  # the replica pushes drafts made ahead to the target (DraftInfo.pushes_drafts)
         self.metadata = session_metadata(session) if session else ()
         self._propose: CallStream[draft_pb2.ProposeResponse] = CallStream(
             lambda: stub.ProposeStream(metadata=self.metadata), "draft propose", timeout_s

@@ -6,7 +6,7 @@ tree as one more branch (`merge_branch`). The scheduler, the wire and the target
 tree with parent indices. The replica's answer is kept whole, so a round never accepts less than the replica alone
 would (greedy); the branch adds at most k drafts, only where it leaves the replica's tree.
 
-Why whole (docs/architecture.md, "Hybrid drafting"): on the demo pair, a merge bounded by the replica's own size
+Why whole (docs/drafting.md, "Hybrid drafting"): on the demo pair, a merge bounded by the replica's own size
 (the branch first, the replica's nodes in the room left, which for a chain is the better of the two chains by the
 lookup's match length) accepted less than the EAGLE3 head alone at every suffix length tried.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from orchestrator.backends import BackendError, DraftBackend, FailureKind, ProposedBatch, ProposeTask
 from orchestrator.ngram import lookup
-from orchestrator.scheduler import tree_fault
+from orchestrator.proposing import tree_fault
 from orchestrator.settings import HybridSettings, SchedulerSettings
 from tandem.settings import TreeShape
 
@@ -74,8 +74,6 @@ def answer_fault(tokens: Sequence[int], parents: Sequence[int] | None, num_steps
 
 class HybridDrafter:
     """A DraftBackend that merges the n-gram proposal into another backend's answer (module docstring)."""
-
-    pushes = False  # the n-gram branch is merged here, so the drafts come through the orchestrator
 
     def __init__(self, model: DraftBackend, settings: HybridSettings, tree: TreeShape) -> None:
         self.model = model

@@ -93,7 +93,7 @@ class Metrics:
             registry=self.registry,
             buckets=PROPOSE_BUCKETS,
         )
-        scheduler.propose_listeners.append(self.observe_propose)
+        scheduler.proposer.listeners.append(self.observe_propose)
         self.registry.register(SchedulerCollector(scheduler, self))
 
     def observe_propose(self, replica: str, seconds: float) -> None:
@@ -176,17 +176,17 @@ class SchedulerCollector(Collector):
         yield counter(
             "tandem:replica_failures",
             "Draft replica demotions (failed, timed out or sent bad drafts)",
-            scheduler.replica_failures,
+            scheduler.placement.replica_failures,
         )
         yield counter(
             "tandem:request_reassigns",
             "Requests moved off a demoted draft replica, to another replica or to target-only",
-            scheduler.requests_moved,
+            scheduler.placement.requests_moved,
         )
         yield counter(
             "tandem:speculation_paused",
             "Requests taken off their draft replica to decode target-only (adaptive k at 0 for their batch size)",
-            scheduler.requests_paused,
+            scheduler.placement.requests_paused,
         )
         replicas = GaugeMetricFamily("tandem:draft_replicas", "Draft replicas by state", labels=["model_name", "state"])
         states = [replica.state for replica in scheduler.replicas.all()]

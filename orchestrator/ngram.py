@@ -82,8 +82,6 @@ def _last_earlier(data: bytes, length: int, n: int) -> int | None:
 class NgramDrafter:
     """A DraftBackend that proposes by `lookup` over each task's tokens; it holds nothing and cannot fail."""
 
-    pushes = False  # it drafts in the orchestrator
-
     def __init__(self, settings: NgramSettings) -> None:
         self.settings = settings
 

@@ -113,7 +113,7 @@ async def connect_replica(
         await channel.close()  # draft discovery retries an address that does not answer: no channel piles up
         raise
     LOG.info("draft replica %s at %s: %s, %d steps", draft.replica_id, address, draft.architecture, draft.num_steps)
-    backend = GrpcDraft(stub, call_timeout_s, session, pushes=draft.pushes_drafts and scheduler.push_drafts)
+    backend = GrpcDraft(stub, call_timeout_s, session)
     return draft.replica_id, with_hybrid(backend, scheduler)
 
 
@@ -143,7 +143,7 @@ async def start_orchestrator(
     if tokenizer.eos_token_id is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
     facts = TargetFacts(info.vocab_size, KVPool(info.kv_blocks_total, info.kv_block_size), info.max_draft_tokens)
-    target = GrpcTarget(target_stub, settings.scheduler.target_timeout_s, session, pushed_wait_s=draft_timeout_s)
+    target = GrpcTarget(target_stub, settings.scheduler.target_timeout_s, session)
     scheduler = Scheduler(target, replicas, tokenizer, eos_ids, settings.scheduler, facts)
     limits = Limits(
         vocab_size=info.vocab_size,

@@ -99,7 +99,7 @@ class CostLine:
 
 class Recent:
     """The mean of the last WINDOW samples: a slow first call is forgotten after WINDOW more. Not a median: what a
-    round waits for a replica is legitimately two-sided (a round whose drafts were pushed ahead waits about nothing
+    round waits for a replica is legitimately two-sided (a round whose drafts were made ahead waits about nothing
     for them, an asked one for the whole call), and the mean is what a round costs on average."""
 
     def __init__(self) -> None:
@@ -216,7 +216,7 @@ class SpeculationPolicy:
 
     def paused(self, batch: int) -> bool:
         """Whether measurements settled this batch size at k = 0 (never the configured k it starts from): drafting
-        does not pay there, so its requests may as well decode without a replica (Scheduler._pause_speculation)."""
+        does not pay there, so its requests may as well decode without a replica (Placement.pause_speculation)."""
         return self.adaptive and self.max_k > 0 and batch > 0 and self.current.get(bucket(batch)) == 0
 
     def throughput(self, batch: int, k: int, draft_step_s: float, draft_hop_s: float = 0.0) -> float:

@@ -7,7 +7,6 @@ keeps streaming hidden states to drafts while the model computes.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -23,17 +22,9 @@ from tandem.sampling.params import SamplingParams
 from tandem.wire import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire.codec import DEFAULT_CHUNK_BYTES, ShardOf, iter_weight_chunks, tensor_to_proto
 from tandem.wire.logprobs import logprobs_to_proto
-from target_server.pushed import Key, Pushed, PushedDrafts
+from target_server.items import MAX_DRAFT_TOKENS, CapturedRows, ItemResult, ItemStatus, OpenRequest, StepItem
 from target_server.ranks import SHARED_TABLES
-from target_server.runner import (
-    MAX_DRAFT_TOKENS,
-    CapturedRows,
-    ItemResult,
-    ItemStatus,
-    OpenRequest,
-    StepItem,
-    TargetRunner,
-)
+from target_server.runner import TargetRunner
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,7 +66,6 @@ class TargetService(target_pb2_grpc.TargetServicer):
         self.model_thread = model_thread  # every runner call goes through it, one at a time
         self.leases = Leases(orphan_timeout_s)  # which orchestrator session opened which request
         self.step_listeners: list[Callable[[float], None]] = []  # called with each step's compute seconds (metrics)
-        self.pushed = PushedDrafts(self._accepts_push)  # drafts replicas pushed (PushDrafts), until a step takes them
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
         return await self.model_thread.run(function, *args)
@@ -122,8 +112,6 @@ class TargetService(target_pb2_grpc.TargetServicer):
             for item in items
             if item is not None and item.open is not None and self.leases.claim(session, item.request_id, now)
         }
-        waiting = time.perf_counter()
-        pushed = await self._take_pushed(request, items)
         started = time.perf_counter()
         try:
             results = await self._run(self.runner.step, [item for item in items if item is not None], request.preempt)
@@ -137,7 +125,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
         for listener in self.step_listeners:
             listener(compute_seconds)
         answers = iter(results)
-        response = target_pb2.StepResponse(compute_seconds=compute_seconds, pushed_wait_seconds=started - waiting)
+        response = target_pb2.StepResponse(compute_seconds=compute_seconds)
         now = time.monotonic()
         outbox: dict[str, list[target_pb2.HiddenStates]] = {}  # replica id -> this step's rows for it
         for index, (message, item) in enumerate(zip(request.items, items, strict=True)):
@@ -148,10 +136,6 @@ class TargetService(target_pb2_grpc.TargetServicer):
             if result.status is ItemStatus.OK and item.open is not None:
                 self.leases.own(session, item.request_id, now)
             response.results.append(self._result(message, item, result, outbox))
-            if index in pushed:
-                add_pushed(response.results[-1], pushed[index][1])
-                if result.status is ItemStatus.OK:
-                    self.pushed.used([pushed[index][0]])
         for replica, messages in outbox.items():
             messages[-1].step_end = True
             subscriber = self.subscribers[replica]
@@ -159,8 +143,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
                 subscriber.queue.put_nowait(batch)
         if outbox:
             # The replicas' streams write their rows before this step's answer is written: a replica starts
-            # drafting when its rows arrive, which the next step waits for; the orchestrator's part of a round is
-            # not on that path when drafts are pushed.
+            # drafting ahead when its rows arrive, while the answer travels to the orchestrator.
             await asyncio.sleep(0)
         response.kv_blocks_free = self.runner.cache.num_free_blocks
         return response
@@ -169,60 +152,8 @@ class TargetService(target_pb2_grpc.TargetServicer):
         """Forgets the claims of a finished step's opens that failed: they left no state to free."""
         self.leases.forget([request_id for request_id in claimed if request_id not in self.runner.requests])
 
-    async def _take_pushed(
-        self, request: target_pb2.StepRequest, items: list[StepItem | None]
-    ) -> dict[int, tuple[Key, Pushed]]:
-        """Waits for the pushed drafts of the items that verify them (StepItem.pushed_drafts) and puts them in those
-        items; returns them, with their keys, by item index (an item whose drafts did not come, or were bad, is
-        verified without)."""
-        wanted = {
-            index: (message.request_id, message.round - 1)
-            for index, (message, item) in enumerate(zip(request.items, items, strict=True))
-            if item is not None and message.pushed_drafts > 0
-        }
-        if not wanted:
-            return {}
-        limits = {
-            key: (request.items[index].pushed_drafts, request.items[index].pushed_depth)
-            for index, key in wanted.items()
-        }
-        vocab_size = self.runner.model.config.vocab_size
-        taken = await self.pushed.take(limits, request.pushed_wait_seconds, vocab_size, self._streams_to_replica)
-        for index, key in wanted.items():
-            item, drafts = items[index], taken[key]
-            assert item is not None
-            items[index] = dataclasses.replace(item, draft_tokens=drafts.tokens, draft_parents=drafts.parents)
-        return {index: (key, taken[key]) for index, key in wanted.items()}
-
-    def _streams_to_replica(self, request_id: str) -> bool:
-        """Whether the request's rows go to a replica that is subscribed (so its pushes can still come)."""
-        replica = self.replica_of.get(request_id)
-        return replica is not None and replica in self.subscribers
-
-    def _accepts_push(self, replica: str, request_id: str) -> bool:
-        """A push is kept for a running request whose rows go to the replica that pushed it."""
-        return self.replica_of.get(request_id) == replica and request_id in self.runner.requests
-
-    async def PushDrafts(
-        self, requests: AsyncIterator[target_pb2.PushedBatch], context: grpc.aio.ServicerContext
-    ) -> target_pb2.PushDraftsResponse:
-        async for batch in requests:
-            if batch.replica_id not in self.subscribers:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"replica_id: {batch.replica_id!r} is not subscribed"
-                )
-            self.pushed.add(batch)
-        return target_pb2.PushDraftsResponse()
-
     def _item(self, message: target_pb2.StepItem) -> StepItem:
         """The runner's item for a wire item; raises ValueError naming a field the runner cannot take."""
-        if message.pushed_drafts:
-            if not 0 < message.pushed_drafts <= MAX_DRAFT_TOKENS:
-                raise ValueError(f"pushed_drafts: {message.pushed_drafts}, at most {MAX_DRAFT_TOKENS}")
-            if message.pushed_depth < 0:
-                raise ValueError(f"pushed_depth: {message.pushed_depth}, must be 0 (no limit) or more")
-            if message.draft_tokens:
-                raise ValueError("draft_tokens: an item with pushed_drafts carries none (its replica pushes them)")
         open_request = None
         if message.HasField("open"):
             sampling = sampling_from_proto(message.open.sampling)
@@ -265,7 +196,6 @@ class TargetService(target_pb2_grpc.TargetServicer):
             chunks = hidden_messages(result.captured, message.round)
             if message.draft_ahead > 0 and result.new_tokens:  # the round's rows are complete: it may draft now
                 chunks[-1].draft_ahead = message.draft_ahead
-                chunks[-1].push = message.push_drafts
             outbox.setdefault(replica, []).extend(chunks)
         return target_pb2.StepResult(
             request_id=result.request_id,
@@ -291,7 +221,6 @@ class TargetService(target_pb2_grpc.TargetServicer):
     async def _release(self, request_ids: list[str]) -> None:
         await self._run(self.runner.release, request_ids)
         self.leases.forget(request_ids)
-        self.pushed.release(request_ids)
         for request_id in request_ids:
             # The replica frees its state of the request too, even if the orchestrator cannot tell it (it is gone).
             subscriber = self.subscribers.get(self.replica_of.pop(request_id, ""))
@@ -340,7 +269,6 @@ class TargetService(target_pb2_grpc.TargetServicer):
         """The end of a replica's hidden-state stream, however it ended (the replica may have been killed)."""
         if self.subscribers.get(replica) is subscriber:
             del self.subscribers[replica]
-            self.pushed.replica_left()
             LOG.info("draft replica %s unsubscribed", replica)
 
     async def GetWeights(
@@ -364,15 +292,6 @@ class TargetService(target_pb2_grpc.TargetServicer):
         for subscriber in self.subscribers.values():
             subscriber.queue.put_nowait(None)
         self.model_thread.shutdown()
-
-
-def add_pushed(result: target_pb2.StepResult, pushed: Pushed) -> None:
-    """Tells the orchestrator which pushed drafts an item verified, or why none."""
-    result.pushed_tokens.extend(pushed.tokens)
-    result.pushed_parents.extend(pushed.parents)
-    result.draft_compute_seconds = pushed.compute_seconds
-    if pushed.error is not None:
-        result.draft_error.CopyFrom(pushed.error.as_proto())
 
 
 # Hidden rows per message at most this many bytes of features: a replay of a long context (or a long prompt's

@@ -12,7 +12,7 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("replica_id", "architecture", "num_steps", "capture_indices", "running_requests", "kv_blocks_total", "kv_blocks_free", "kind", "drafted_ahead", "pushes_drafts", "pushed")
+    __slots__ = ("replica_id", "architecture", "num_steps", "capture_indices", "running_requests", "kv_blocks_total", "kv_blocks_free", "kind", "drafted_ahead")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -22,8 +22,6 @@ class DraftInfo(_message.Message):
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_AHEAD_FIELD_NUMBER: _ClassVar[int]
-    PUSHES_DRAFTS_FIELD_NUMBER: _ClassVar[int]
-    PUSHED_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     architecture: str
     num_steps: int
@@ -33,9 +31,7 @@ class DraftInfo(_message.Message):
     kv_blocks_free: int
     kind: str
     drafted_ahead: int
-    pushes_drafts: bool
-    pushed: int
-    def __init__(self, replica_id: _Optional[str] = ..., architecture: _Optional[str] = ..., num_steps: _Optional[int] = ..., capture_indices: _Optional[_Iterable[int]] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kind: _Optional[str] = ..., drafted_ahead: _Optional[int] = ..., pushes_drafts: _Optional[bool] = ..., pushed: _Optional[int] = ...) -> None: ...
+    def __init__(self, replica_id: _Optional[str] = ..., architecture: _Optional[str] = ..., num_steps: _Optional[int] = ..., capture_indices: _Optional[_Iterable[int]] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kind: _Optional[str] = ..., drafted_ahead: _Optional[int] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
     __slots__ = ("request_id", "round", "num_steps", "rows_end")

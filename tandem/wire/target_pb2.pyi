@@ -54,7 +54,7 @@ class OpenRequest(_message.Message):
     def __init__(self, prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepItem(_message.Message):
-    __slots__ = ("request_id", "round", "open", "num_tokens", "draft_tokens", "draft_replica", "set_replica", "replay", "logprobs", "top_logprobs", "draft_parents", "decode_steps", "draft_ahead", "push_drafts", "pushed_drafts", "pushed_depth")
+    __slots__ = ("request_id", "round", "open", "num_tokens", "draft_tokens", "draft_replica", "set_replica", "replay", "logprobs", "top_logprobs", "draft_parents", "decode_steps", "draft_ahead")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -68,9 +68,6 @@ class StepItem(_message.Message):
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
-    PUSH_DRAFTS_FIELD_NUMBER: _ClassVar[int]
-    PUSHED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
-    PUSHED_DEPTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     open: OpenRequest
@@ -84,58 +81,43 @@ class StepItem(_message.Message):
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     decode_steps: int
     draft_ahead: int
-    push_drafts: bool
-    pushed_drafts: int
-    pushed_depth: int
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., open: _Optional[_Union[OpenRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_replica: _Optional[str] = ..., set_replica: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ..., decode_steps: _Optional[int] = ..., draft_ahead: _Optional[int] = ..., push_drafts: _Optional[bool] = ..., pushed_drafts: _Optional[int] = ..., pushed_depth: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., open: _Optional[_Union[OpenRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_replica: _Optional[str] = ..., set_replica: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ..., decode_steps: _Optional[int] = ..., draft_ahead: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("items", "preempt", "pushed_wait_seconds")
+    __slots__ = ("items", "preempt")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
-    PUSHED_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[StepItem]
     preempt: _containers.RepeatedScalarFieldContainer[str]
-    pushed_wait_seconds: float
-    def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., preempt: _Optional[_Iterable[str]] = ..., pushed_wait_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., preempt: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("request_id", "error", "accepted", "new_tokens", "streaming", "logprobs", "pushed_tokens", "pushed_parents", "draft_error", "draft_compute_seconds")
+    __slots__ = ("request_id", "error", "accepted", "new_tokens", "streaming", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STREAMING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    PUSHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PUSHED_PARENTS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_ERROR_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     error: _common_pb2.CallError
     accepted: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     streaming: bool
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    pushed_tokens: _containers.RepeatedScalarFieldContainer[int]
-    pushed_parents: _containers.RepeatedScalarFieldContainer[int]
-    draft_error: _common_pb2.CallError
-    draft_compute_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., accepted: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., streaming: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., pushed_tokens: _Optional[_Iterable[int]] = ..., pushed_parents: _Optional[_Iterable[int]] = ..., draft_error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., draft_compute_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., accepted: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., streaming: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results", "compute_seconds", "kv_blocks_free", "error", "pushed_wait_seconds")
+    __slots__ = ("results", "compute_seconds", "kv_blocks_free", "error")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    PUSHED_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[StepResult]
     compute_seconds: float
     kv_blocks_free: int
     error: _common_pb2.CallError
-    pushed_wait_seconds: float
-    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., pushed_wait_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, results: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)
@@ -158,7 +140,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., capture_indices: _Optional[_Iterable[int]] = ..., tokens_only: _Optional[bool] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
-    __slots__ = ("request_id", "round", "start_position", "next_tokens", "features", "draft_ahead", "step_end", "push", "released")
+    __slots__ = ("request_id", "round", "start_position", "next_tokens", "features", "draft_ahead", "step_end", "released")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -166,7 +148,6 @@ class HiddenStates(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     STEP_END_FIELD_NUMBER: _ClassVar[int]
-    PUSH_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
@@ -175,43 +156,14 @@ class HiddenStates(_message.Message):
     features: _common_pb2.Tensor
     draft_ahead: int
     step_end: bool
-    push: bool
     released: bool
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ahead: _Optional[int] = ..., step_end: _Optional[bool] = ..., push: _Optional[bool] = ..., released: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ahead: _Optional[int] = ..., step_end: _Optional[bool] = ..., released: _Optional[bool] = ...) -> None: ...
 
 class HiddenBatch(_message.Message):
     __slots__ = ("rows",)
     ROWS_FIELD_NUMBER: _ClassVar[int]
     rows: _containers.RepeatedCompositeFieldContainer[HiddenStates]
     def __init__(self, rows: _Optional[_Iterable[_Union[HiddenStates, _Mapping]]] = ...) -> None: ...
-
-class PushedDrafts(_message.Message):
-    __slots__ = ("request_id", "round", "draft_tokens", "parents", "error")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    ROUND_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PARENTS_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    round: int
-    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    parents: _containers.RepeatedScalarFieldContainer[int]
-    error: _common_pb2.CallError
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...
-
-class PushedBatch(_message.Message):
-    __slots__ = ("replica_id", "drafts", "compute_seconds")
-    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
-    DRAFTS_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    replica_id: str
-    drafts: _containers.RepeatedCompositeFieldContainer[PushedDrafts]
-    compute_seconds: float
-    def __init__(self, replica_id: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[PushedDrafts, _Mapping]]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
-
-class PushDraftsResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
 
 class WeightsRequest(_message.Message):
     __slots__ = ("names", "chunk_bytes")

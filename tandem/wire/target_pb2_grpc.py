@@ -60,11 +60,6 @@ class TargetStub:
                 request_serializer=tandem_dot_v1_dot_target__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_target__pb2.HiddenBatch.FromString,
                 _registered_method=True)
-        self.PushDrafts = channel.stream_unary(
-                '/tandem.v1.Target/PushDrafts',
-                request_serializer=tandem_dot_v1_dot_target__pb2.PushedBatch.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_target__pb2.PushDraftsResponse.FromString,
-                _registered_method=True)
         self.GetWeights = channel.unary_stream(
                 '/tandem.v1.Target/GetWeights',
                 request_serializer=tandem_dot_v1_dot_target__pb2.WeightsRequest.SerializeToString,
@@ -113,15 +108,6 @@ class TargetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def PushDrafts(self, request_iterator, context):
-        """A draft replica opens it once, beside SubscribeHidden, and writes the drafts it made ahead for items that asked
-        for them pushed (StepItem.push_drafts): the target verifies them at the request's next round when that round's
-        item says so (StepItem.pushed_drafts), without the orchestrator carrying them.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def GetWeights(self, request, context):
         """Chunked stream of weight tensors (embedding, LM head) for drafts that share them.
         """
@@ -156,11 +142,6 @@ def add_TargetServicer_to_server(servicer, server):
                     servicer.SubscribeHidden,
                     request_deserializer=tandem_dot_v1_dot_target__pb2.SubscribeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_target__pb2.HiddenBatch.SerializeToString,
-            ),
-            'PushDrafts': grpc.stream_unary_rpc_method_handler(
-                    servicer.PushDrafts,
-                    request_deserializer=tandem_dot_v1_dot_target__pb2.PushedBatch.FromString,
-                    response_serializer=tandem_dot_v1_dot_target__pb2.PushDraftsResponse.SerializeToString,
             ),
             'GetWeights': grpc.unary_stream_rpc_method_handler(
                     servicer.GetWeights,
@@ -304,33 +285,6 @@ class Target:
             '/tandem.v1.Target/SubscribeHidden',
             tandem_dot_v1_dot_target__pb2.SubscribeRequest.SerializeToString,
             tandem_dot_v1_dot_target__pb2.HiddenBatch.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PushDrafts(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/tandem.v1.Target/PushDrafts',
-            tandem_dot_v1_dot_target__pb2.PushedBatch.SerializeToString,
-            tandem_dot_v1_dot_target__pb2.PushDraftsResponse.FromString,
             options,
             channel_credentials,
             insecure,

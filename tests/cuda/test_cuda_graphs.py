@@ -14,7 +14,8 @@ from tandem.models.eagle3 import load_eagle3
 from tandem.models.registry import load_target
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
-from target_server.runner import StepItem, TargetRunner
+from target_server.items import StepItem
+from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
 from tests.helpers.target_rows import random_rows
 

@@ -31,7 +31,6 @@ class CorruptingDraft(draft_pb2_grpc.DraftServicer):
 
     async def GetInfo(self, request: draft_pb2.DraftInfoRequest, context: object) -> draft_pb2.DraftInfo:
         info: draft_pb2.DraftInfo = await self.upstream.GetInfo(request)
-        info.pushes_drafts = False  # what the replica pushes to the target would bypass this proxy
         return info
 
     async def Propose(self, request: draft_pb2.ProposeRequest, context: object) -> draft_pb2.ProposeResponse:

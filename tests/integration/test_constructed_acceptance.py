@@ -35,15 +35,15 @@ def constant_draft(directory: Path, target: Path, first_offset: int) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("first_offset", "accepted_per_round", "draft_ahead", "push"),
-    [(0, NUM_STEPS, "8", True), (5, 0, "8", True), (0, NUM_STEPS, "8", False), (0, NUM_STEPS, "0", True)],
+    ("first_offset", "accepted_per_round", "draft_ahead"),
+    [(0, NUM_STEPS, "8"), (5, 0, "8"), (0, NUM_STEPS, "0")],
 )
 def test_known_acceptance(
-    tmp_path: Path, constant_target: Path, first_offset: int, accepted_per_round: int, draft_ahead: str, push: bool
+    tmp_path: Path, constant_target: Path, first_offset: int, accepted_per_round: int, draft_ahead: str
 ) -> None:
     draft = constant_draft(tmp_path / "draft", constant_target, first_offset)
     flags = ("--speculative-num-steps", str(NUM_STEPS), "--draft-ahead", draft_ahead)
-    with serve(constant_target, draft, *flags, "--push-drafts" if push else "--no-push-drafts") as stack:
+    with serve(constant_target, draft, *flags) as stack:
         completion = generate(stack.address, input_ids=[5, 6, 7, 8], max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
         info = draft_info(service_addresses(stack.log)["draft"])
     assert completion.token_ids == [0] * MAX_NEW_TOKENS
@@ -66,15 +66,11 @@ def test_known_acceptance(
     # Both services computed in every round, and the calls cost more than the computation in them.
     assert stats.draft_seconds + stats.draft_ahead_seconds > 0 and stats.verify_seconds > 0 and stats.wire_seconds > 0
     # Drafting ahead serves every round that drafts, the first included (the prompt's last chunk asks for it, so the
-    # replica ingests the prompt and drafts as soon as its rows arrive): pushed to the target, or answering a
-    # Propose; the same counts and tokens come out either way.
+    # replica ingests the prompt and drafts as soon as its rows arrive) and answers its Propose; the same counts and
+    # tokens come out without it.
     drafting = ROUNDS if accepted_per_round else sum(1 for r in range(MAX_NEW_TOKENS - 1, 0, -1) if r > 1)
     if draft_ahead == "0":
-        assert info.drafted_ahead == 0 and info.pushed == 0 and stats.draft_ahead_seconds == 0
-    elif push:
-        # Possibly once more after the round that ends the request: a replica drafts ahead before anyone knows how
-        # many of the round's drafts the target accepts (the target drops that push).
-        assert info.pushes_drafts and drafting <= info.pushed <= drafting + 1 and info.drafted_ahead == 0
+        assert info.drafted_ahead == 0 and stats.draft_ahead_seconds == 0
     else:
         # A Propose that reaches the replica before its round's rows takes them itself (the two never race for them).
-        assert 0 < info.drafted_ahead <= drafting and info.pushed == 0
+        assert 0 < info.drafted_ahead <= drafting

@@ -221,9 +221,8 @@ def test_metrics_count_what_requests_report(stack: Stack, client: openai.OpenAI)
     assert delta("tandem:rounds_total") == alone.rounds
     assert 0.0 <= value(after, "vllm:kv_cache_usage_perc") <= 1.0
     assert value(after, "tandem:draft_replicas", state="serving") == 1
-    # With drafts pushed to the target (the default) a lone request's rounds, its first included, are drafted ahead
-    # and not asked for; test_separate_services, which asks for every round, checks that each Propose is counted.
-    assert 0 <= delta("tandem:propose_seconds_count", replica="draft-0") <= alone.rounds
+    # Every round that drafts asks its replica once (a round near the end may draft nothing and ask nothing).
+    assert 0 < delta("tandem:propose_seconds_count", replica="draft-0") <= alone.rounds
     assert value(after, "tandem:k_in_use") == 5  # --speculative-num-steps' default; k is fixed in these tests
 
 

@@ -93,8 +93,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory, llama_target: Path, random_d
             # One request runs at a time and one waits: a third finds the queue full.
             arguments += ["--max-num-seqs", "1", "--max-waiting", "1"]
             arguments += ["--target-timeout", TARGET_TIMEOUT, "--draft-timeout", DRAFT_TIMEOUT]
-            # Drafts are asked for (not pushed), so that every round is a Propose that both sides time.
-            arguments += ["--no-push-drafts"]
             with service("orchestrator", tandem_command(*arguments), workdir) as orchestrator:
                 http_url = http_ready.read_text().strip()
                 urls = {

@@ -17,7 +17,8 @@ from tandem.sampling.batched import BatchSampling, batch_target_probs, verify_ba
 from tandem.sampling.params import SamplingParams
 from tandem.sampling.verify import target_probs, verify_greedy
 from tandem.settings import KVCacheSettings
-from target_server.runner import OpenRequest, StepItem, TargetRunner
+from target_server.items import OpenRequest, StepItem
+from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.unit.test_sampling_lossless import (
     LIKELY_DRAFT,

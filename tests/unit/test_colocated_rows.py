@@ -15,7 +15,7 @@ from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, Ta
 from orchestrator.backends import ProposeTask
 from tandem.models.eagle3 import load_eagle3
 from tandem.settings import KVCacheSettings
-from target_server.runner import CapturedRows
+from target_server.items import CapturedRows
 from tests.helpers.checkpoints import TinyEagle3Spec, write_tiny_eagle3, write_tiny_target
 
 

@@ -22,7 +22,8 @@ from tandem.models.eagle3 import load_eagle3
 from tandem.models.registry import load_target
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
-from target_server.runner import ItemResult, StepItem, TargetRunner
+from target_server.items import ItemResult, StepItem
+from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
 from tests.helpers.eager_recorder import EagerGraphs
 from tests.helpers.target_rows import random_rows

@@ -35,8 +35,6 @@ class StaticResolver:
 class IdleDraft:
     """A replica that is never asked for drafts in these tests: discovery only connects and counts."""
 
-    pushes = False
-
     async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch:
         raise AssertionError("discovery never proposes")
 

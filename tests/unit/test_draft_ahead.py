@@ -46,7 +46,7 @@ def draft_dir(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 def message(
-    request_id: str, round_number: int, rows: TargetRows, ahead: int, step_end: bool, push: bool = False
+    request_id: str, round_number: int, rows: TargetRows, ahead: int, step_end: bool
 ) -> target_pb2.HiddenStates:
     return target_pb2.HiddenStates(
         request_id=request_id,
@@ -56,7 +56,6 @@ def message(
         features=tensor_to_proto(rows.features),
         draft_ahead=ahead,
         step_end=step_end,
-        push=push,
     )
 
 
@@ -254,99 +253,42 @@ def test_rows_of_a_released_request_are_not_drafted_ahead(draft_dir: Path, targe
     asyncio.run(scenario())
 
 
-class TargetEnd:
-    """The target's end of the replica's PushDrafts stream in these tests: it keeps what the replica writes."""
-
-    def __init__(self) -> None:
-        self.batches: list[target_pb2.PushedBatch] = []
-        self.arrived = asyncio.Event()
-
-    async def PushDrafts(self, batches: AsyncIterator[target_pb2.PushedBatch]) -> target_pb2.PushDraftsResponse:
-        async for batch in batches:
-            self.batches.append(batch)
-            self.arrived.set()
-        return target_pb2.PushDraftsResponse()
-
-    async def received(self, count: int) -> None:
-        """Waits until `count` batches have come in all."""
-        while len(self.batches) < count:
-            await asyncio.wait_for(self.arrived.wait(), 30)
-            self.arrived.clear()
-
-
-def test_rows_that_ask_for_it_are_pushed_to_the_target_and_not_kept(draft_dir: Path, target_dir: Path) -> None:
-    first, second = random_rows(0, 5, seed=8), random_rows(0, 7, seed=9)
-    expected = plain_proposals(draft_dir, target_dir, [ProposeInput("a", first, 3), ProposeInput("b", second, 4)])
-
-    async def scenario() -> None:
-        async with Replica(target_dir, draft_dir) as replica:
-            target = TargetEnd()
-            pusher = asyncio.create_task(replica.service.push_drafts(target))  # type: ignore[arg-type]
-            await asyncio.sleep(0)
-            # "a" asks for its drafts pushed; "b" is drafted ahead in the same batch but kept for a Propose.
-            await replica.send(
-                message("a", 2, first, ahead=3, step_end=False, push=True),
-                message("b", 2, second, ahead=4, step_end=True),
-            )
-            await target.received(1)
-            (batch,) = target.batches
-            assert batch.replica_id == "r0" and batch.compute_seconds > 0
-            assert [(d.request_id, d.round, list(d.draft_tokens)) for d in batch.drafts] == [("a", 2, expected[0])]
-            assert set(replica.service._ahead) == {("b", 2)} and replica.service.pushed == 1
-            answer = await replica.service._propose(propose_request("b", 2, 4, 7), SESSION)
-            assert list(answer.results[0].draft_tokens) == expected[1]
-            pusher.cancel()
-
-    asyncio.run(scenario())
-
-
-def test_a_replica_without_its_push_stream_keeps_the_drafts_for_a_propose(draft_dir: Path, target_dir: Path) -> None:
-    rows = random_rows(0, 6, seed=10)
-    (expected,) = plain_proposals(draft_dir, target_dir, [ProposeInput("a", rows, 3)])
-
-    async def scenario() -> None:
-        async with Replica(target_dir, draft_dir) as replica:
-            await replica.send(message("a", 1, rows, ahead=3, step_end=True, push=True))
-            answer = await replica.service._propose(propose_request("a", 1, 3, 6), SESSION)
-            assert list(answer.results[0].draft_tokens) == expected and replica.service.pushed == 0
-
-    asyncio.run(scenario())
-
-
-def test_a_request_dropped_for_kv_room_is_pushed_as_needing_a_replay(draft_dir: Path, target_dir: Path) -> None:
+def test_a_request_dropped_for_kv_room_is_answered_as_needing_a_replay(draft_dir: Path, target_dir: Path) -> None:
     # 10 blocks of 4 positions: one request of 24 rows and its drafts fits, two do not.
     small = KVCacheSettings(num_blocks=10, block_size=4)
 
-    async def scenario() -> list[target_pb2.PushedBatch]:
+    def ask(request_ids: Sequence[str], round_number: int, rows_end: int) -> draft_pb2.ProposeRequest:
+        items = [
+            draft_pb2.ProposeItem(request_id=i, round=round_number, num_steps=3, rows_end=rows_end) for i in request_ids
+        ]
+        return draft_pb2.ProposeRequest(items=items)
+
+    async def scenario() -> list[draft_pb2.ProposeResponse]:
         async with Replica(target_dir, draft_dir, small) as replica:
-            target = TargetEnd()
-            pusher = asyncio.create_task(replica.service.push_drafts(target))  # type: ignore[arg-type]
-            await asyncio.sleep(0)
             await replica.send(
-                message("a", 1, random_rows(0, 24, seed=11), ahead=3, step_end=False, push=True),
-                message("b", 1, random_rows(0, 24, seed=12), ahead=3, step_end=True, push=True),
+                message("a", 1, random_rows(0, 24, seed=11), ahead=3, step_end=False),
+                message("b", 1, random_rows(0, 24, seed=12), ahead=3, step_end=True),
             )
-            await target.received(1)
-            # The next round's rows continue both; "b" holds nothing here any more, so it is not drafted (which
-            # would fail the whole batch) but pushed as needing a replay, and "a" is drafted as usual.
+            first = await replica.service._propose(ask(["a", "b"], 1, 24), SESSION)
+            # The next round's rows continue both; "b" holds nothing here any more, so it is not drafted ahead (which
+            # would fail the whole batch) but answered as needing a replay, and "a" is drafted as usual.
             await replica.send(
-                message("a", 2, random_rows(24, 1, seed=13), ahead=3, step_end=False, push=True),
-                message("b", 2, random_rows(24, 1, seed=14), ahead=3, step_end=True, push=True),
+                message("a", 2, random_rows(24, 1, seed=13), ahead=3, step_end=False),
+                message("b", 2, random_rows(24, 1, seed=14), ahead=3, step_end=True),
             )
-            await target.received(2)
+            second = await replica.service._propose(ask(["a", "b"], 2, 25), SESSION)
             # Once there is room, rows that start over (a replay) are drafted again.
             await replica.service._release({"a"})
-            await replica.send(message("b", 3, random_rows(0, 25, seed=15), ahead=3, step_end=True, push=True))
-            await target.received(3)
-            pusher.cancel()
-            return target.batches
+            await replica.send(message("b", 3, random_rows(0, 25, seed=15), ahead=3, step_end=True))
+            third = await replica.service._propose(ask(["b"], 3, 25), SESSION)
+            return [first, second, third]
 
     first, second, third = asyncio.run(scenario())
-    outcome = [[(d.request_id, d.HasField("error"), len(d.draft_tokens)) for d in b.drafts] for b in (first, second)]
+    outcome = [[(r.request_id, r.HasField("error"), len(r.draft_tokens)) for r in b.results] for b in (first, second)]
     assert outcome == [[("a", False, 3), ("b", True, 0)], [("a", False, 3), ("b", True, 0)]]
-    assert "needs a replay" in second.drafts[1].error.message
-    assert second.compute_seconds > 0  # the batch's, not the undrafted request's nothing
-    assert [(d.request_id, d.HasField("error")) for d in third.drafts] == [("b", False)]
+    assert "needs a replay" in second.results[1].error.message
+    assert second.ahead_seconds > 0  # the batch's, not the undrafted request's nothing
+    assert [(r.request_id, r.HasField("error")) for r in third.results] == [("b", False)]
 
 
 async def until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:

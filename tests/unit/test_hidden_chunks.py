@@ -7,7 +7,7 @@ import torch
 
 from draft_server.runner import TargetRows
 from tandem.wire.codec import tensor_from_proto
-from target_server.runner import CapturedRows
+from target_server.items import CapturedRows
 from target_server.service import hidden_batches, hidden_messages
 
 

@@ -17,7 +17,7 @@ from orchestrator.backends import BackendError, ProposedBatch, ProposeTask
 from orchestrator.hybrid import HybridDrafter, MergedDrafts, merge_branch, with_hybrid
 from orchestrator.ngram import NgramDrafter, lookup
 from orchestrator.output import Stats
-from orchestrator.scheduler import draft_depth, tree_fault
+from orchestrator.proposing import draft_depth, tree_fault
 from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
 from tandem.sampling.tree_verify import TreeOutcome, tree_depths, verify_tree
 from tandem.sampling.verify import verify_sampled
@@ -82,8 +82,6 @@ def test_the_merge_is_the_trie_union_and_keeps_the_answer_whole(
 
 class CannedReplica:
     """A DraftBackend answering what it is given, as a replica over gRPC would (tests only)."""
-
-    pushes = False
 
     def __init__(self, answer: ProposedBatch) -> None:
         self.answer = answer

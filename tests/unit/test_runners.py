@@ -23,7 +23,8 @@ from tandem.models.registry import load_target
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
-from target_server.runner import ItemStatus, OpenRequest, StepItem, TargetRunner
+from target_server.items import ItemStatus, OpenRequest, StepItem
+from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import (
     TinyEagle3Spec,
     TinyTargetSpec,

@@ -10,7 +10,8 @@ from tandem.models.llama import LlamaForCausalLM
 from tandem.models.registry import load_target
 from tandem.sampling.params import SamplingParams
 from tandem.sampling.scored_rows import mask_stop_tokens, token_logprobs
-from target_server.runner import ItemStatus, OpenRequest, StepItem, TargetRunner
+from target_server.items import ItemStatus, OpenRequest, StepItem
+from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.unit.test_runners import CACHE, PROMPT, full_forward, greedy_from_scratch
 

@@ -173,7 +173,7 @@ def test_a_batch_size_is_paused_only_once_measurements_settle_it_at_zero() -> No
 
 
 def test_the_settled_k_is_the_one_rounds_draft_apart_from_exploration() -> None:
-    """What a replica drafts ahead for (ahead_k in Scheduler._step): at a batch size settled below max_k, the settled
+    """What a replica drafts ahead for (ahead_k in Scheduler._tasks): at a batch size settled below max_k, the settled
     k, also in the rounds that explore at max_k."""
     policy = warmed()
     assert policy.settled(32) == 5  # never chosen at: the configured k

@@ -24,7 +24,8 @@ from tandem.models.tokenizer_digest import tokenizer_digest
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
-from target_server.runner import CapturedRows, OpenRequest, StepItem, TargetRunner
+from target_server.items import CapturedRows, OpenRequest, StepItem
+from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.helpers.tokenizer import write_tokenizer
 

@@ -12,7 +12,8 @@ from tandem.models.llama import LlamaForCausalLM
 from tandem.models.registry import load_target
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
-from target_server.runner import MAX_DRAFT_TOKENS, ItemStatus, OpenRequest, StepItem, TargetRunner
+from target_server.items import MAX_DRAFT_TOKENS, ItemStatus, OpenRequest, StepItem
+from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.unit.test_runners import BLOCK_SIZE, CAPTURE, GREEDY, PROMPT, full_forward, greedy_from_scratch
 

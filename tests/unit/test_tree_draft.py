@@ -8,7 +8,7 @@ import torch
 
 from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from draft_server.tree_draft import DraftTree, as_tree, best_children, propose_trees, select_tree
-from orchestrator.scheduler import tree_fault
+from orchestrator.proposing import tree_fault
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.models.eagle3 import Eagle3Draft, load_eagle3
 from tandem.settings import KVCacheSettings, TreeShape

@@ -8,7 +8,8 @@ import torch
 
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.registry import load_target
-from target_server.runner import ItemStatus, StepItem, TargetRunner
+from target_server.items import ItemStatus, StepItem
+from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.unit.test_runners import CACHE, CAPTURE, GREEDY, PROMPT, full_forward, greedy_from_scratch
 

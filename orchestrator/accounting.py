@@ -1,0 +1,77 @@
+"""Accounting of a step: its events in; the adaptive k's cost model and each request's statistics out.
+
+Terms: a round is one decoding request's verification in a step; it drafted `draft tokens` (a chain, or a tree of
+some depth), of which the target `accepted` some; the acceptance length of a round is accepted + 1 (the correction or
+bonus token the target adds).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from orchestrator.backends import StepDone, StepOutcome, StepTask
+from orchestrator.batching import ActiveRequest
+from orchestrator.proposing import ReplicaTiming, draft_depth
+from orchestrator.speculation import SpeculationPolicy
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    started: float  # time.perf_counter() when the step began
+    propose_seconds: float  # asking the replicas for drafts and building the items
+    target_seconds: float  # the target's step call
+
+    def scheduling_seconds(self) -> float:
+        """What the step spent outside both calls, so far."""
+        return (time.perf_counter() - self.started) - self.propose_seconds - self.target_seconds
+
+
+def observe_target_cost(
+    speculation: SpeculationPolicy,
+    tasks: Sequence[StepTask],
+    outcome: StepOutcome,
+    has_chunks: bool,
+    target_seconds: float,
+) -> None:
+    """Feeds the cost line one decoding step: its rows and the time of one forward pass."""
+    # A multi-token decode ran one forward pass per token: the cost model is of one pass.
+    passes = max(
+        (len(done.new_tokens) for task, done in zip(tasks, outcome.results, strict=True) if task.decode_steps > 1),
+        default=1,
+    )
+    # A paused batch's passes beside its probe's verification (batching._multi_step): the first pass computed more
+    # than the others, so the step is no sample of one pass of its size.
+    mixed = passes > 1 and any(task.draft_tokens for task in tasks)
+    if has_chunks or mixed:
+        # The cost line models decoding steps, which k is chosen for: a step with prompt chunks computes hundreds of
+        # tokens at a cost per token (attention over the prompt) that says nothing about a few more rows to verify,
+        # and fitted in, it made drafts look dear at 8 requests (docs/architecture.md, "Adaptive k").
+        return
+    rows = sum(task.num_tokens + len(task.draft_tokens) for task in tasks)
+    speculation.observe_target(rows, target_seconds / passes)
+
+
+def count_round(
+    speculation: SpeculationPolicy,
+    request: ActiveRequest,
+    task: StepTask,
+    done: StepDone,
+    timing: ReplicaTiming | None,  # of the Propose that drafted for the request's replica; None: none asked
+    outcome: StepOutcome,
+    times: StepTimes,
+) -> None:
+    """Counts a decoding request's round in its statistics and in the acceptance the cost model keeps."""
+    stats = request.output.stats
+    depth = draft_depth(task.draft_tokens, task.draft_parents)
+    stats.count_round(len(task.draft_tokens), depth, done.accepted)
+    speculation.observe_round(depth, done.accepted)
+    draft_compute = timing.compute_seconds if timing else 0.0
+    stats.draft_seconds += draft_compute
+    stats.draft_ahead_seconds += timing.ahead_seconds if timing else 0.0
+    stats.verify_seconds += outcome.compute_seconds
+    stats.wire_seconds += (timing.call_seconds - draft_compute if timing else 0.0) + (
+        times.target_seconds - outcome.compute_seconds
+    )
+    stats.scheduling_seconds += times.scheduling_seconds()

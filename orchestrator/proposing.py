@@ -1,0 +1,143 @@
+"""Asking the replicas for a step's drafts (Propose), all replicas at once, and checking what they answer.
+
+A replica that fails, times out or sends bad drafts is at fault: it is demoted (orchestrator.placement) and its
+requests' round goes without drafts. A request the replica had no KV room for starts over there (its rows are
+replayed by the target's next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from orchestrator.backends import ProposedBatch, ProposeTask
+from orchestrator.batching import ActiveRequest, Scheduled
+from orchestrator.placement import Placement
+from orchestrator.speculation import SpeculationPolicy
+
+LOG = logging.getLogger(__name__)
+
+Drafts = dict[str, tuple[list[int], list[int]]]  # request id -> (draft tokens, parents: () for a chain)
+
+
+@dataclass(frozen=True)
+class ReplicaTiming:
+    call_seconds: float  # wall time of the Propose call
+    compute_seconds: float  # of which the replica computed
+    ahead_seconds: float = 0.0  # draft compute for the call done before it (drafted ahead)
+
+
+class Proposer:
+    def __init__(
+        self, placement: Placement, speculation: SpeculationPolicy, vocab_size: int, max_tree_drafts: int
+    ) -> None:
+        self.placement = placement
+        self.replicas = placement.replicas
+        self.speculation = speculation
+        self.vocab_size = vocab_size
+        self.max_tree_drafts = max_tree_drafts  # --speculative-num-draft-tokens - 1 (and a hybrid's n-gram branch)
+        # Called with (replica id, seconds) after every Propose call that answered (orchestrator.metrics).
+        self.listeners: list[Callable[[str, float], None]] = []
+
+    async def propose(self, decode: Sequence[Scheduled]) -> tuple[Drafts, dict[str, ReplicaTiming]]:
+        """The drafts of the step's decoding requests that have room for some, by request id, and each replica's
+        timing."""
+        requests: dict[str, ActiveRequest] = {}
+        by_replica: dict[str, list[ProposeTask]] = {}
+        for entry in decode:
+            request = entry.request
+            if entry.max_drafts > 0 and request.replica is not None:
+                tokens = (*request.params.input_ids, *request.output.generated)
+                task = ProposeTask(request.request_id, request.round, entry.max_drafts, tokens, request.kv_length)
+                by_replica.setdefault(request.replica, []).append(task)
+                requests[request.request_id] = request
+        replies = await asyncio.gather(
+            *(self._timed(replica, tasks) for replica, tasks in by_replica.items()), return_exceptions=True
+        )
+        drafts: Drafts = {}
+        timings: dict[str, ReplicaTiming] = {}
+        for (replica, tasks), reply in zip(by_replica.items(), replies, strict=True):
+            if isinstance(reply, BaseException):
+                self.placement.replica_failed(replica, str(reply))
+                continue
+            batch, call_seconds = reply
+            fault = self._fault(tasks, batch)
+            if fault:
+                self.placement.replica_failed(replica, fault)
+                continue
+            self._accept(replica, tasks, batch, call_seconds, requests)
+            drafts.update({key: (tokens, batch.parents.get(key, [])) for key, tokens in batch.drafts.items()})
+            timings[replica] = ReplicaTiming(call_seconds, batch.compute_seconds, batch.ahead_seconds)
+        return drafts, timings
+
+    def _accept(
+        self,
+        replica: str,
+        tasks: Sequence[ProposeTask],
+        batch: ProposedBatch,
+        call_seconds: float,
+        requests: dict[str, ActiveRequest],
+    ) -> None:
+        """Takes a replica's checked answer: starts over the requests it had no room for, feeds the cost model."""
+        for request_id, reason in batch.exhausted.items():
+            LOG.warning("request %s goes without drafts this round: %s", request_id, reason)
+            requests[request_id].start_over(replica)  # the replica dropped its state
+        # A request new to the replica (or started over there) had every committed row ingested: that costs once
+        # per request, not per draft step, and is kept apart in the cost model.
+        new_rows = 0
+        for task in tasks:
+            request = requests[task.request_id]
+            new_rows += 0 if request.ingested else task.rows_end
+            request.ingested = request.ingested or task.request_id in batch.drafts
+        for listener in self.listeners:
+            listener(replica, call_seconds)
+        k = max(task.num_steps for task in tasks)
+        self.speculation.observe_propose(len(tasks), k, call_seconds, batch.compute_seconds, new_rows)
+
+    def _fault(self, tasks: Sequence[ProposeTask], batch: ProposedBatch) -> str:
+        """What is wrong with a replica's answer ("" if nothing): a replica that sends bad drafts is at fault."""
+        for task in tasks:
+            if task.request_id in batch.exhausted:
+                continue
+            tokens = batch.drafts.get(task.request_id)
+            if tokens is None:
+                return f"no drafts for request {task.request_id}"
+            parents = batch.parents.get(task.request_id)
+            if parents is None and len(tokens) > task.num_steps:
+                return f"{len(tokens)} drafts for request {task.request_id}, {task.num_steps} asked"
+            if parents is not None:
+                fault = tree_fault(tokens, parents, self.max_tree_drafts)
+                if fault:
+                    return f"request {task.request_id}: {fault}"
+            if any(not 0 <= token < self.vocab_size for token in tokens):
+                return f"draft ids outside the vocabulary [0, {self.vocab_size}) for request {task.request_id}"
+        return ""
+
+    async def _timed(self, replica: str, tasks: list[ProposeTask]) -> tuple[ProposedBatch, float]:
+        started = time.perf_counter()
+        batch = await self.replicas.backend(replica).propose(tasks)
+        return batch, time.perf_counter() - started
+
+
+def draft_depth(tokens: Sequence[int], parents: Sequence[int]) -> int:
+    """How many tokens a round's drafts can add at most: a chain's length, a tree's depth (parents checked)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return max(depths, default=0) if parents else len(tokens)
+
+
+def tree_fault(tokens: Sequence[int], parents: Sequence[int], max_drafts: int) -> str:
+    """What is wrong with a replica's tree ("" if nothing): one parent per token, each -1 or an earlier index, and at
+    most --speculative-num-draft-tokens - 1 tokens."""
+    if len(tokens) > max_drafts:
+        return f"a tree of {len(tokens)} drafts, --speculative-num-draft-tokens allows {max_drafts}"
+    if len(parents) != len(tokens):
+        return f"{len(parents)} draft parents for {len(tokens)} drafts"
+    for index, parent in enumerate(parents):
+        if not -1 <= parent < index:
+            return f"draft parent {parent} of draft {index}: must be -1 or an earlier draft's index"
+    return ""

@@ -1,0 +1,147 @@
+"""Admission of a step's items on the target: the checks that make an item INVALID, the KV that makes it EXHAUSTED,
+and the undo of what an admitted item reserved.
+
+An item either passes every check and gets its KV blocks, or changes nothing: the rest of the step runs without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
+from tandem.layers.page_table import check_tree
+from tandem.sampling.logprobs import MAX_TOP_LOGPROBS
+from tandem.sampling.verify import VerifyOutcome, make_generator
+from target_server.items import MAX_DRAFT_TOKENS, RequestError, StepItem, TargetRequest
+
+
+@dataclass
+class Planned:
+    """An item admitted to the forward pass: where its rows are and what it reserved."""
+
+    item: StepItem
+    request: TargetRequest
+    start_length: int  # kv.length before the step
+    opened: bool
+    previous_stream: tuple[tuple[int, ...], bool]  # the request's (capture, tokens_only) before the item
+    scratch: SequenceKV | None  # the replay's sequence
+    rows: slice = field(default_factory=lambda: slice(0))  # the item's rows in the packed batch
+    scratch_rows: slice = field(default_factory=lambda: slice(0))  # the replay's rows
+    logit_start: int = 0  # the item's first row among the scored rows
+    outcome: VerifyOutcome | None = None  # decided with the step's batch on the device (commit.verify_batched)
+
+    @property
+    def reaches_end(self) -> bool:
+        """Whether the item computes the last committed token, so that its logits decide the next tokens."""
+        return self.start_length + self.item.num_tokens == len(self.request.tokens)
+
+    @property
+    def has_work(self) -> bool:
+        return self.item.num_tokens > 0 or self.scratch is not None
+
+
+class Admission:
+    def __init__(
+        self, cache: PagedKVCache, requests: dict[str, TargetRequest], max_context: int, vocab_size: int
+    ) -> None:
+        self.cache = cache
+        self.requests = requests  # the runner's: an item that opens a request adds it
+        self.max_context = max_context
+        self.vocab_size = vocab_size
+
+    def admit(self, item: StepItem) -> Planned:
+        """Checks an item and reserves its KV blocks; raises RequestError or OutOfKVBlocks (changing nothing) when it
+        cannot run."""
+        opened = item.open is not None
+        request = self._opened(item) if opened else self._running(item.request_id)
+        start = request.kv.length
+        self._check_item(item, request)
+        drafts = len(item.draft_tokens)
+        replay = item.replay and bool(item.capture) and start > 0
+        scratch = SequenceKV() if replay else None
+        needed = self.cache.blocks_needed(request.kv, start + item.num_tokens + drafts)
+        needed += self.cache.blocks_needed(scratch, start) if scratch is not None else 0
+        if needed > self.cache.num_free_blocks:
+            raise OutOfKVBlocks(
+                f"KV cache: request {item.request_id!r} needs {needed} more blocks, {self.cache.num_free_blocks} free"
+            )
+        self.cache.reserve(request.kv, start + item.num_tokens + drafts)
+        if scratch is not None:
+            self.cache.reserve(scratch, start)
+        if opened:
+            self.requests[item.request_id] = request
+        previous_stream = (request.capture, request.tokens_only)
+        if item.capture is not None:
+            request.capture, request.tokens_only = item.capture, item.tokens_only
+        return Planned(item, request, start, opened, previous_stream, scratch)
+
+    def undo(self, entry: Planned) -> None:
+        """Returns what an item reserved: its KV back to the start length (an item that opened the request: all)."""
+        if entry.scratch is not None:
+            self.cache.release(entry.scratch)
+        entry.request.capture, entry.request.tokens_only = entry.previous_stream
+        if entry.opened:
+            self.requests.pop(entry.item.request_id, None)
+            self.cache.release(entry.request.kv)
+        else:
+            self.cache.truncate(entry.request.kv, entry.start_length)
+
+    def _opened(self, item: StepItem) -> TargetRequest:
+        """The state of a request the item opens (not yet kept: admit keeps it once its KV is reserved)."""
+        assert item.open is not None
+        if item.request_id in self.requests:
+            raise RequestError(f"request_id: {item.request_id!r} is already running")
+        prompt = list(item.open.prompt)
+        if not 0 < len(prompt) < self.max_context:
+            raise RequestError(f"prompt: {len(prompt)} tokens, the context holds {self.max_context}")
+        self._check_ids("prompt", prompt)
+        sampling = item.open.sampling
+        self._check_ids("sampling.stop_token_ids", sampling.stop_token_ids)
+        return TargetRequest(
+            item.request_id,
+            prompt,
+            sampling,
+            make_generator(sampling),
+            (),
+            prompt_length=len(prompt),
+            end_token_ids=item.open.end_token_ids,
+        )
+
+    def _running(self, request_id: str) -> TargetRequest:
+        found = self.requests.get(request_id)
+        if found is None:
+            raise RequestError(f"request_id: {request_id!r} is not running on the target")
+        return found
+
+    def _check_item(self, item: StepItem, request: TargetRequest) -> None:
+        """Raises RequestError naming the field an item gets wrong for its request."""
+        uncomputed = len(request.tokens) - request.kv.length
+        if not 0 <= item.num_tokens <= uncomputed:
+            raise RequestError(
+                f"num_tokens: {item.num_tokens}, request {item.request_id!r} has {uncomputed} tokens without KV"
+            )
+        drafts = list(item.draft_tokens)
+        if drafts and item.num_tokens != uncomputed:
+            raise RequestError("draft_tokens: only an item that reaches the last committed token can verify drafts")
+        if len(drafts) > MAX_DRAFT_TOKENS:
+            raise RequestError(f"draft_tokens: {len(drafts)}, at most {MAX_DRAFT_TOKENS} per item")
+        self._check_ids("draft_tokens", drafts)
+        if item.draft_parents:
+            try:
+                check_tree(item.draft_parents, len(drafts), "draft_parents")
+            except ValueError as error:
+                raise RequestError(str(error)) from error
+        top = item.top_logprobs
+        if top is not None and not 0 <= top <= min(MAX_TOP_LOGPROBS, self.vocab_size):
+            raise RequestError(f"top_logprobs: {top}, at most {MAX_TOP_LOGPROBS}")
+        if len(request.tokens) + len(drafts) > self.max_context:
+            raise RequestError(
+                f"draft_tokens: request {item.request_id!r} would reach {len(request.tokens) + len(drafts)} "
+                f"tokens, the context holds {self.max_context}"
+            )
+
+    def _check_ids(self, name: str, tokens: Sequence[int]) -> None:
+        for index, token in enumerate(tokens):
+            if not 0 <= token < self.vocab_size:
+                raise RequestError(f"{name}[{index}]: {token} is outside the vocabulary [0, {self.vocab_size})")

@@ -1,0 +1,96 @@
+"""After a step's forward pass: deciding items in one batch on the device, and what each item hands its draft.
+
+The rows an item captured go to its draft replica as `CapturedRows`: the replayed ones (a replica starting the request
+from scratch), then the committed ones, each paired with the token that follows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from tandem.models.stack import TargetOutput
+from tandem.sampling.batched import verify_items
+from tandem.sampling.scored_rows import mask_stop_tokens
+from target_server.admission import Planned
+from target_server.items import CapturedRows, ItemResult, StepItem
+
+
+def verify_batched(planned: Sequence[Planned], logits: torch.Tensor) -> None:  # logits [scored rows, vocab]
+    """Decides, in one batch on the logits' device (tandem.sampling.batched), every item that needs no request's own
+    generator: greedy ones and sampled ones without a seed. Seeded ones keep their CPU generator (the runner's
+    commit), so that a seed gives the same tokens on every device."""
+    chosen = [
+        entry
+        for entry in planned
+        if entry.reaches_end
+        and not entry.item.draft_parents  # trees are verified item by item
+        and (entry.request.sampling.is_greedy or entry.request.sampling.seed is None)
+    ]
+    if not chosen:
+        return
+    scored = []
+    for entry in chosen:
+        rows = logits[entry.logit_start : entry.logit_start + 1 + len(entry.item.draft_tokens)]  # [1 + k, vocab]
+        generated = len(entry.request.tokens) - entry.request.prompt_length
+        scored.append(mask_stop_tokens(rows, entry.request.sampling, generated))
+    drafts = [list(entry.item.draft_tokens) for entry in chosen]
+    outcomes = verify_items(scored, drafts, [entry.request.sampling for entry in chosen])
+    for entry, outcome in zip(chosen, outcomes, strict=True):
+        entry.outcome = outcome
+
+
+def captured_rows(
+    entry: Planned, output: TargetOutput, end: int, device: torch.device, rows: Sequence[int] | None = None
+) -> CapturedRows | None:
+    """Rows of positions [first, end) for the request's draft: the replayed ones, then the committed ones (`rows` of
+    the packed batch after a tree; None: the item's first end - start rows)."""
+    request = entry.request
+    start = entry.start_length
+    if request.tokens_only:
+        # A token-only draft needs x[0] too: rows from scratch start at position -1, which pairs with x[0].
+        first = -1 if start == 0 or entry.item.replay else start
+        empty = torch.empty((end - first, 0), device=device)  # [end - first, 0]
+        return CapturedRows(request.request_id, first, request.tokens[first + 1 : end + 1], empty)
+    if not request.capture:
+        return None
+    parts: list[slice | torch.Tensor] = [entry.scratch_rows] if entry.scratch is not None else []
+    if rows is None:
+        parts.append(slice(entry.rows.start, entry.rows.start + end - start))
+    else:
+        parts.append(torch.tensor(rows, dtype=torch.long, device=device))
+    features = torch.cat(
+        [torch.cat([output.captured[index][part] for index in request.capture], dim=-1) for part in parts]
+    )  # [end - first, len(capture) * hidden]
+    first = 0 if entry.scratch is not None else start
+    return CapturedRows(request.request_id, first, request.tokens[first + 1 : end + 1], features)
+
+
+def joined(first: ItemResult, then: ItemResult) -> ItemResult:
+    """One result for two consecutive forward passes of a decoding request (no drafts, so nothing accepted)."""
+    captured = first.captured
+    if captured is not None and then.captured is not None:
+        captured = CapturedRows(
+            captured.request_id,
+            captured.start_position,
+            [*captured.next_tokens, *then.captured.next_tokens],
+            torch.cat([captured.features, then.captured.features]),  # rows of consecutive positions
+        )
+    return replace(
+        first,
+        new_tokens=[*first.new_tokens, *then.new_tokens],
+        captured=captured,
+        logprobs=[*first.logprobs, *then.logprobs],
+    )
+
+
+def tree_of(item: StepItem) -> list[int]:
+    """The parents of an item's new tokens: its committed tokens as a chain, then its draft tree under the last one.
+
+    Example: num_tokens 1 and draft_parents [-1, -1, 0] give [-1, 0, 0, 1].
+    """
+    chain = list(range(-1, item.num_tokens - 1))
+    last = item.num_tokens - 1
+    return [*chain, *(last if parent < 0 else item.num_tokens + parent for parent in item.draft_parents)]

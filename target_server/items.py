@@ -1,0 +1,94 @@
+"""What a target step is made of: the items the runner takes, their results, and the request state it keeps.
+
+`StepItem` is one request's share of a step (the orchestrator's StepTask, the wire's StepItem); `ItemResult` what
+the step did with it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.layers.kv_cache import SequenceKV
+from tandem.sampling.logprobs import TokenLogprob
+from tandem.sampling.params import SamplingParams
+
+# Draft tokens one item may carry: far above any useful chain, low enough that a faulty draft cannot make one
+# request's verification the size of a prefill.
+MAX_DRAFT_TOKENS = 64
+
+
+class RequestError(ValueError):
+    """An item the runner cannot serve (unknown id, duplicate id, too long); the message says why."""
+
+
+class ItemStatus(enum.Enum):
+    OK = "ok"
+    INVALID = "invalid"  # the item is wrong; nothing changed
+    EXHAUSTED = "exhausted"  # the KV pool cannot hold the item now; nothing changed
+
+
+@dataclass
+class TargetRequest:
+    request_id: str
+    tokens: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator
+    capture: tuple[int, ...]  # capture indices streamed to the request's draft; () for target-only
+    kv: SequenceKV = field(default_factory=SequenceKV)
+    prompt_length: int = 0  # tokens[prompt_length:] are the request's new tokens
+    tokens_only: bool = False  # the draft takes committed tokens only (rows with zero-width features)
+    end_token_ids: frozenset[int] = frozenset()  # a multi-token decode stops after one of these
+
+
+@dataclass(frozen=True)
+class CapturedRows:
+    """Aux features of committed positions [start_position, start_position + n) and their next tokens."""
+
+    request_id: str
+    start_position: int  # -1 for token-only rows from scratch (position -1 has no feature; its next token is x[0])
+    next_tokens: list[int]  # n tokens
+    features: torch.Tensor  # [n, len(capture) * hidden]; [n, 0] for a token-only draft
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    """What a request's first item carries: its prompt and how to sample."""
+
+    prompt: Sequence[int]
+    sampling: SamplingParams
+    end_token_ids: frozenset[int] = frozenset()  # tokens that end the request (EOS, stop ids)
+
+
+@dataclass(frozen=True)
+class StepItem:
+    request_id: str
+    num_tokens: int  # committed tokens to compute, from where the request's KV ends
+    draft_tokens: Sequence[int] = ()  # only when the item reaches the last committed token
+    open: OpenRequest | None = None  # on the request's first item
+    capture: tuple[int, ...] | None = None  # a new capture set (open, or a move to another draft); None: unchanged
+    tokens_only: bool = False  # with a new capture set (then ()): the draft takes committed tokens only
+    # Recompute the aux rows of every position the request's KV holds, for a draft that starts from scratch; the
+    # request's own KV is not rewritten (a recomputed KV could differ in the last bits, and with it the outputs).
+    replay: bool = False
+    top_logprobs: int | None = None  # report each new token's logprob and this many best tokens; None: no logprobs
+    # A tree of drafts (tandem.sampling.tree_verify): per draft its parent among them, -1 the last committed token;
+    # (): the drafts are a chain.
+    draft_parents: Sequence[int] = ()
+    # Without drafts, at the last committed token: decode up to this many tokens in this step, one forward pass
+    # each, stopping after an end token or when the KV pool has no room for the next one.
+    decode_steps: int = 1
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    request_id: str
+    status: ItemStatus
+    message: str = ""  # why, when not OK
+    accepted: int = 0  # draft tokens accepted
+    new_tokens: list[int] = field(default_factory=list)  # accepted drafts + correction/bonus; [] for a prompt chunk
+    captured: CapturedRows | None = None  # replayed rows, then the rows this item committed
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token when the item asked
