@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tandem.layers.attention_backend import AttentionMetadata
-from tandem.layers.cuda_graphs import GraphedForward, GraphsFactory, Tensors, recorded_graphs
+from tandem.layers.cuda_graphs import GraphedForward, GraphsFactory, Tensors, recorded_graphs, run_step
 from tandem.layers.kv_cache import CacheLayout, OutOfKVBlocks, PagedKVCache, SequenceKV
 from tandem.layers.matmul import prepack
 from tandem.layers.page_table import PageTable
@@ -126,7 +126,7 @@ class DraftRunner:
         """Ingests each request's rows, then drafts num_steps tokens per request; batched across requests."""
         # Check every item before changing any state, so that a refused batch leaves the cache as it was.
         self.check_rows(inputs)
-        self._check_blocks(inputs)
+        self.check_blocks(inputs)
         requests, hidden, logits = self.ingest(inputs)
         tokens = self.model.to_target_ids(logits.argmax(dim=-1))  # [num_requests]
         proposals: list[list[int]] = [[int(t)] for t in tokens.tolist()]
@@ -156,9 +156,7 @@ class DraftRunner:
         """One draft step of one row per request: from a recorded shape when CUDA graphs are on
         (tandem.layers.cuda_graphs), else as planned."""
         inputs = {"tokens": tokens, "hidden": hidden}
-        outputs = self.graphs.run(table, inputs, "step", self._step_outputs) if self.graphs is not None else None
-        if outputs is None:
-            outputs = self._step_outputs(inputs, AttentionMetadata.planned(table, self.cache.backend))
+        outputs = run_step(self.graphs, self.cache, table, inputs, "step", self._step_outputs)
         return outputs["hidden"], outputs["tokens"]
 
     def _step_outputs(self, inputs: Tensors, metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
@@ -196,25 +194,39 @@ class DraftRunner:
         step = self.model(input_ids, self.model.project_features(features), metadata, self.cache, last_rows)
         return requests, step.hidden[last_rows], step.logits
 
-    def _check_blocks(self, inputs: Sequence[ProposeInput]) -> None:
-        """Raises OutOfKVBlocks before any change if the batch, its ingest and every draft step, does not fit."""
+    def check_blocks(self, inputs: Sequence[ProposeInput], rows_per_step: int = 1) -> None:
+        """Raises OutOfKVBlocks before any change if the batch, its ingest and every draft step, does not fit.
+        `rows_per_step`: what each draft step after the first adds to a request's KV at most (a chain's one
+        position; a tree's expansion step, draft_server.tree_draft, K)."""
         plans = []
         for item in inputs:
             request = self.requests.get(item.request_id)
-            # Ingest writes the rows; every draft step after the first writes one more position.
-            end = item.rows.start_position + len(item.rows.next_tokens) + max(0, item.num_steps - 1)
+            # Ingest writes the rows; every draft step after the first writes rows_per_step more positions.
+            end = item.rows.start_position + len(item.rows.next_tokens) + rows_per_step * max(0, item.num_steps - 1)
             plans.append((request.kv if request is not None else None, item.rows.start_position, end))
         check_batch_fits(self.cache, plans)
 
     def release(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            request = self.requests.pop(request_id, None)
-            if request is not None:
-                self.cache.release(request.kv)
+        release_requests(self.cache, self.requests, request_ids)
 
     @property
     def _dtype(self) -> torch.dtype:
         return self.cache.keys.dtype
+
+
+class HoldsKV(Protocol):
+    kv: SequenceKV  # the request's draft KV in the runner's pool
+
+
+Request = TypeVar("Request", bound=HoldsKV)
+
+
+def release_requests(cache: PagedKVCache, requests: dict[str, Request], request_ids: Sequence[str]) -> None:
+    """Forgets the requests and gives their KV back to the pool; ids the runner does not hold are skipped."""
+    for request_id in request_ids:
+        request = requests.pop(request_id, None)
+        if request is not None:
+            cache.release(request.kv)
 
 
 def check_batch_fits(cache: PagedKVCache, plans: Sequence[tuple[SequenceKV | None, int, int]]) -> None:

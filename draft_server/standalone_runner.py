@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_server.runner import DraftRequestError, ProposeInput, TargetRows, check_batch_fits
+from draft_server.runner import DraftRequestError, ProposeInput, TargetRows, check_batch_fits, release_requests
 from tandem.layers.attention_backend import AttentionMetadata
-from tandem.layers.cuda_graphs import GraphedForward, GraphsFactory, Tensors, recorded_graphs
+from tandem.layers.cuda_graphs import GraphedForward, GraphsFactory, Tensors, recorded_graphs, run_step
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.layers.matmul import prepack
 from tandem.layers.page_table import PageTable
@@ -123,10 +123,7 @@ class StandaloneRunner:
     def _step(self, table: PageTable, tokens: torch.Tensor) -> torch.Tensor:  # [b] -> [b] on the CPU
         """One draft step of one token per request: from a recorded shape when CUDA graphs are on
         (tandem.layers.cuda_graphs), else as planned."""
-        outputs = self.graphs.run(table, {"tokens": tokens}, "step", self._next) if self.graphs is not None else None
-        if outputs is None:
-            outputs = self._next({"tokens": tokens}, AttentionMetadata.planned(table, self.cache.backend))
-        return outputs["tokens"].cpu()
+        return run_step(self.graphs, self.cache, table, {"tokens": tokens}, "step", self._next)["tokens"].cpu()
 
     def _next(self, inputs: Tensors, metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
         output = self.model(inputs["tokens"], metadata, self.cache)
@@ -153,7 +150,4 @@ class StandaloneRunner:
         check_batch_fits(self.cache, plans)
 
     def release(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            request = self.requests.pop(request_id, None)
-            if request is not None:
-                self.cache.release(request.kv)
+        release_requests(self.cache, self.requests, request_ids)

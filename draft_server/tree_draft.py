@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_server.runner import DraftRunner, ProposeInput
-from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache
+from draft_server.runner import DraftModel, DraftRequest, DraftRunner, ProposeInput
+from tandem.layers.kv_cache import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,11 @@ class _Expansion:
     nodes: list[_Node] = field(default_factory=list)
     frontier: list[int] = field(default_factory=list)
     expanded: list[int] = field(default_factory=list)  # nodes that have run, in creation order
+
+    def grow(self, node: _Node) -> None:
+        """Adds a node to the request's nodes and to the frontier."""
+        self.frontier.append(len(self.nodes))
+        self.nodes.append(node)
 
 
 def select_tree(scores: Sequence[float], parents: Sequence[int], count: int) -> list[int]:
@@ -96,74 +101,95 @@ def propose_trees(
     if topk < 1 or num_draft_tokens < 2:
         raise ValueError(f"topk {topk} must be >= 1 and num_draft_tokens {num_draft_tokens} >= 2")
     runner.check_rows(inputs)
-    _check_blocks(runner, inputs, topk)
+    # The largest expansion step rewrites the ingest's end onwards: K rows per step after the first at most.
+    runner.check_blocks(inputs, rows_per_step=topk)
     requests, hidden, logits = runner.ingest(inputs)  # hidden [b, hidden], logits [b, draft vocab]
-    model, cache = runner.model, runner.cache
-    expansions = [_Expansion() for _ in inputs]
-    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [b, draft vocab]
-    best, best_ids = log_probs.topk(topk, dim=-1)  # [b, K]
-    targets = model.to_target_ids(best_ids.flatten()).view_as(best_ids)  # [b, K]
-    for row, expansion in enumerate(expansions):
-        for score, token in zip(best[row].tolist(), targets[row].tolist(), strict=True):
-            expansion.frontier.append(len(expansion.nodes))
-            expansion.nodes.append(_Node(int(token), -1, float(score), hidden[row]))
+    expansions = _first_frontiers(runner.model, hidden, logits, topk)
     for step_index in range(1, max(item.num_steps for item in inputs)):
         active = [i for i, item in enumerate(inputs) if item.num_steps > step_index]
         if not active:
             break
-        sequences, trees, tokens, hiddens = [], [], [], []
-        for i in active:
-            expansion = expansions[i]
-            expansion.expanded += expansion.frontier
-            cache.truncate(requests[i].kv, inputs[i].rows.start_position + len(inputs[i].rows.next_tokens))
-            run = expansion.expanded
-            sequences.append((requests[i].kv, len(run)))
-            trees.append(as_tree(run, [node.parent for node in expansion.nodes]))
-            tokens += [expansion.nodes[node].token for node in run]
-            hiddens += [expansion.nodes[node].input_hidden for node in run]
-        metadata = cache.plan(sequences, parents=trees)
-        slices = metadata.page_table.query_slices()
-        # Only the frontier's rows draft: they are each sequence's last K rows (the frontier was created last).
-        frontier_rows = [row for rows in slices for row in range(rows.stop - topk, rows.stop)]
-        selector = torch.tensor(frontier_rows, dtype=torch.long, device=cache.device)
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=cache.device)  # target vocabulary ids
-        step = model(input_ids, torch.stack(hiddens), metadata, cache, selector)
-        out_hidden = step.hidden[selector]  # [len(active) * K, hidden]
-        child_logp, child_ids = torch.log_softmax(step.logits.float(), dim=-1).topk(topk, dim=-1)  # [a * K, K]
-        child_targets = model.to_target_ids(child_ids.flatten()).view_as(child_ids).tolist()
-        child_logp_list = child_logp.tolist()
-        for position, i in enumerate(active):
-            expansion = expansions[i]
-            rows = slice(position * topk, (position + 1) * topk)
-            parent_scores = [expansion.nodes[parent].score for parent in expansion.frontier]
-            children = best_children(parent_scores, child_logp_list[rows], child_targets[rows], topk)
-            frontier = expansion.frontier
-            expansion.frontier = []
-            for score, slot, token in children:
-                expansion.frontier.append(len(expansion.nodes))
-                expansion.nodes.append(_Node(token, frontier[slot], score, out_hidden[rows.start + slot]))
-    trees_out = []
-    for expansion in expansions:
-        parents = [node.parent for node in expansion.nodes]
-        kept = select_tree([node.score for node in expansion.nodes], parents, num_draft_tokens - 1)
-        trees_out.append(DraftTree([expansion.nodes[node].token for node in kept], as_tree(kept, parents)))
-    return trees_out
+        active_expansions = [expansions[i] for i in active]
+        active_inputs, active_requests = [inputs[i] for i in active], [requests[i] for i in active]
+        children = _run_expanded(runner, active_inputs, active_requests, active_expansions, topk)
+        _advance_frontiers(active_expansions, children, topk)
+    return [_selected_tree(expansion, num_draft_tokens) for expansion in expansions]
 
 
-def _check_blocks(runner: DraftRunner, inputs: Sequence[ProposeInput], topk: int) -> None:
-    """Raises OutOfKVBlocks before any change unless every request's ingest and its largest expansion step fit."""
-    cache = runner.cache
-    block_size = cache.block_size
-    available, needed = cache.num_free_blocks, 0
-    for item in inputs:
-        request = runner.requests.get(item.request_id)
-        held = len(request.kv.block_ids) if request is not None else 0
-        kept = -(-item.rows.start_position // block_size)
-        available += held - min(kept, held)
-        end = item.rows.start_position + len(item.rows.next_tokens) + topk * max(0, item.num_steps - 1)
-        needed += -(-end // block_size) - min(kept, held)
-    if needed > available:
-        raise OutOfKVBlocks(f"KV cache: this batch needs {needed} more blocks, {available} free")
+@dataclass(frozen=True)
+class _Children:
+    """What one expansion step's forward gives the frontier's rows, K rows per active request in their order."""
+
+    hidden: torch.Tensor  # [active * K, hidden] each frontier node's output, the input of its children's rows
+    log_probs: list[list[float]]  # [active * K, K] each frontier node's top-K log probabilities
+    tokens: list[list[int]]  # [active * K, K] their tokens, target vocabulary
+
+
+def _first_frontiers(
+    model: DraftModel,
+    hidden: torch.Tensor,  # [b, hidden] each request's last ingested row's output
+    logits: torch.Tensor,  # [b, draft vocab] its draft logits
+    topk: int,
+) -> list[_Expansion]:
+    """Step 0: per request, the K best tokens after its ingested rows, children of the last committed token."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [b, draft vocab]
+    best, best_ids = log_probs.topk(topk, dim=-1)  # [b, K]
+    targets = model.to_target_ids(best_ids.flatten()).view_as(best_ids)  # [b, K]
+    expansions = [_Expansion() for _ in range(best.shape[0])]
+    for row, expansion in enumerate(expansions):
+        for score, token in zip(best[row].tolist(), targets[row].tolist(), strict=True):
+            expansion.grow(_Node(int(token), -1, float(score), hidden[row]))
+    return expansions
+
+
+def _run_expanded(
+    runner: DraftRunner,
+    inputs: Sequence[ProposeInput],  # the active requests'
+    requests: Sequence[DraftRequest],
+    expansions: Sequence[_Expansion],
+    topk: int,
+) -> _Children:
+    """One packed forward of every active request's expanded nodes (the frontier now among them), each request's as
+    one tree after its ingested rows; the draft KV they wrote last step is rewritten."""
+    model, cache = runner.model, runner.cache
+    sequences, trees, tokens, hiddens = [], [], [], []
+    for item, request, expansion in zip(inputs, requests, expansions, strict=True):
+        expansion.expanded += expansion.frontier
+        cache.truncate(request.kv, item.rows.start_position + len(item.rows.next_tokens))
+        run = expansion.expanded
+        sequences.append((request.kv, len(run)))
+        trees.append(as_tree(run, [node.parent for node in expansion.nodes]))
+        tokens += [expansion.nodes[node].token for node in run]
+        hiddens += [expansion.nodes[node].input_hidden for node in run]
+    metadata = cache.plan(sequences, parents=trees)
+    slices = metadata.page_table.query_slices()
+    # Only the frontier's rows draft: they are each sequence's last K rows (the frontier was created last).
+    frontier_rows = [row for rows in slices for row in range(rows.stop - topk, rows.stop)]
+    selector = torch.tensor(frontier_rows, dtype=torch.long, device=cache.device)
+    input_ids = torch.tensor(tokens, dtype=torch.long, device=cache.device)  # target vocabulary ids
+    step = model(input_ids, torch.stack(hiddens), metadata, cache, selector)
+    child_log_probs, child_ids = torch.log_softmax(step.logits.float(), dim=-1).topk(topk, dim=-1)  # [a * K, K]
+    child_targets = model.to_target_ids(child_ids.flatten()).view_as(child_ids).tolist()
+    return _Children(step.hidden[selector], child_log_probs.tolist(), child_targets)
+
+
+def _advance_frontiers(expansions: Sequence[_Expansion], children: _Children, topk: int) -> None:
+    """Replaces each active request's frontier by the best K of its frontier's K * K children."""
+    for position, expansion in enumerate(expansions):
+        rows = slice(position * topk, (position + 1) * topk)
+        parent_scores = [expansion.nodes[parent].score for parent in expansion.frontier]
+        best = best_children(parent_scores, children.log_probs[rows], children.tokens[rows], topk)
+        frontier = expansion.frontier
+        expansion.frontier = []
+        for score, slot, token in best:
+            expansion.grow(_Node(token, frontier[slot], score, children.hidden[rows.start + slot]))
+
+
+def _selected_tree(expansion: _Expansion, num_draft_tokens: int) -> DraftTree:
+    """The best num_draft_tokens - 1 of the request's nodes, as a tree."""
+    parents = [node.parent for node in expansion.nodes]
+    kept = select_tree([node.score for node in expansion.nodes], parents, num_draft_tokens - 1)
+    return DraftTree([expansion.nodes[node].token for node in kept], as_tree(kept, parents))
 
 
 class TreeDrafter:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
+
+from tandem.malformed import HandlerInterceptor
 
 API_KEY_VARIABLE = "TANDEM_API_KEY"  # the environment variables the commands read the secrets from
 ADMIN_TOKEN_VARIABLE = "TANDEM_ADMIN_TOKEN"
@@ -74,7 +76,7 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
     return grpc.stream_stream_rpc_method_handler(refuse_stream, **codecs)
 
 
-class BearerInterceptor(grpc.aio.ServerInterceptor):
+class BearerInterceptor(HandlerInterceptor):
     """Lets a call through only with `authorization: Bearer <key>`, except calls to `open_services`."""
 
     def __init__(self, key: str, open_services: Collection[str] = OPEN_SERVICES) -> None:
@@ -86,15 +88,10 @@ class BearerInterceptor(grpc.aio.ServerInterceptor):
     def __repr__(self) -> str:
         return f"BearerInterceptor(open_services={sorted(self._open_services)})"  # never the key
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or service_of(handler_call_details.method) in self._open_services:
+    def replace(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        if service_of(details.method) in self._open_services:
             return handler
-        values = [value for name, value in handler_call_details.invocation_metadata or () if name == AUTHORIZATION]
+        values = [value for name, value in details.invocation_metadata or () if name == AUTHORIZATION]
         try:
             check_bearer(values[0] if values else None, self._key)
         except Unauthenticated as refused:

@@ -38,6 +38,10 @@ class CertificateFiles:
     cert: Path
     key: Path
 
+    @classmethod
+    def in_directory(cls, directory: Path) -> CertificateFiles:
+        return cls(ca=directory / "ca.pem", cert=directory / "cert.pem", key=directory / "key.pem")
+
 
 @dataclass(frozen=True)
 class CertificatePems:
@@ -49,7 +53,7 @@ class CertificatePems:
 
     def write(self, directory: Path) -> CertificateFiles:
         """Writes the three files into `directory` (which should be private to this process), each created 0600."""
-        files = CertificateFiles(ca=directory / "ca.pem", cert=directory / "cert.pem", key=directory / "key.pem")
+        files = CertificateFiles.in_directory(directory)
         for path, data in ((files.ca, self.ca), (files.cert, self.cert), (files.key, self.key)):
             _write_private(path, data)
         return files
@@ -85,53 +89,71 @@ def make_certificates(
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = _name(f"{common_name} CA")
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - CLOCK_SKEW)
-        .not_valid_after(now + VALID_FOR)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
+    ca_cert = _ca_certificate(ca_key, ca_name, now)
     leaf_key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = [x509.DNSName(name) for name in dns_names]
     names += [x509.IPAddress(ipaddress.ip_address(address)) for address in ip_addresses]
-    leaf_cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(common_name))
-        .issuer_name(ca_name)
-        .public_key(leaf_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - CLOCK_SKEW)
-        .not_valid_after(now + VALID_FOR)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
-        )
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    files = CertificateFiles(ca=directory / "ca.pem", cert=directory / "cert.pem", key=directory / "key.pem")
+    leaf_cert = _leaf_certificate(leaf_key, _name(common_name), names, ca_key, ca_name, now)
+    files = CertificateFiles.in_directory(directory)
     files.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     files.cert.write_bytes(leaf_cert.public_bytes(serialization.Encoding.PEM))
     _write_private(files.key, _key_pem(leaf_key))
     return files
+
+
+def _valid_from(
+    now: datetime.datetime, subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePublicKey
+) -> x509.CertificateBuilder:
+    """A certificate of `subject`'s `key` by `issuer`, valid from now (less the clock skew a peer may have) for
+    VALID_FOR."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - CLOCK_SKEW)
+        .not_valid_after(now + VALID_FOR)
+    )
+
+
+def _ca_certificate(key: ec.EllipticCurvePrivateKey, name: x509.Name, now: datetime.datetime) -> x509.Certificate:
+    """A self-signed CA that signs certificates only (no intermediate CAs below it)."""
+    usage = x509.KeyUsage(
+        digital_signature=False,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=True,
+        crl_sign=True,
+        encipher_only=False,
+        decipher_only=False,
+    )
+    return (
+        _valid_from(now, name, name, key.public_key())
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(usage, critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+
+
+def _leaf_certificate(
+    key: ec.EllipticCurvePrivateKey,
+    name: x509.Name,
+    alternative_names: list[x509.GeneralName],
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_name: x509.Name,
+    now: datetime.datetime,
+) -> x509.Certificate:
+    """A certificate signed by the CA for TLS servers and clients alike (mutual TLS), naming `alternative_names`."""
+    usage = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
+    return (
+        _valid_from(now, name, ca_name, key.public_key())
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(alternative_names), critical=False)
+        .add_extension(usage, critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )

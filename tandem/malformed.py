@@ -8,6 +8,7 @@ and the method's behaviour answers it with INVALID_ARGUMENT naming the method, b
 from __future__ import annotations
 
 import inspect
+from abc import abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,16 +24,30 @@ class Malformed:
     reason: str
 
 
-class MalformedRequests(grpc.aio.ServerInterceptor):
+class HandlerInterceptor(grpc.aio.ServerInterceptor):
+    """A server interceptor that swaps the handler of every method the server has (`replace`); a method it does not
+    have (no handler) goes on to gRPC's own UNIMPLEMENTED answer. Also the base of tandem.auth.BearerInterceptor."""
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
+        if handler is None:
             return handler
-        method = handler_call_details.method
+        return self.replace(handler, handler_call_details)
+
+    @abstractmethod
+    def replace(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        """The handler the call runs: `handler` itself, or one of the same kind that wraps or refuses it."""
+
+
+class MalformedRequests(HandlerInterceptor):
+    def replace(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        if handler.request_deserializer is None:
+            return handler
+        method = details.method
         parse = handler.request_deserializer
 
         def deserialize(data: bytes) -> Any:

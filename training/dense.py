@@ -150,7 +150,7 @@ DENSE_ATTENTION: dict[type[nn.Module], DenseAttention] = {
 
 
 class DenseLayer(Protocol):
-    """A pre-norm decoder layer as the dense paths drive it (Llama's DecoderLayer, DeepSeek-V3's MLA layer)."""
+    """A pre-norm decoder layer as the dense paths drive it (LlamaDecoderLayer, DeepSeek-V3's MLA layer)."""
 
     @property
     def input_layernorm(self) -> RMSNorm: ...

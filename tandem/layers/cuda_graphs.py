@@ -178,6 +178,22 @@ class GraphedForward:
         return _Shape(static, positions, write_slots, attention, self.recorder.record(run))
 
 
+def run_step(
+    graphs: GraphedForward | None,
+    cache: PagedKVCache,
+    table: PageTable,
+    inputs: Tensors,
+    key: Hashable,
+    forward: Forward,
+) -> dict[str, torch.Tensor]:
+    """A step's outputs: from a recorded shape when CUDA graphs are on (`graphs`) and take the step (views, valid
+    until the next replay), else `forward` run eagerly on `table` as the cache's backend plans it."""
+    outputs = graphs.run(table, inputs, key, forward) if graphs is not None else None
+    if outputs is None:
+        outputs = forward(inputs, AttentionMetadata.planned(table, cache.backend))
+    return outputs
+
+
 def _fill(
     buffers: dict[str, torch.Tensor],  # name -> [batch * q, ...] a shape's static inputs
     positions: torch.Tensor,  # [batch * q]

@@ -1,6 +1,6 @@
 """The FlashInfer attention backend (CUDA, bfloat16 or float16) over the same page table as the torch backend.
 
-Not yet run on a GPU (README, "GPU"). `flashinfer` is imported when this backend is built, never otherwise.
+Not yet run on a GPU (docs/gpu.md). `flashinfer` is imported when this backend is built, never otherwise.
 
 A step's `plan` keeps the page table; FlashInfer's wrappers are planned by the first layer that attends with a given
 shape (heads, head_dim, scale, window, dtypes) and then run by every layer of that shape, so a model with two kinds
@@ -85,6 +85,23 @@ class GraphBuffers:
 
         return cls(zeros(batch + 1), zeros(batch + 1), zeros(num_pages), zeros(batch))
 
+    def decode_arguments(self) -> dict[str, torch.Tensor]:
+        """The buffers as BatchDecodeWithPagedKVCacheWrapper's constructor names them (it takes no qo_indptr)."""
+        return {
+            "paged_kv_indptr_buffer": self.kv_indptr,
+            "paged_kv_indices_buffer": self.kv_page_indices,
+            "paged_kv_last_page_len_buffer": self.kv_last_page_len,
+        }
+
+    def prefill_arguments(self) -> dict[str, torch.Tensor]:
+        """The buffers as BatchPrefillWithPagedKVCacheWrapper's constructor names them."""
+        return {
+            "qo_indptr_buf": self.qo_indptr,
+            "paged_kv_indptr_buf": self.kv_indptr,
+            "paged_kv_indices_buf": self.kv_page_indices,
+            "paged_kv_last_page_len_buf": self.kv_last_page_len,
+        }
+
 
 class FlashInferStep:
     def __init__(self, backend: FlashInferBackend, page_table: PageTable, graph: GraphBuffers | None = None) -> None:
@@ -130,10 +147,7 @@ class FlashInferStep:
         scale = scaling if scaling is not None else head_dim**-0.5
         window_left = -1 if sliding_window is None else sliding_window - 1
         shape = (num_heads, num_kv_heads, head_dim, scale, window_left, query.dtype, layer_keys.dtype)
-        wrapper = self._planned.get(shape)
-        if wrapper is None:
-            wrapper = self._plan_attention(*shape)
-            self._planned[shape] = wrapper
+        wrapper = self._planned_wrapper(shape, lambda: self._plan_attention(*shape))
         page_size = self.table.page_size
         pages = (
             layer_keys.view(-1, page_size, num_kv_heads, head_dim),
@@ -156,10 +170,9 @@ class FlashInferStep:
             return self._torch_step().attend_latent(query, rows, layer_rows, latent_dim, scaling)
         layer_rows.index_copy_(0, self.write_slots, rows.to(layer_rows.dtype))
         shape = ("mla", query.shape[1], scaling, query.dtype, layer_rows.dtype)
-        wrapper = self._planned.get(shape)
-        if wrapper is None:
-            wrapper = self._plan_latent(query.shape[1], scaling, query.dtype, layer_rows.dtype)
-            self._planned[shape] = wrapper
+        wrapper = self._planned_wrapper(
+            shape, lambda: self._plan_latent(query.shape[1], scaling, query.dtype, layer_rows.dtype)
+        )
         pages = layer_rows.view(-1, self.table.page_size, row_dim)  # [num_pages, page_size, row_dim]
         return wrapper.run(
             query[..., :latent_dim], query[..., latent_dim:], pages[..., :latent_dim], pages[..., latent_dim:]
@@ -175,51 +188,12 @@ class FlashInferStep:
         query_dtype: torch.dtype,
         kv_dtype: torch.dtype,
     ) -> Any:
-        flashinfer, table, workspace = self.backend.flashinfer, self.table, self.backend.workspace
+        """The decode or prefill wrapper of one shape (module docstring), planned for this step's page table."""
+        flashinfer, table = self.backend.flashinfer, self.table
         key = (num_heads, num_kv_heads, head_dim, scale, window_left, query_dtype, kv_dtype)
         common = {"sm_scale": scale, "window_left": window_left, "q_data_type": query_dtype, "kv_data_type": kv_dtype}
-        graph = self.graph
-        if self.decoding:
-            if graph is None:
-                wrapper = self.backend.wrapper(
-                    ("decode", *key), lambda: flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-                )
-            else:  # the step's own wrapper, over its fixed buffers
-                wrapper = self._planned.get(key) or flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    workspace,
-                    "NHD",
-                    use_cuda_graph=True,
-                    paged_kv_indptr_buffer=graph.kv_indptr,
-                    paged_kv_indices_buffer=graph.kv_page_indices,
-                    paged_kv_last_page_len_buffer=graph.kv_last_page_len,
-                )
-            wrapper.plan(
-                table.kv_indptr,
-                table.kv_page_indices,
-                table.kv_last_page_len,
-                num_heads,
-                num_kv_heads,
-                head_dim,
-                table.page_size,
-                **common,
-            )
-            return wrapper
-        if graph is None:
-            wrapper = self.backend.wrapper(
-                ("prefill", *key), lambda: flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            )
-        else:
-            wrapper = self._planned.get(key) or flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                workspace,
-                "NHD",
-                use_cuda_graph=True,
-                qo_indptr_buf=graph.qo_indptr,
-                paged_kv_indptr_buf=graph.kv_indptr,
-                paged_kv_indices_buf=graph.kv_page_indices,
-                paged_kv_last_page_len_buf=graph.kv_last_page_len,
-            )
-        wrapper.plan(
-            table.qo_indptr,
+        # The paged KV arguments both wrappers' plan takes, in this order.
+        paged = (
             table.kv_indptr,
             table.kv_page_indices,
             table.kv_last_page_len,
@@ -227,10 +201,41 @@ class FlashInferStep:
             num_kv_heads,
             head_dim,
             table.page_size,
-            custom_mask=self.custom_mask,
-            causal=self.custom_mask is None,
-            **common,
         )
+        if self.decoding:
+            wrapper = self._paged_wrapper(
+                ("decode", *key), key, flashinfer.BatchDecodeWithPagedKVCacheWrapper, GraphBuffers.decode_arguments
+            )
+            wrapper.plan(*paged, **common)
+            return wrapper
+        wrapper = self._paged_wrapper(
+            ("prefill", *key), key, flashinfer.BatchPrefillWithPagedKVCacheWrapper, GraphBuffers.prefill_arguments
+        )
+        mask = self.custom_mask
+        wrapper.plan(table.qo_indptr, *paged, custom_mask=mask, causal=mask is None, **common)
+        return wrapper
+
+    def _paged_wrapper(
+        self,
+        backend_key: Hashable,
+        key: tuple[Any, ...],  # the shape, as _planned keys it
+        wrapper_class: Any,  # FlashInfer's decode or prefill wrapper class
+        graph_arguments: Callable[[GraphBuffers], dict[str, torch.Tensor]],  # its constructor's buffer arguments
+    ) -> Any:
+        """An eager step's wrapper is the backend's, shared by every step of the shape; a recorded step has its own,
+        over its fixed buffers, made by its first plan and planned again by every replan."""
+        workspace, graph = self.backend.workspace, self.graph
+        if graph is None:
+            return self.backend.wrapper(backend_key, lambda: wrapper_class(workspace, "NHD"))
+        return self._planned.get(key) or wrapper_class(workspace, "NHD", use_cuda_graph=True, **graph_arguments(graph))
+
+    def _planned_wrapper(self, shape: tuple[Any, ...], plan: Callable[[], Any]) -> Any:
+        """The wrapper this step planned for `shape`: planned by the first layer of the step that attends with it,
+        then run by every other."""
+        wrapper = self._planned.get(shape)
+        if wrapper is None:
+            wrapper = plan()
+            self._planned[shape] = wrapper
         return wrapper
 
     def _plan_latent(self, num_heads: int, scale: float, query_dtype: torch.dtype, kv_dtype: torch.dtype) -> Any:

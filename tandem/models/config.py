@@ -96,7 +96,9 @@ TARGET_FAMILIES = {
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class GroupedQueryConfig:
+    """What the grouped-query families (Llama's, Gemma3) read alike: shapes, and what the servers need."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -106,9 +108,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope: RopeConfig
     max_position_embeddings: int
-    traits: FamilyTraits
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
@@ -117,13 +117,16 @@ class ModelConfig:
     def cache_layout(self) -> CacheLayout:
         return CacheLayout(self.num_kv_heads, self.head_dim, self.head_dim)
 
+
+@dataclass(frozen=True)
+class ModelConfig(GroupedQueryConfig):
+    rope: RopeConfig
+    traits: FamilyTraits
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any], traits: FamilyTraits | None = None) -> ModelConfig:
         """Translates a target config; `traits` given means a draft layer config (no family lookup)."""
-        architectures = hf.get("architectures") or []
-        if not architectures:
-            raise ConfigError("architectures: missing from config.json")
-        architecture = architectures[0]
+        architecture = architecture_of(hf)
         if traits is None:
             if architecture not in TARGET_FAMILIES:
                 known = ", ".join(sorted(TARGET_FAMILIES))
@@ -156,7 +159,7 @@ class ModelConfig:
             traits=traits,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             eos_token_ids=eos_token_ids(hf),
-            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            torch_dtype=checkpoint_dtype(hf),
         )
 
 
@@ -167,6 +170,20 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
     with path.open() as handle:
         config: dict[str, Any] = json.load(handle)
     return config
+
+
+def architecture_of(hf: dict[str, Any]) -> str:
+    """config.json's first architecture name, the one that picks the model family."""
+    architectures = hf.get("architectures") or []
+    if not architectures:
+        raise ConfigError("architectures: missing from config.json")
+    architecture: str = architectures[0]
+    return architecture
+
+
+def checkpoint_dtype(hf: dict[str, Any]) -> str:
+    """The dtype the checkpoint's tensors are stored in (transformers >= 5 writes `dtype`, older `torch_dtype`)."""
+    return str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
 
 
 def eos_token_ids(hf: dict[str, Any]) -> tuple[int, ...]:

@@ -25,23 +25,20 @@ more than one rank is refused at construction (ParallelismError naming the tp).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
 from torch import nn
 
-from tandem.layers.attention_backend import AttentionMetadata
-from tandem.layers.kv_cache import CacheLayout, PagedKVCache
+from tandem.layers.kv_cache import CacheLayout
 from tandem.layers.matmul import Linear
 from tandem.layers.mla import MLAConfig, MultiHeadLatentAttention
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import MixtureOfExperts, MoEConfig
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, yarn_softmax_mscale
-from tandem.models.config import ConfigError, RopeConfig, eos_token_ids, require_int
-from tandem.models.stack import TargetOutput, run_layers
+from tandem.models.config import ConfigError, RopeConfig, checkpoint_dtype, eos_token_ids, require_int
+from tandem.models.stack import Backbone, CausalLM, DecoderLayer
 from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup, ParallelismError
 from tandem.weights.loader import PACKED_PARTS, NameMap
 
@@ -133,7 +130,7 @@ class DeepseekV3Config:
             max_position_embeddings=int(hf["max_position_embeddings"]),
             tie_word_embeddings=bool(hf["tie_word_embeddings"]),
             eos_token_ids=eos_token_ids(hf),
-            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            torch_dtype=checkpoint_dtype(hf),
             attention=attention,
             moe=moe,
             first_k_dense_replace=int(hf["first_k_dense_replace"]),
@@ -265,10 +262,13 @@ class MLALayerConfig(Protocol):
     def experts(self, layer_index: int) -> MoEConfig | None: ...
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    """Pre-norm MLA decoder layer. `attention_input_size` is 2*hidden for EAGLE3 heads, which attend over
-    concat([embedding, hidden]) instead of the normed residual stream; they also fuse the q/kv down projections
-    (`fused_a_projection`, see MultiHeadLatentAttention)."""
+class DeepseekV3DecoderLayer(DecoderLayer):
+    """The shared pre-norm layer (tandem.models.stack.DecoderLayer) with MLA and a dense or MoE MLP.
+    `attention_input_size` is 2*hidden for EAGLE3 heads, which attend over concat([embedding, hidden]) instead of
+    the normed residual stream; they also fuse the q/kv down projections (`fused_a_projection`, see
+    MultiHeadLatentAttention)."""
+
+    self_attn: MultiHeadLatentAttention
 
     def __init__(
         self,
@@ -278,31 +278,17 @@ class DeepseekV3DecoderLayer(nn.Module):
         attention_input_size: int | None = None,
         fused_a_projection: bool = False,
     ) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MultiHeadLatentAttention(
+        attention = MultiHeadLatentAttention(
             layer_index, config.attention, rotary, attention_input_size, fused_a_projection
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         experts = config.experts(layer_index)
-        self.mlp: MixtureOfExperts | GatedMLP = (
+        mlp: MixtureOfExperts | GatedMLP = (
             MixtureOfExperts(experts) if experts is not None else GatedMLP(config.hidden_size, config.intermediate_size)
         )
-
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [num_tokens, hidden] residual stream entering the layer
-        metadata: AttentionMetadata,
-        cache: PagedKVCache,
-        attention_input: torch.Tensor | None = None,  # [num_tokens, attention_input_size]; default: normed hidden
-    ) -> torch.Tensor:  # -> [num_tokens, hidden] residual stream leaving the layer
-        if attention_input is None:
-            attention_input = self.input_layernorm(hidden)
-        hidden = hidden + self.self_attn(attention_input, metadata, cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        super().__init__(attention, mlp, config.hidden_size, config.rms_norm_eps)
 
 
-class DeepseekV3Backbone(nn.Module):
+class DeepseekV3Backbone(Backbone):
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(config.attention.qk_rope_head_dim, config.rope, config.rope_interleave)
@@ -313,34 +299,15 @@ class DeepseekV3Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(CausalLM[DeepseekV3Config]):
+    """One rank holds the whole KV cache (`cache_layout` is config.cache_layout)."""
+
     def __init__(self, config: DeepseekV3Config, group: ParallelGroup = SINGLE_PROCESS) -> None:
-        super().__init__()
         if group.world_size > 1:
             raise ParallelismError(
                 f"tp {group.world_size}: {config.architecture} runs on one rank only for now (its MLA and MoE layers "
                 "are not sharded); serve it with tp 1"
             )
-        self.config = config
-        self.model = DeepseekV3Backbone(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        metadata: AttentionMetadata,
-        cache: PagedKVCache,  # laid out as config.cache_layout
-        capture: Sequence[int] = (),  # capture indices in [0, num_layers + 1] (tandem.models.stack.run_layers)
-    ) -> TargetOutput:
-        hidden = self.model.embed_tokens(input_ids)
-        return run_layers(hidden, self.model.layers, self.model.norm, metadata, cache, capture)
-
-    @property
-    def cache_layout(self) -> CacheLayout:
-        """What one token leaves in one layer of the KV cache (one rank holds it all)."""
-        return self.config.cache_layout
-
-    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        return self.lm_head(normed).float()
+        super().__init__(
+            config, group, DeepseekV3Backbone(config), Linear(config.hidden_size, config.vocab_size, bias=False)
+        )

@@ -9,7 +9,7 @@ One decoder layer with 2*hidden attention input. For each row:
     carried   = stream (pre-norm), or norm(stream) when norm_output is set
 
 The config's architecture name picks the decoder layer (`EAGLE3_LAYER_KINDS`); the rest of the head is shared:
-- LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM: the Llama family's DecoderLayer, grouped-query attention whose
+- LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM: the Llama family's LlamaDecoderLayer, grouped-query attention whose
   cache keeps num_kv_heads keys and values per token;
 - Eagle3DeepseekV2ForCausalLM (Kimi-K2.5's kimi-k2.5-eagle3-mla): the DeepSeek-V3 family's DeepseekV3DecoderLayer,
   multi-head latent attention whose cache keeps one kv_lora_rank + qk_rope_head_dim row per token and no values,
@@ -33,7 +33,7 @@ from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ConfigError, FamilyTraits, ModelConfig, read_hf_config
 from tandem.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3DraftLayerConfig
-from tandem.models.llama import DecoderLayer
+from tandem.models.llama import LlamaDecoderLayer
 from tandem.weights.loader import (
     MLA_A_PROJECTION_PARTS,
     PACKED_PARTS,
@@ -105,8 +105,8 @@ def _read_llama_layer(hf: dict[str, Any]) -> ModelConfig:
     return ModelConfig.from_hf(hf, traits=FamilyTraits())
 
 
-def _build_llama_layer(config: ModelConfig, attention_input_size: int) -> DecoderLayer:
-    return DecoderLayer(config, 0, RotaryEmbedding(config.head_dim, config.rope), attention_input_size)
+def _build_llama_layer(config: ModelConfig, attention_input_size: int) -> LlamaDecoderLayer:
+    return LlamaDecoderLayer(config, 0, RotaryEmbedding(config.head_dim, config.rope), attention_input_size)
 
 
 def _build_mla_layer(config: DeepseekV3DraftLayerConfig, attention_input_size: int) -> DeepseekV3DecoderLayer:

@@ -20,22 +20,26 @@ softcap need no communication. A draft that shares the table gets it cut by the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from tandem.layers.attention import Attention
-from tandem.layers.attention_backend import AttentionMetadata
-from tandem.layers.kv_cache import CacheLayout, PagedKVCache
 from tandem.layers.matmul import Linear
 from tandem.layers.mlp import ACTIVATIONS, GatedMLP
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
-from tandem.models.config import ConfigError, RopeConfig, eos_token_ids, require_int
-from tandem.models.stack import TargetOutput, run_layers
+from tandem.models.config import (
+    ConfigError,
+    GroupedQueryConfig,
+    RopeConfig,
+    architecture_of,
+    checkpoint_dtype,
+    eos_token_ids,
+    require_int,
+)
+from tandem.models.stack import Backbone, CausalLM, DecoderLayer
 from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
 
 # transformers' Gemma3TextConfig defaults, for keys that a config.json leaves out.
@@ -57,20 +61,7 @@ SLIDING, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer t
 
 
 @dataclass(frozen=True)
-class Gemma3Config:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    eos_token_ids: tuple[int, ...]
-    torch_dtype: str
+class Gemma3Config(GroupedQueryConfig):
     hidden_activation: str
     attention_bias: bool
     query_pre_attn_scalar: float
@@ -80,15 +71,9 @@ class Gemma3Config:
     local_rope: RopeConfig
     final_logit_softcapping: float | None
 
-    @property
-    def cache_layout(self) -> CacheLayout:
-        return CacheLayout(self.num_kv_heads, self.head_dim, self.head_dim)
-
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> Gemma3Config:
-        architectures = hf.get("architectures") or []
-        if not architectures:
-            raise ConfigError("architectures: missing from config.json")
+        architecture = architecture_of(hf)
         hf = HF_DEFAULTS | hf
         if hf.get("attn_logit_softcapping") is not None:
             raise ConfigError(
@@ -108,7 +93,7 @@ class Gemma3Config:
         num_heads = require_int(hf, "num_attention_heads")
         softcap = hf.get("final_logit_softcapping")
         return cls(
-            architecture=architectures[0],
+            architecture=architecture,
             vocab_size=require_int(hf, "vocab_size"),
             hidden_size=require_int(hf, "hidden_size"),
             intermediate_size=require_int(hf, "intermediate_size"),
@@ -120,7 +105,7 @@ class Gemma3Config:
             max_position_embeddings=int(hf["max_position_embeddings"]),
             tie_word_embeddings=bool(hf["tie_word_embeddings"]),
             eos_token_ids=eos_token_ids(hf),
-            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            torch_dtype=checkpoint_dtype(hf),
             hidden_activation=str(hf["hidden_activation"]),
             attention_bias=bool(hf["attention_bias"]),
             query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
@@ -167,12 +152,13 @@ def default_capture_indices(num_layers: int) -> tuple[int, ...]:
     return (2, num_layers // 2, num_layers - 2)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
+    """The shared layer (tandem.models.stack.DecoderLayer) with sandwich (1 + weight) norms, q/k-normed grouped-query
+    attention, sliding-window on local layers, and a tanh-GELU gated MLP."""
+
     def __init__(self, config: Gemma3Config, layer_index: int, rotary: RotaryEmbedding, group: ParallelGroup) -> None:
-        super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps, unit_offset=True)
-        self.self_attn = Attention(
+        attention = Attention(
             layer_index=layer_index,
             input_size=hidden,
             output_size=hidden,
@@ -188,23 +174,11 @@ class Gemma3DecoderLayer(nn.Module):
             sliding_window=config.sliding_window if config.sliding_layers[layer_index] else None,
             group=group,
         )
-        self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset=True)
-        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
-        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation, group)
-        self.post_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [num_tokens, hidden] residual stream entering the layer
-        metadata: AttentionMetadata,
-        cache: PagedKVCache,
-    ) -> torch.Tensor:  # -> [num_tokens, hidden] residual stream leaving the layer
-        attended = self.self_attn(self.input_layernorm(hidden), metadata, cache)
-        hidden = hidden + self.post_attention_layernorm(attended)
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation, group)
+        super().__init__(attention, mlp, hidden, eps, unit_offset=True, sandwich_norms=True)
 
 
-class Gemma3Backbone(nn.Module):
+class Gemma3Backbone(Backbone):
     def __init__(self, config: Gemma3Config, group: ParallelGroup) -> None:
         super().__init__()
         self.global_rotary = RotaryEmbedding(config.head_dim, config.global_rope)
@@ -217,37 +191,13 @@ class Gemma3Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM[Gemma3Config]):
     def __init__(self, config: Gemma3Config, group: ParallelGroup = SINGLE_PROCESS) -> None:
-        super().__init__()
-        self.config = config
-        self.group = group
-        self.model = Gemma3Backbone(config, group)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        metadata: AttentionMetadata,
-        cache: PagedKVCache,
-        capture: Sequence[int] = (),  # capture indices in [0, num_layers + 1] (tandem.models.stack.run_layers)
-    ) -> TargetOutput:
-        embedded = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
-        # The scale is rounded to the model dtype before the multiply, as transformers does (sqrt(3072) -> 55.5 in
-        # bfloat16), so that bf16 streams match the reference bit for bit.
-        scale = torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32, device=embedded.device)
-        hidden = embedded * scale.to(embedded.dtype)
-        return run_layers(hidden, self.model.layers, self.model.norm, metadata, cache, capture)
-
-    @property
-    def cache_layout(self) -> CacheLayout:
-        """What one token leaves in one layer of this rank's KV cache: its share of the KV heads."""
-        layout = self.config.cache_layout
-        return CacheLayout(layout.num_kv_heads // self.group.world_size, layout.key_dim, layout.value_dim)
-
-    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        logits = self.lm_head(normed).float()
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else cap * torch.tanh(logits / cap)
+        super().__init__(
+            config,
+            group,
+            Gemma3Backbone(config, group),
+            Linear(config.hidden_size, config.vocab_size, bias=False),
+            embedding_scale=config.hidden_size**0.5,
+            logit_softcap=config.final_logit_softcapping,
+        )

@@ -47,10 +47,10 @@ from tandem.layers.kv_cache import CacheLayout, PagedKVCache
 from tandem.layers.matmul import Linear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
-from tandem.models.config import TARGET_FAMILIES, ConfigError, ModelConfig, read_hf_config
+from tandem.models.config import TARGET_FAMILIES, ConfigError, ModelConfig, architecture_of, read_hf_config
 from tandem.models.deepseek_v3 import DeepseekV3Config, DeepseekV3DecoderLayer
 from tandem.models.eagle3 import DraftStep, checkpoint_has
-from tandem.models.llama import DecoderLayer
+from tandem.models.llama import LlamaDecoderLayer
 from tandem.models.registry import keep_float32, target_architecture
 from tandem.weights.loader import CheckpointError, NameMap, iter_tensors, load_weights
 
@@ -103,7 +103,7 @@ def _llama_rotary(config: ModelConfig) -> RotaryEmbedding:
 
 
 def _llama_layer(config: ModelConfig, layer_index: int, rotary: RotaryEmbedding) -> nn.Module:
-    return DecoderLayer(config, 0, rotary)  # a Llama layer's index only picks its cache layer
+    return LlamaDecoderLayer(config, 0, rotary)  # a Llama layer's index only picks its cache layer
 
 
 def _deepseek_rotary(config: DeepseekV3Config) -> RotaryEmbedding:
@@ -165,10 +165,7 @@ class MTPConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> MTPConfig:
-        architectures = hf.get("architectures") or []
-        if not architectures:
-            raise ConfigError("architectures: missing from config.json")
-        family = mtp_family(architectures[0])
+        family = mtp_family(architecture_of(hf))
         num_mtp_layers = int(hf.get("num_nextn_predict_layers") or 0)
         if num_mtp_layers < 1:
             raise ConfigError(

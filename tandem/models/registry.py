@@ -25,7 +25,14 @@ from torch import nn
 from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.kv_cache import CacheLayout, PagedKVCache
 from tandem.models import aux_layers, gemma3
-from tandem.models.config import TARGET_FAMILIES, ConfigError, ModelConfig, read_hf_config, read_target_config
+from tandem.models.config import (
+    TARGET_FAMILIES,
+    ConfigError,
+    ModelConfig,
+    architecture_of,
+    read_hf_config,
+    read_target_config,
+)
 from tandem.models.deepseek_v3 import CHECKPOINT_NAMES as DEEPSEEK_V3_NAMES
 from tandem.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from tandem.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
@@ -177,10 +184,7 @@ def load_target(
 
 
 def _architecture(hf: dict[str, Any]) -> TargetArchitecture:
-    architectures = hf.get("architectures") or []
-    if not architectures:
-        raise ConfigError("architectures: missing from config.json")
-    return target_architecture(architectures[0])
+    return target_architecture(architecture_of(hf))
 
 
 def keep_float32(model: nn.Module, suffixes: tuple[str, ...]) -> None:

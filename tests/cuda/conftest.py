@@ -1,6 +1,6 @@
 """The GPU suite: every test here is marked `cuda` and skipped, with the reason, where torch sees no CUDA device.
 
-None of it has run yet (no GPU was available where it was written): README, "GPU".
+None of it has run yet (no GPU was available where it was written): docs/gpu.md.
 """
 
 from __future__ import annotations
