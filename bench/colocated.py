@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from draft_server.formats import ProposalRunner, prepare_draft, propose_what_fits
 from draft_server.runner import DraftRunner, ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
-from draft_server.tree_draft import DraftTree, TreeDrafter
+from draft_server.tree_draft import TreeDrafter
 from orchestrator.backends import (
     BackendError,
     FailureKind,
@@ -69,11 +69,8 @@ class LocalDraft:
     async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch:
         inputs = [ProposeInput(t.request_id, self._take(t.request_id, t.round), t.num_steps) for t in tasks]
         started = time.perf_counter()
-        proposals, exhausted = propose_what_fits(self.runner, inputs)
-        trees = {key: p if isinstance(p, DraftTree) else DraftTree(p, []) for key, p in proposals.items()}
-        drafts = {key: tree.tokens for key, tree in trees.items()}
-        parents = {key: tree.parents for key, tree in trees.items() if tree.parents}
-        return ProposedBatch(drafts, exhausted, time.perf_counter() - started, parents)
+        drafts, exhausted = propose_what_fits(self.runner, inputs)
+        return ProposedBatch(drafts, exhausted, time.perf_counter() - started)
 
     def _take(self, request_id: str, round_number: int) -> TargetRows:
         """The request's rows of this round, after those of earlier rounds it drafted nothing for (k = 0), as a
@@ -104,7 +101,7 @@ class LocalTarget:
             StepItem(
                 task.request_id,
                 task.num_tokens,
-                task.draft_tokens,
+                task.drafts,
                 None
                 if task.open is None
                 else OpenRequest(task.open.prompt, task.open.sampling, task.open.end_token_ids),
@@ -112,7 +109,6 @@ class LocalTarget:
                 replay=task.replay,
                 top_logprobs=task.top_logprobs,
                 tokens_only=tokens_only and task.replica is not None,
-                draft_parents=task.draft_parents,
                 decode_steps=task.decode_steps,
             )
             for task in tasks

@@ -25,6 +25,7 @@ import torch
 
 from tandem.models.registry import TargetModel, target_architecture
 from tandem.parallel.group import SINGLE_PROCESS
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from target_server.items import StepItem
@@ -83,7 +84,7 @@ def round_seconds(runner: TargetRunner, batch: int, drafts: int, rounds: int, pr
     for _ in range(rounds + 2):  # two warm-up rounds
         torch.cuda.synchronize()
         started = time.perf_counter()
-        runner.step([StepItem(request_id, 1, [7] * drafts) for request_id in ids])
+        runner.step([StepItem(request_id, 1, DraftTree.chain([7] * drafts)) for request_id in ids])
         torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
     runner.release(ids)

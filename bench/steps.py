@@ -29,6 +29,7 @@ from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from tandem.layers import matmul
 from tandem.models.eagle3 import Eagle3Draft, load_eagle3
 from tandem.models.registry import load_target
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.settings import DEMO_DRAFT, DEMO_TARGET, KVCacheSettings
 from target_server.items import OpenRequest, StepItem
@@ -73,7 +74,7 @@ def time_phases(
     ids = [f"{tag}-{index}" for index in range(batch)]
     prompt = list(range(3, 3 + PROMPT_TOKENS))
     target.step([StepItem(i, PROMPT_TOKENS, open=OpenRequest(prompt, SamplingParams())) for i in ids])
-    verify = median_ms(lambda: target.step([StepItem(i, 1, draft_tokens=[9] * drafts) for i in ids]), rounds)
+    verify = median_ms(lambda: target.step([StepItem(i, 1, DraftTree.chain([9] * drafts)) for i in ids]), rounds)
     decode = median_ms(lambda: target.step([StepItem(i, 1) for i in ids]), rounds)
     target.release(ids)
     generator = torch.Generator().manual_seed(batch)

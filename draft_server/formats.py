@@ -36,18 +36,19 @@ from tandem.models.eagle3 import EAGLE3_LAYER_KINDS, load_eagle3
 from tandem.models.mtp import NextNDraft, load_mtp
 from tandem.models.registry import TARGET_ARCHITECTURES, load_target, target_architecture
 from tandem.models.tokenizer_digest import TOKENIZER_FILE, tokenizer_digest
+from tandem.sampling.draft_tree import DraftTree
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
 
 LOG = logging.getLogger(__name__)
 
 
-Proposal = TypeVar("Proposal", covariant=True)
+Proposal = TypeVar("Proposal", list[int], DraftTree, covariant=True)
 
 
 class ProposalRunner(Protocol[Proposal]):
     """What the draft service drives: DraftRunner, MTPRunner or StandaloneRunner (chains: lists of tokens), or
-    draft_server.tree_draft.TreeDrafter (trees)."""
+    draft_server.tree_draft.TreeDrafter (trees). propose_what_fits hands on either as a DraftTree."""
 
     @property
     def cache(self) -> PagedKVCache: ...
@@ -58,8 +59,8 @@ class ProposalRunner(Protocol[Proposal]):
 
 
 def propose_what_fits(
-    runner: ProposalRunner[Proposal], inputs: Sequence[ProposeInput]
-) -> tuple[dict[str, Proposal], dict[str, str]]:
+    runner: ProposalRunner[list[int]] | ProposalRunner[DraftTree], inputs: Sequence[ProposeInput]
+) -> tuple[dict[str, DraftTree], dict[str, str]]:
     """Proposes for as many requests as the KV pool holds: returns (drafts, exhausted), by request id.
 
     The runners refuse a batch before changing anything when it does not fit, so the newest request (the scheduler
@@ -76,8 +77,14 @@ def propose_what_fits(
             exhausted[dropped.request_id] = str(error)
             runner.release([dropped.request_id])
             continue
-        return {item.request_id: tokens for item, tokens in zip(remaining, proposals, strict=True)}, exhausted
+        trees = [as_draft_tree(proposal) for proposal in proposals]
+        return {item.request_id: tree for item, tree in zip(remaining, trees, strict=True)}, exhausted
     return {}, exhausted
+
+
+def as_draft_tree(proposal: list[int] | DraftTree) -> DraftTree:
+    """A runner's proposal as the one value every edge carries: a chain's token list is the degenerate tree."""
+    return proposal if isinstance(proposal, DraftTree) else DraftTree.chain(proposal)
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,16 @@ from draft_server.formats import PreparedDraft, ProposalRunner, prepare_draft, p
 from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
 from draft_server.shared_tables import pull_tables
-from draft_server.tree_draft import DraftTree, TreeDrafter
+from draft_server.tree_draft import TreeDrafter
 from tandem.background import in_background
 from tandem.grpc_util import CallFailed, wait_for_ready
 from tandem.leases import Leases, leased_call, leased_stream
 from tandem.model_thread import ModelThread
 from tandem.models.config import ConfigError
+from tandem.sampling.draft_tree import DraftTree
 from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire.codec import tensor_from_proto
+from tandem.wire.drafts import tree_to_proto
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,7 +50,7 @@ class DraftedAhead:
     rows: TargetRows
     num_steps: int
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    proposal: Any = None  # the runner's proposal (a list of tokens or a DraftTree)
+    proposal: DraftTree | None = None  # None until the batch ran, or when it could not draft the request
     exhausted: str | None = None  # why the pool could not hold the request (it was dropped, like a Propose's)
     started: float = 0.0  # perf_counter at the start and end of its batch's compute
     finished: float = 0.0
@@ -198,7 +200,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         waited = time.perf_counter()
         for listener in self.rows_wait_listeners:
             listener(waited - arrived)
-        drafts: dict[str, Any] = {}
+        drafts: dict[str, DraftTree] = {}
         exhausted: dict[str, str] = {}
         ahead_seconds = 0.0
         for request_id, made in ahead.items():
@@ -207,7 +209,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             ahead_seconds = max(ahead_seconds, min(made.finished, arrived) - made.started)
             if made.exhausted is not None:
                 exhausted[request_id] = made.exhausted
-            elif (usable := _usable(made, steps[request_id])) is not None:
+            elif (usable := _usable(made, steps[request_id], self.settings.tree.topk == 1)) is not None:
                 drafts[request_id] = usable
                 self.drafted_ahead += 1
             else:  # another length than drafted ahead: draft again from the same rows
@@ -231,10 +233,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 failure = self._no_room(exhausted[item.request_id]).as_proto()
                 response.results.append(draft_pb2.ProposeResult(request_id=item.request_id, error=failure))
             else:
-                tree = _as_tree(drafts[item.request_id])
-                response.results.append(
-                    draft_pb2.ProposeResult(request_id=item.request_id, draft_tokens=tree.tokens, parents=tree.parents)
-                )
+                drafted = tree_to_proto(drafts[item.request_id])
+                response.results.append(draft_pb2.ProposeResult(request_id=item.request_id, drafts=drafted))
         return response
 
     async def _drafted(self, request_id: str, made: DraftedAhead) -> None:
@@ -348,7 +348,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
 
 def _timed_proposals(
     runner: ProposalRunner, inputs: Sequence[ProposeInput]
-) -> tuple[dict[str, Any], dict[str, str], float, float]:  # -> drafts, exhausted, started, finished
+) -> tuple[dict[str, DraftTree], dict[str, str], float, float]:  # -> drafts, exhausted, started, finished
     started = time.perf_counter()
     drafts, exhausted = propose_what_fits(runner, inputs)
     return drafts, exhausted, started, time.perf_counter()
@@ -389,18 +389,14 @@ def _drafting_failure(request_id: str, error: Exception) -> CallFailed:
     return CallFailed(grpc.StatusCode.INTERNAL, f"request {request_id!r}: drafting ahead failed: {error!r}")
 
 
-def _as_tree(proposal: Any) -> DraftTree:
-    """A runner's proposal (a chain's token list, or a DraftTree) as a tree: a chain has no parents."""
-    return proposal if isinstance(proposal, DraftTree) else DraftTree(proposal, [])
-
-
-def _usable(made: DraftedAhead, num_steps: int) -> Any:
+def _usable(made: DraftedAhead, num_steps: int, chains: bool) -> DraftTree | None:
     """The drafts made ahead as a Propose for num_steps takes them: all when the steps match, the first num_steps
-    of a longer chain; None when they must be drafted again (a longer chain, or a tree of another size)."""
+    of a longer chain (`chains`: the runner drafts chains); None when they must be drafted again (a longer chain, or
+    a tree of another size)."""
     if made.num_steps == num_steps:
         return made.proposal
-    if isinstance(made.proposal, list) and num_steps < made.num_steps:
-        return made.proposal[:num_steps]
+    if chains and made.proposal is not None and num_steps < made.num_steps:
+        return made.proposal.first(num_steps)
     return None
 
 

@@ -26,12 +26,7 @@ import torch
 
 from draft_server.runner import DraftModel, DraftRequest, DraftRunner, ProposeInput
 from tandem.layers.kv_cache import PagedKVCache
-
-
-@dataclass(frozen=True)
-class DraftTree:
-    tokens: list[int]  # target vocabulary ids
-    parents: list[int]  # per token: the index of its parent among tokens, -1 for a child of the last committed token
+from tandem.sampling.draft_tree import DraftTree
 
 
 @dataclass
@@ -189,7 +184,7 @@ def _selected_tree(expansion: _Expansion, num_draft_tokens: int) -> DraftTree:
     """The best num_draft_tokens - 1 of the request's nodes, as a tree."""
     parents = [node.parent for node in expansion.nodes]
     kept = select_tree([node.score for node in expansion.nodes], parents, num_draft_tokens - 1)
-    return DraftTree([expansion.nodes[node].token for node in kept], as_tree(kept, parents))
+    return DraftTree(tuple(expansion.nodes[node].token for node in kept), tuple(as_tree(kept, parents)))
 
 
 class TreeDrafter:

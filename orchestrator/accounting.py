@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from orchestrator.backends import StepDone, StepOutcome, StepTask
 from orchestrator.batching import ActiveRequest
-from orchestrator.proposing import ReplicaTiming, draft_depth
+from orchestrator.proposing import ReplicaTiming
 from orchestrator.speculation import SpeculationPolicy
 
 
@@ -43,13 +43,13 @@ def observe_target_cost(
     )
     # A paused batch's passes beside its probe's verification (batching._multi_step): the first pass computed more
     # than the others, so the step is no sample of one pass of its size.
-    mixed = passes > 1 and any(task.draft_tokens for task in tasks)
+    mixed = passes > 1 and any(task.drafts.tokens for task in tasks)
     if has_chunks or mixed:
         # The cost line models decoding steps, which k is chosen for: a step with prompt chunks computes hundreds of
         # tokens at a cost per token (attention over the prompt) that says nothing about a few more rows to verify,
         # and fitted in, it made drafts look dear at 8 requests (docs/architecture.md, "Adaptive k").
         return
-    rows = sum(task.num_tokens + len(task.draft_tokens) for task in tasks)
+    rows = sum(task.num_tokens + len(task.drafts) for task in tasks)
     speculation.observe_target(rows, target_seconds / passes)
 
 
@@ -64,8 +64,8 @@ def count_round(
 ) -> None:
     """Counts a decoding request's round in its statistics and in the acceptance the cost model keeps."""
     stats = request.output.stats
-    depth = draft_depth(task.draft_tokens, task.draft_parents)
-    stats.count_round(len(task.draft_tokens), depth, done.accepted)
+    depth = task.drafts.depth
+    stats.count_round(len(task.drafts), depth, done.accepted)
     speculation.observe_round(depth, done.accepted)
     draft_compute = timing.compute_seconds if timing else 0.0
     stats.draft_seconds += draft_compute

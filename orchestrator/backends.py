@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.logprobs import TokenLogprob
 from tandem.sampling.params import SamplingParams
 
@@ -43,14 +44,13 @@ class StepTask:
     """One request's item of a target step (target_server.runner.StepItem on the other side).
 
     It computes the next num_tokens committed tokens from where the request's KV ends; one that reaches the last
-    committed token also verifies draft_tokens and commits new tokens.
+    committed token also verifies its drafts and commits new tokens.
     """
 
     request_id: str
     round: int  # the hidden rows this item commits are published under this round
     num_tokens: int
-    draft_tokens: Sequence[int] = ()
-    draft_parents: Sequence[int] = ()  # a tree: each draft's parent among them, -1 the last committed token; (): chain
+    drafts: DraftTree = field(default_factory=DraftTree)  # to verify after the last committed token
     open: OpenTask | None = None  # on the request's first item
     # With open, or with move: where the target's hidden rows go (None: nowhere, target-only). With move and
     # replay the target also resends every committed row, for a replica that starts the request from scratch.
@@ -95,13 +95,10 @@ class ProposeTask:
 
 @dataclass(frozen=True)
 class ProposedBatch:
-    drafts: dict[str, list[int]]  # request id -> draft tokens (target vocabulary)
+    drafts: dict[str, DraftTree]  # request id -> its drafts (target vocabulary ids)
     # Requests the replica had no KV room for: it dropped their state, so the target must replay their rows.
     exhausted: dict[str, str]  # request id -> why
     compute_seconds: float
-    # request id -> its drafts' parents (a tree: the parent's index among them, -1 the last committed token); a
-    # request not here has a chain.
-    parents: dict[str, list[int]] = field(default_factory=dict)
     # Draft compute for these requests done before the call (drafted ahead, StepTask.draft_ahead); compute_seconds
     # is what the call still waited for.
     ahead_seconds: float = 0.0

@@ -20,6 +20,7 @@ from orchestrator.backends import (
 from tandem.grpc_util import STATUS_CODES
 from tandem.leases import session_metadata
 from tandem.wire import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tandem.wire.drafts import tree_from_proto, tree_to_proto
 from tandem.wire.logprobs import logprobs_from_proto
 
 _KINDS = {
@@ -175,8 +176,7 @@ def _step_item(task: StepTask) -> target_pb2.StepItem:
         request_id=task.request_id,
         round=task.round,
         num_tokens=task.num_tokens,
-        draft_tokens=task.draft_tokens,
-        draft_parents=task.draft_parents,
+        drafts=tree_to_proto(task.drafts),
         draft_replica=task.replica or "",
         set_replica=task.move,
         replay=task.replay,
@@ -221,10 +221,9 @@ class GrpcDraft:
             for t in tasks
         ]
         response = await self._propose.call(draft_pb2.ProposeRequest(items=items))
-        drafts = {r.request_id: list(r.draft_tokens) for r in response.results if not r.HasField("error")}
+        drafts = {r.request_id: tree_from_proto(r.drafts) for r in response.results if not r.HasField("error")}
         exhausted = {r.request_id: r.error.message for r in response.results if r.HasField("error")}
-        parents = {r.request_id: list(r.parents) for r in response.results if r.parents}
-        return ProposedBatch(drafts, exhausted, response.compute_seconds, parents, response.ahead_seconds)
+        return ProposedBatch(drafts, exhausted, response.compute_seconds, response.ahead_seconds)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         try:

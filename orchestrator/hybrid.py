@@ -19,57 +19,39 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from orchestrator.backends import BackendError, DraftBackend, FailureKind, ProposedBatch, ProposeTask
 from orchestrator.ngram import lookup
-from orchestrator.proposing import tree_fault
+from orchestrator.proposing import drafts_allowed
 from orchestrator.settings import HybridSettings, SchedulerSettings
+from tandem.sampling.draft_tree import DraftTree
 from tandem.settings import TreeShape
 
 
-@dataclass(frozen=True)
-class MergedDrafts:
-    tokens: list[int]
-    parents: list[int]  # per token its parent's index among tokens, -1 the last committed token; [] for a chain
-
-
 def merge_branch(
-    tokens: Sequence[int],  # the replica's drafts
-    parents: Sequence[int],  # their parents, each -1 or an earlier index ([] for a chain)
+    tree: DraftTree,  # the replica's drafts
     branch: Sequence[int],  # the n-gram proposal: a path from the last committed token
-) -> MergedDrafts:
+) -> DraftTree:
     """The union of the replica's tree and `branch` as a trie: a branch token equal to a node's token under the same
     parent is that node; the first one that is not starts new nodes, appended after the replica's (so every parent's
     index stays below its children's, and the replica's siblings are tried first when sampling). A result shaped as
-    a chain is returned as one (no parents), which the target verifies in its batched path.
+    a chain is a chain, which the target verifies in its batched path.
 
     Example: chain [5, 6, 7] and branch [5, 9, 4]: 5 is node 0, 9 is new under it, 4 under 9: tokens [5, 6, 7, 9, 4],
     parents [-1, 0, 1, 0, 3]. The branch [5, 6] adds nothing: the chain [5, 6, 7] stays a chain.
     """
-    merged_tokens = list(tokens)
-    merged_parents = list(parents) if parents else list(range(-1, len(tokens) - 1))
-    child = {(parent, token): node for node, (parent, token) in enumerate(zip(merged_parents, tokens, strict=True))}
+    tokens, parents = list(tree.tokens), list(tree.parents)
+    child = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens, strict=True))}
     at = -1  # the deepest node on the branch's path so far; -1 the last committed token
     for token in branch:
         node = child.get((at, token))
         if node is None:
-            merged_parents.append(at)
-            merged_tokens.append(token)
-            node = len(merged_tokens) - 1
+            parents.append(at)
+            tokens.append(token)
+            node = len(tokens) - 1
             child[(at, token)] = node
         at = node
-    if merged_parents == list(range(-1, len(merged_tokens) - 1)):
-        return MergedDrafts(merged_tokens, [])
-    return MergedDrafts(merged_tokens, merged_parents)
-
-
-def answer_fault(tokens: Sequence[int], parents: Sequence[int] | None, num_steps: int, max_tree_drafts: int) -> str:
-    """What makes a replica's answer unfit to merge ("" if nothing): the scheduler's own checks on what it may send,
-    taken before the branch is added (the merged answer is checked again, with the branch's room)."""
-    if parents is None:
-        return f"{len(tokens)} drafts, {num_steps} asked" if len(tokens) > num_steps else ""
-    return tree_fault(tokens, parents, max_tree_drafts)
+    return DraftTree(tuple(tokens), tuple(parents))
 
 
 class HybridDrafter:
@@ -84,22 +66,21 @@ class HybridDrafter:
         batch = await self.model.propose(tasks)
         started = time.perf_counter()
         ngram = self.settings.ngram
-        drafts, parents = dict(batch.drafts), dict(batch.parents)
+        drafts = dict(batch.drafts)
         for task in tasks:
-            tokens = batch.drafts.get(task.request_id)
-            if tokens is None:
+            drafted = batch.drafts.get(task.request_id)
+            if drafted is None:
                 continue  # exhausted on the replica, or missing (the scheduler's check names it)
-            given = batch.parents.get(task.request_id)
-            fault = answer_fault(tokens, given, task.num_steps, self.tree.max_drafts)
+            # The scheduler's own checks, taken before the branch is added (the merged answer is checked again,
+            # with the branch's room).
+            fault = drafted.fault(drafts_allowed(drafted, task.num_steps, self.tree.max_drafts))
             if fault:
                 raise BackendError(FailureKind.INVALID, f"request {task.request_id}: {fault}")
-            merged = merge_branch(tokens, given or [], lookup(task.tokens, task.num_steps, ngram.min_n, ngram.max_n))
-            drafts[task.request_id] = merged.tokens
-            parents.pop(task.request_id, None)
-            if merged.parents:
-                parents[task.request_id] = merged.parents
+            drafts[task.request_id] = merge_branch(
+                drafted, lookup(task.tokens, task.num_steps, ngram.min_n, ngram.max_n)
+            )
         lookups = time.perf_counter() - started
-        return ProposedBatch(drafts, batch.exhausted, batch.compute_seconds + lookups, parents, batch.ahead_seconds)
+        return ProposedBatch(drafts, batch.exhausted, batch.compute_seconds + lookups, batch.ahead_seconds)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         await self.model.release(request_ids)

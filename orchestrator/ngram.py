@@ -22,6 +22,7 @@ from orchestrator.backends import ProposedBatch, ProposeTask
 from orchestrator.replicas import ReplicaPool
 from orchestrator.settings import NgramSettings, OrchestratorSettings
 from tandem.errors import StartupError
+from tandem.sampling.draft_tree import DraftTree
 
 NGRAM_REPLICA = "ngram"  # the replica id of the drafter in the pool (ListReplicas, metrics)
 NGRAM_ADDRESS = "in-process"
@@ -88,7 +89,9 @@ class NgramDrafter:
     async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch:
         started = time.perf_counter()
         s = self.settings
-        drafts = {task.request_id: lookup(task.tokens, task.num_steps, s.min_n, s.max_n) for task in tasks}
+        drafts = {
+            task.request_id: DraftTree.chain(lookup(task.tokens, task.num_steps, s.min_n, s.max_n)) for task in tasks
+        }
         return ProposedBatch(drafts, {}, time.perf_counter() - started)
 
     async def release(self, request_ids: Sequence[str]) -> None:

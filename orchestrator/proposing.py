@@ -17,10 +17,11 @@ from orchestrator.backends import ProposedBatch, ProposeTask
 from orchestrator.batching import ActiveRequest, Scheduled
 from orchestrator.placement import Placement
 from orchestrator.speculation import SpeculationPolicy
+from tandem.sampling.draft_tree import DraftTree
 
 LOG = logging.getLogger(__name__)
 
-Drafts = dict[str, tuple[list[int], list[int]]]  # request id -> (draft tokens, parents: () for a chain)
+Drafts = dict[str, DraftTree]  # request id -> its drafts
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Proposer:
                 self.placement.replica_failed(replica, fault)
                 continue
             self._accept(replica, tasks, batch, call_seconds, requests)
-            drafts.update({key: (tokens, batch.parents.get(key, [])) for key, tokens in batch.drafts.items()})
+            drafts.update(batch.drafts)
             timings[replica] = ReplicaTiming(call_seconds, batch.compute_seconds, batch.ahead_seconds)
         return drafts, timings
 
@@ -102,18 +103,12 @@ class Proposer:
         for task in tasks:
             if task.request_id in batch.exhausted:
                 continue
-            tokens = batch.drafts.get(task.request_id)
-            if tokens is None:
+            tree = batch.drafts.get(task.request_id)
+            if tree is None:
                 return f"no drafts for request {task.request_id}"
-            parents = batch.parents.get(task.request_id)
-            if parents is None and len(tokens) > task.num_steps:
-                return f"{len(tokens)} drafts for request {task.request_id}, {task.num_steps} asked"
-            if parents is not None:
-                fault = tree_fault(tokens, parents, self.max_tree_drafts)
-                if fault:
-                    return f"request {task.request_id}: {fault}"
-            if any(not 0 <= token < self.vocab_size for token in tokens):
-                return f"draft ids outside the vocabulary [0, {self.vocab_size}) for request {task.request_id}"
+            fault = tree.fault(drafts_allowed(tree, task.num_steps, self.max_tree_drafts), self.vocab_size)
+            if fault:
+                return f"request {task.request_id}: {fault}"
         return ""
 
     async def _timed(self, replica: str, tasks: list[ProposeTask]) -> tuple[ProposedBatch, float]:
@@ -122,22 +117,7 @@ class Proposer:
         return batch, time.perf_counter() - started
 
 
-def draft_depth(tokens: Sequence[int], parents: Sequence[int]) -> int:
-    """How many tokens a round's drafts can add at most: a chain's length, a tree's depth (parents checked)."""
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return max(depths, default=0) if parents else len(tokens)
-
-
-def tree_fault(tokens: Sequence[int], parents: Sequence[int], max_drafts: int) -> str:
-    """What is wrong with a replica's tree ("" if nothing): one parent per token, each -1 or an earlier index, and at
-    most --speculative-num-draft-tokens - 1 tokens."""
-    if len(tokens) > max_drafts:
-        return f"a tree of {len(tokens)} drafts, --speculative-num-draft-tokens allows {max_drafts}"
-    if len(parents) != len(tokens):
-        return f"{len(parents)} draft parents for {len(tokens)} drafts"
-    for index, parent in enumerate(parents):
-        if not -1 <= parent < index:
-            return f"draft parent {parent} of draft {index}: must be -1 or an earlier draft's index"
-    return ""
+def drafts_allowed(tree: DraftTree, num_steps: int, max_tree_drafts: int) -> int:
+    """How many drafts a round asked for `num_steps` may carry: a chain k, a tree the nodes the step made room for
+    (--speculative-num-draft-tokens - 1, and with --hybrid-ngram the branch's at most k more)."""
+    return num_steps if tree.is_chain else max_tree_drafts

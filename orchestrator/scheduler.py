@@ -40,6 +40,7 @@ from orchestrator.settings import SchedulerSettings
 from orchestrator.speculation import SpeculationPolicy
 from orchestrator.text import IncrementalDetokenizer, StopStringMatcher
 from orchestrator.validation import InvalidRequest, ValidatedRequest, with_stop_masking
+from tandem.sampling.draft_tree import DraftTree
 
 LOG = logging.getLogger(__name__)
 
@@ -243,12 +244,13 @@ class Scheduler:
         # exploration's (a paused batch's probe drafted ahead 5 steps for a round of k = 0); nothing when the step
         # has more drafting requests than settings.draft_ahead.
         ahead_k = min(self.k_in_use, self.speculation.settled(judged)) if drafting <= self.settings.draft_ahead else 0
-        return [self._task(entry, drafts.get(entry.request.request_id), ahead_k) for entry in plan.entries()]
+        none = DraftTree()
+        return [self._task(entry, drafts.get(entry.request.request_id, none), ahead_k) for entry in plan.entries()]
 
     def _task(
         self,
         entry: Scheduled,
-        drafts: tuple[list[int], list[int]] | None,  # (tokens, parents)
+        drafts: DraftTree,
         ahead_k: int,  # at most this many drafts ahead for the next round (0: none this step)
     ) -> StepTask:
         request = entry.request
@@ -258,8 +260,7 @@ class Scheduler:
             request_id=request.request_id,
             round=request.round + 1,
             num_tokens=entry.num_tokens,
-            draft_tokens=drafts[0] if drafts else (),
-            draft_parents=drafts[1] if drafts else (),
+            drafts=drafts,
             open=None if request.opened else OpenTask(params.input_ids, params.sampling, self._end_tokens(params)),
             replica=rows_to,
             move=request.needs_move,

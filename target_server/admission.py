@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
-from tandem.layers.page_table import check_tree
 from tandem.sampling.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling.verify import VerifyOutcome, make_generator
 from target_server.items import MAX_DRAFT_TOKENS, RequestError, StepItem, TargetRequest
@@ -57,7 +56,7 @@ class Admission:
         request = self._opened(item) if opened else self._running(item.request_id)
         start = request.kv.length
         self._check_item(item, request)
-        drafts = len(item.draft_tokens)
+        drafts = len(item.drafts)
         replay = item.replay and bool(item.capture) and start > 0
         scratch = SequenceKV() if replay else None
         needed = self.cache.blocks_needed(request.kv, start + item.num_tokens + drafts)
@@ -121,17 +120,12 @@ class Admission:
             raise RequestError(
                 f"num_tokens: {item.num_tokens}, request {item.request_id!r} has {uncomputed} tokens without KV"
             )
-        drafts = list(item.draft_tokens)
+        drafts = item.drafts.tokens
         if drafts and item.num_tokens != uncomputed:
             raise RequestError("draft_tokens: only an item that reaches the last committed token can verify drafts")
-        if len(drafts) > MAX_DRAFT_TOKENS:
-            raise RequestError(f"draft_tokens: {len(drafts)}, at most {MAX_DRAFT_TOKENS} per item")
-        self._check_ids("draft_tokens", drafts)
-        if item.draft_parents:
-            try:
-                check_tree(item.draft_parents, len(drafts), "draft_parents")
-            except ValueError as error:
-                raise RequestError(str(error)) from error
+        fault = item.drafts.fault(MAX_DRAFT_TOKENS, self.vocab_size)
+        if fault:
+            raise RequestError(fault)
         top = item.top_logprobs
         if top is not None and not 0 <= top <= min(MAX_TOP_LOGPROBS, self.vocab_size):
             raise RequestError(f"top_logprobs: {top}, at most {MAX_TOP_LOGPROBS}")

@@ -26,17 +26,17 @@ def verify_batched(planned: Sequence[Planned], logits: torch.Tensor) -> None:  #
         entry
         for entry in planned
         if entry.reaches_end
-        and not entry.item.draft_parents  # trees are verified item by item
+        and entry.item.drafts.is_chain  # trees are verified item by item
         and (entry.request.sampling.is_greedy or entry.request.sampling.seed is None)
     ]
     if not chosen:
         return
     scored = []
     for entry in chosen:
-        rows = logits[entry.logit_start : entry.logit_start + 1 + len(entry.item.draft_tokens)]  # [1 + k, vocab]
+        rows = logits[entry.logit_start : entry.logit_start + 1 + len(entry.item.drafts)]  # [1 + k, vocab]
         generated = len(entry.request.tokens) - entry.request.prompt_length
         scored.append(mask_stop_tokens(rows, entry.request.sampling, generated))
-    drafts = [list(entry.item.draft_tokens) for entry in chosen]
+    drafts = [list(entry.item.drafts.tokens) for entry in chosen]
     outcomes = verify_items(scored, drafts, [entry.request.sampling for entry in chosen])
     for entry, outcome in zip(chosen, outcomes, strict=True):
         entry.outcome = outcome
@@ -89,8 +89,8 @@ def joined(first: ItemResult, then: ItemResult) -> ItemResult:
 def tree_of(item: StepItem) -> list[int]:
     """The parents of an item's new tokens: its committed tokens as a chain, then its draft tree under the last one.
 
-    Example: num_tokens 1 and draft_parents [-1, -1, 0] give [-1, 0, 0, 1].
+    Example: num_tokens 1 and draft parents [-1, -1, 0] give [-1, 0, 0, 1].
     """
     chain = list(range(-1, item.num_tokens - 1))
     last = item.num_tokens - 1
-    return [*chain, *(last if parent < 0 else item.num_tokens + parent for parent in item.draft_parents)]
+    return [*chain, *(last if parent < 0 else item.num_tokens + parent for parent in item.drafts.parents)]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.layers.kv_cache import SequenceKV
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.logprobs import TokenLogprob
 from tandem.sampling.params import SamplingParams
 
@@ -67,7 +68,9 @@ class OpenRequest:
 class StepItem:
     request_id: str
     num_tokens: int  # committed tokens to compute, from where the request's KV ends
-    draft_tokens: Sequence[int] = ()  # only when the item reaches the last committed token
+    # Drafts to verify after the last committed token: only on an item that reaches it. A tree (not a chain) is
+    # verified with a tree mask and tandem.sampling.tree_verify.
+    drafts: DraftTree = field(default_factory=DraftTree)
     open: OpenRequest | None = None  # on the request's first item
     capture: tuple[int, ...] | None = None  # a new capture set (open, or a move to another draft); None: unchanged
     tokens_only: bool = False  # with a new capture set (then ()): the draft takes committed tokens only
@@ -75,9 +78,6 @@ class StepItem:
     # request's own KV is not rewritten (a recomputed KV could differ in the last bits, and with it the outputs).
     replay: bool = False
     top_logprobs: int | None = None  # report each new token's logprob and this many best tokens; None: no logprobs
-    # A tree of drafts (tandem.sampling.tree_verify): per draft its parent among them, -1 the last committed token;
-    # (): the drafts are a chain.
-    draft_parents: Sequence[int] = ()
     # Without drafts, at the last committed token: decode up to this many tokens in this step, one forward pass
     # each, stopping after an end token or when the KV pool has no room for the next one.
     decode_steps: int = 1

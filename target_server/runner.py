@@ -38,6 +38,7 @@ from tandem.layers.page_table import PageTable
 from tandem.models.registry import TargetModel
 from tandem.models.stack import TargetOutput
 from tandem.parallel.group import SINGLE_PROCESS
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.sampling.scored_rows import mask_stop_tokens, token_logprobs
 from tandem.sampling.tree_verify import mask_tree_stop_tokens, verify_tree
@@ -118,7 +119,7 @@ class TargetRunner:
 
     def _decodes_on(self, item: StepItem, result: ItemResult, done_steps: int) -> bool:
         """Whether a multi-token decode item takes another token after `done_steps` forward passes."""
-        if result.status is not ItemStatus.OK or item.draft_tokens or done_steps >= item.decode_steps:
+        if result.status is not ItemStatus.OK or item.drafts.tokens or done_steps >= item.decode_steps:
             return False
         request = self.requests.get(item.request_id)
         return (
@@ -169,7 +170,7 @@ class TargetRunner:
 
     def verify(self, request_id: str, draft_tokens: Sequence[int] = ()) -> ItemResult:
         """Verifies drafts after the last committed token (none: plain decoding); raises unless it succeeds."""
-        return self._only(StepItem(request_id, 1, draft_tokens))
+        return self._only(StepItem(request_id, 1, DraftTree.chain(draft_tokens)))
 
     def weight_shards(self, name: str) -> list[torch.Tensor]:  # -> tp tensors [s, hidden], padding rows zero
         """The vocab-parallel shards of a shared table ("embed_tokens" or "lm_head") as each rank holds it, by the
@@ -205,15 +206,15 @@ class TargetRunner:
                 sequences.append((entry.scratch, start))
                 trees.append(None)
                 inputs += request.tokens[:start]
-            new = [*request.tokens[start : start + item.num_tokens], *item.draft_tokens]
+            new = [*request.tokens[start : start + item.num_tokens], *item.drafts.tokens]
             entry.rows = slice(len(inputs), len(inputs) + len(new))
             sequences.append((request.kv, len(new)))
-            trees.append(tree_of(item) if item.draft_parents else None)
+            trees.append(None if item.drafts.is_chain else tree_of(item))
             inputs += new
             if entry.reaches_end:
                 # The last committed token's row and every draft's row are scored.
                 entry.logit_start = len(logit_rows)
-                logit_rows += range(entry.rows.stop - 1 - len(item.draft_tokens), entry.rows.stop)
+                logit_rows += range(entry.rows.stop - 1 - len(item.drafts), entry.rows.stop)
         table = self.cache.plan_table(sequences, parents=trees)
         capture = tuple(sorted({index for entry in planned for index in entry.request.capture}))
         input_ids = torch.tensor(inputs, dtype=torch.long, device=self.device)
@@ -255,12 +256,12 @@ class TargetRunner:
     def _commit(self, entry: Planned, output: TargetOutput, logits: torch.Tensor) -> ItemResult:
         """Acceptance and KV commit of one item after the forward pass; a failure here undoes this item only."""
         request, item = entry.request, entry.item
-        if item.draft_parents:
+        if not item.drafts.is_chain:
             return self._commit_tree(entry, output, logits)
         try:
             accepted, new_tokens, logprobs = 0, [], []
             if entry.reaches_end:
-                drafts = list(item.draft_tokens)
+                drafts = list(item.drafts.tokens)
                 scored = logits[entry.logit_start : entry.logit_start + 1 + len(drafts)]  # [1 + k, vocab]
                 generated = len(request.tokens) - request.prompt_length
                 masked = mask_stop_tokens(scored, request.sampling, generated)
@@ -287,12 +288,12 @@ class TargetRunner:
         the accepted path [1, 4] keeps rows [10, 12, 15], moved to positions 10, 11, 12.
         """
         request, item = entry.request, entry.item
-        parents, drafts = list(item.draft_parents), list(item.draft_tokens)
+        tree = item.drafts
         try:
-            scored = logits[entry.logit_start : entry.logit_start + 1 + len(drafts)]  # [1 + n, vocab]
+            scored = logits[entry.logit_start : entry.logit_start + 1 + len(tree)]  # [1 + n, vocab]
             generated = len(request.tokens) - request.prompt_length
-            masked = mask_tree_stop_tokens(scored, parents, request.sampling, generated)
-            outcome = verify_tree(masked, drafts, parents, request.sampling, request.generator)
+            masked = mask_tree_stop_tokens(scored, tree, request.sampling, generated)
+            outcome = verify_tree(masked, tree, request.sampling, request.generator)
             path_rows = [0, *(1 + node for node in outcome.path)]  # the scored rows that chose the new tokens
             logprobs = []
             if item.top_logprobs is not None:

@@ -21,6 +21,7 @@ from tandem.model_thread import ModelThread
 from tandem.sampling.params import SamplingParams
 from tandem.wire import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire.codec import DEFAULT_CHUNK_BYTES, ShardOf, iter_weight_chunks, tensor_to_proto
+from tandem.wire.drafts import tree_from_proto
 from tandem.wire.logprobs import logprobs_to_proto
 from target_server.items import MAX_DRAFT_TOKENS, CapturedRows, ItemResult, ItemStatus, OpenRequest, StepItem
 from target_server.ranks import SHARED_TABLES
@@ -163,13 +164,12 @@ class TargetService(target_pb2_grpc.TargetServicer):
         return StepItem(
             message.request_id,
             message.num_tokens,
-            list(message.draft_tokens),
+            tree_from_proto(message.drafts),
             open_request,
             (subscriber.capture if subscriber is not None else ()) if sets_replica else None,
             replay=message.replay,
             tokens_only=subscriber is not None and subscriber.tokens_only,
             top_logprobs=message.top_logprobs if message.logprobs else None,
-            draft_parents=list(message.draft_parents),
             decode_steps=message.decode_steps,
         )
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.layers.attention_backend import AttentionBackend, AttentionMetadata, backend_named, default_backend
-from tandem.layers.page_table import HOST, PageTable, PlanEntry, build_page_table, check_tree
+from tandem.layers.page_table import HOST, PageTable, PlanEntry, build_page_table
+from tandem.sampling.draft_tree import check_parents
 from tandem.settings import KVCacheSettings
 
 
@@ -149,7 +150,7 @@ class PagedKVCache:
             raise ValueError(f"parents: {len(trees)} entries for {len(sequences)} sequences")
         for index, ((_, num_new), tree) in enumerate(zip(sequences, trees, strict=True)):
             if tree is not None:
-                check_tree(tree, num_new, f"parents[{index}]")
+                check_parents(tree, num_new, f"parents[{index}]")
         total_needed = sum(self.blocks_needed(seq, seq.length + num_new) for seq, num_new in sequences)
         if total_needed > len(self._free_blocks):
             raise OutOfKVBlocks(f"KV cache: need {total_needed} more blocks, {len(self._free_blocks)} free")

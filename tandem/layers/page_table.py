@@ -34,6 +34,8 @@ from itertools import pairwise
 
 import torch
 
+from tandem.sampling.draft_tree import check_parents
+
 HOST = torch.device("cpu")
 
 
@@ -82,18 +84,9 @@ class PageTable:
         return (self.qo_indptr[1:] - 1).to(device=self.positions.device, dtype=torch.long)
 
 
-def check_tree(parents: Sequence[int], num_new: int, name: str = "parents") -> None:
-    """Raises ValueError naming the entry unless parents has num_new entries, each -1 or an earlier index."""
-    if len(parents) != num_new:
-        raise ValueError(f"{name}: {len(parents)} entries for {num_new} new tokens")
-    for index, parent in enumerate(parents):
-        if not -1 <= parent < index:
-            raise ValueError(f"{name}[{index}]: {parent} must be -1 (the context) or an earlier index (0..{index - 1})")
-
-
 def tree_mask(parents: Sequence[int]) -> torch.Tensor:  # -> [n, n] bool on the host
-    """Row i sees column j when j is i or one of its ancestors (parents checked by check_tree)."""
-    check_tree(parents, len(parents))
+    """Row i sees column j when j is i or one of its ancestors (tandem.sampling.draft_tree's rules)."""
+    check_parents(parents, len(parents))
     mask = torch.zeros((len(parents), len(parents)), dtype=torch.bool, device=HOST)
     for index, parent in enumerate(parents):
         if parent >= 0:
@@ -128,7 +121,7 @@ def build_page_table(
             positions += range(entry.start, end)
             masks.append(None)
             continue
-        check_tree(entry.parents, entry.num_new)
+        check_parents(entry.parents, entry.num_new)
         mask = tree_mask(entry.parents)
         depths = mask.sum(dim=1) - 1  # ancestors of each token
         positions += (depths + entry.start).tolist()

@@ -1,10 +1,10 @@
 """Verification of a tree of draft tokens (tree drafting, EAGLE-2/3): which root-to-node path to keep, and the token
 after it. The terms (accepted, correction, bonus, acceptance length) are tandem.sampling.verify's.
 
-A tree of n drafts is `draft_tokens[i]` with `parents[i]`: -1 makes node i a child of the last committed token (the
-root), otherwise parents[i] is an earlier node. The target scores the root and every node in one pass (one tree
-mask), so `target_logits` has 1 + n rows: row 0 predicts the token after the root, row 1 + i the token after node i.
-A node's children are tried in the order of their indices.
+A tree of n drafts (tandem.sampling.draft_tree) is `tokens[i]` with `parents[i]`: -1 makes node i a child of the
+last committed token (the root), otherwise parents[i] is an earlier node. The target scores the root and every node in
+one pass (one tree mask), so `target_logits` has 1 + n rows: row 0 predicts the token after the root, row 1 + i the
+token after node i. A node's children are tried in the order of their indices.
 
 Greedy: start at the root; at each node take the child whose token equals the target's argmax at that node (the
 node's own row); stop when no child matches. The argmax at the last accepted node is the correction (some children
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.layers.page_table import check_tree
+from tandem.sampling.draft_tree import DraftTree, check_parents
 from tandem.sampling.params import SamplingParams
 from tandem.sampling.verify import target_probs
 
@@ -44,25 +44,9 @@ class TreeOutcome:
     path: list[int]  # the accepted nodes from the root down, increasing indices
 
 
-def tree_depths(parents: Sequence[int]) -> list[int]:
-    """Each node's depth: 1 for a child of the root (parents checked by check_tree)."""
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return depths
-
-
-def children_of(parents: Sequence[int]) -> list[list[int]]:
-    """children[0] are the root's children, children[1 + i] node i's, each in index order."""
-    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for node, parent in enumerate(parents):
-        children[parent + 1].append(node)
-    return children
-
-
 def mask_tree_stop_tokens(
     logits: torch.Tensor,  # [1 + n, vocab], row 0 the root's
-    parents: Sequence[int],  # [n]
+    tree: DraftTree,  # n nodes
     params: SamplingParams,
     generated: int,  # new tokens the request has before the root's row decides the next one
 ) -> torch.Tensor:  # [1 + n, vocab]
@@ -70,7 +54,7 @@ def mask_tree_stop_tokens(
     number generated + d, so it is masked while that is below min_tokens."""
     if not params.stop_token_ids or params.min_tokens <= generated:
         return logits
-    depths = torch.tensor([0, *tree_depths(parents)], device=logits.device)  # [1 + n]
+    depths = torch.tensor([0, *tree.depths()], device=logits.device)  # [1 + n]
     rows = depths < params.min_tokens - generated
     ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=logits.device)
     masked = logits.clone()
@@ -80,22 +64,21 @@ def mask_tree_stop_tokens(
 
 def verify_tree(
     target_logits: torch.Tensor,  # [1 + n, vocab]
-    draft_tokens: Sequence[int],  # [n]
-    parents: Sequence[int],  # [n]
+    tree: DraftTree,  # n nodes
     params: SamplingParams,
     generator: torch.Generator,  # CPU, from make_generator; greedy draws nothing
 ) -> TreeOutcome:
     """The greedy walk or the lossless sampled walk of the module docstring."""
-    check_tree(parents, len(draft_tokens))
-    if target_logits.dim() != 2 or target_logits.shape[0] != len(draft_tokens) + 1:
+    check_parents(tree.parents, len(tree))
+    if target_logits.dim() != 2 or target_logits.shape[0] != len(tree) + 1:
         raise ValueError(
-            f"target_logits must be [num_drafts + 1, vocab] with num_drafts = {len(draft_tokens)}, "
+            f"target_logits must be [num_drafts + 1, vocab] with num_drafts = {len(tree)}, "
             f"got {list(target_logits.shape)}"
         )
-    children = children_of(parents)
+    children = tree.children()
     if params.is_greedy:
-        return _walk_greedy(target_logits.argmax(dim=-1).tolist(), draft_tokens, children)
-    return _walk_sampled(target_probs(target_logits.cpu(), params), draft_tokens, children, generator)
+        return _walk_greedy(target_logits.argmax(dim=-1).tolist(), tree.tokens, children)
+    return _walk_sampled(target_probs(target_logits.cpu(), params), tree.tokens, children, generator)
 
 
 def _walk_greedy(choices: list[int], draft_tokens: Sequence[int], children: list[list[int]]) -> TreeOutcome:

@@ -52,16 +52,14 @@ class ProposeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class ProposeResult(_message.Message):
-    __slots__ = ("request_id", "draft_tokens", "error", "parents")
+    __slots__ = ("request_id", "drafts", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    PARENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    drafts: _common_pb2.DraftTree
     error: _common_pb2.CallError
-    parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., drafts: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("results", "compute_seconds", "error", "ahead_seconds")

@@ -54,34 +54,32 @@ class OpenRequest(_message.Message):
     def __init__(self, prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepItem(_message.Message):
-    __slots__ = ("request_id", "round", "open", "num_tokens", "draft_tokens", "draft_replica", "set_replica", "replay", "logprobs", "top_logprobs", "draft_parents", "decode_steps", "draft_ahead")
+    __slots__ = ("request_id", "round", "open", "num_tokens", "drafts", "draft_replica", "set_replica", "replay", "logprobs", "top_logprobs", "decode_steps", "draft_ahead")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_REPLICA_FIELD_NUMBER: _ClassVar[int]
     SET_REPLICA_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     open: OpenRequest
     num_tokens: int
-    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    drafts: _common_pb2.DraftTree
     draft_replica: str
     set_replica: bool
     replay: bool
     logprobs: bool
     top_logprobs: int
-    draft_parents: _containers.RepeatedScalarFieldContainer[int]
     decode_steps: int
     draft_ahead: int
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., open: _Optional[_Union[OpenRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_replica: _Optional[str] = ..., set_replica: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ..., decode_steps: _Optional[int] = ..., draft_ahead: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., open: _Optional[_Union[OpenRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ..., drafts: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., draft_replica: _Optional[str] = ..., set_replica: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., decode_steps: _Optional[int] = ..., draft_ahead: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("items", "preempt")

@@ -12,6 +12,7 @@ from draft_server.runner import DraftRunner, ProposeInput
 from tandem.devices import flashinfer_installed
 from tandem.models.eagle3 import load_eagle3
 from tandem.models.registry import load_target
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from target_server.items import StepItem
@@ -34,7 +35,7 @@ PROMPTS = {"a": [1, 40, 41, 42, 43, 44, 45], "b": [1, 50, 51], "c": [1, 60, 61, 
 def rounds(runner: TargetRunner) -> list[list[tuple[int, list[int]]]]:
     steps = [[runner.prefill(i, prompt, SamplingParams(), (1, 2)) for i, prompt in PROMPTS.items()]]
     for drafts in ([5, 6, 7], [8, 9]):
-        steps.append(runner.step([StepItem(i, 1, draft_tokens=drafts) for i in PROMPTS]))
+        steps.append(runner.step([StepItem(i, 1, DraftTree.chain(drafts)) for i in PROMPTS]))
         steps.append(runner.step([StepItem(i, 1, decode_steps=4) for i in PROMPTS]))
     return [[(result.accepted, result.new_tokens) for result in step] for step in steps]
 

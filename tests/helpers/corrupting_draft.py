@@ -26,7 +26,7 @@ class CorruptingDraft(draft_pb2_grpc.DraftServicer):
 
     def corrupt(self, response: draft_pb2.ProposeResponse) -> draft_pb2.ProposeResponse:
         for result in response.results:
-            result.draft_tokens[:] = [self.vocab_size + 7] * len(result.draft_tokens)
+            result.drafts.tokens[:] = [self.vocab_size + 7] * len(result.drafts.tokens)
         return response
 
     async def GetInfo(self, request: draft_pb2.DraftInfoRequest, context: object) -> draft_pb2.DraftInfo:

@@ -14,6 +14,7 @@ import torch
 
 from tandem.models.registry import load_target
 from tandem.sampling.batched import BatchSampling, batch_target_probs, verify_batch, verify_items
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.sampling.verify import target_probs, verify_greedy
 from tandem.settings import KVCacheSettings
@@ -142,7 +143,7 @@ def run_steps(runner: TargetRunner, drafts: list[int]) -> list[tuple[int, list[i
             StepItem("b", len(PROMPT), open=OpenRequest(PROMPT, SamplingParams(min_tokens=3, stop_token_ids=(2,)))),
         ]
     )
-    verified = runner.step([StepItem("a", 1, drafts), StepItem("b", 1, drafts[:1])])
+    verified = runner.step([StepItem("a", 1, DraftTree.chain(drafts)), StepItem("b", 1, DraftTree.chain(drafts[:1]))])
     return [(result.accepted, result.new_tokens) for result in (*opened, *verified)]
 
 

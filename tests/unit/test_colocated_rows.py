@@ -41,7 +41,7 @@ def test_rows_of_rounds_without_drafts_are_joined_to_the_asked_round(tmp_path: P
         draft.deliver(round_two, 3)
         batch = await draft.propose([ProposeTask("a", 3, 3)])
         assert not draft.rows
-        return list(batch.drafts["a"])
+        return list(batch.drafts["a"].tokens)
 
     # The same rows through a runner by hand: the prompt, then rounds 2 and 3 in one proposal.
     expected_runner = DraftRunner(model, cache)

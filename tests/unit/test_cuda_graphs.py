@@ -20,6 +20,7 @@ from tandem.layers.cuda_graphs import batch_sizes, pad_table
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
 from tandem.models.eagle3 import load_eagle3
 from tandem.models.registry import load_target
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from target_server.items import ItemResult, StepItem
@@ -103,7 +104,7 @@ def run_rounds(runner: TargetRunner, drafts: dict[str, list[list[int]]]) -> list
     of one length), then a 3-token decode."""
     steps = [[runner.prefill(request_id, prompt, SamplingParams(), CAPTURE) for request_id, prompt in PROMPTS.items()]]
     for round_index in range(len(drafts["a"])):
-        steps.append(runner.step([StepItem(i, 1, draft_tokens=drafts[i][round_index]) for i in PROMPTS]))
+        steps.append(runner.step([StepItem(i, 1, DraftTree.chain(drafts[i][round_index])) for i in PROMPTS]))
         steps.append(runner.step([StepItem(i, 1, decode_steps=3) for i in PROMPTS]))
     return steps
 
@@ -148,8 +149,8 @@ def test_steps_that_are_not_decode_shaped_run_as_planned(target_dir: Path) -> No
     runner = TargetRunner(load_target(target_dir), GRAPHED, max_context=64, graphs=graphs)
     for request_id, prompt in PROMPTS.items():
         runner.prefill(request_id, prompt, SamplingParams())
-    runner.step([StepItem("a", 1, draft_tokens=[5, 6]), StepItem("b", 1, draft_tokens=[7])])  # q 3 and q 2
-    runner.step([StepItem("a", 1, draft_tokens=[5, 6], draft_parents=[-1, -1])])  # a tree
+    runner.step([StepItem("a", 1, DraftTree.chain([5, 6])), StepItem("b", 1, DraftTree.chain([7]))])  # q 3 and q 2
+    runner.step([StepItem("a", 1, DraftTree((5, 6), (-1, -1)))])  # a tree
     assert graphs.recorder is not None and graphs.recorder.recorded == []
 
 

@@ -137,13 +137,13 @@ def test_drafts_made_ahead_answer_the_propose_of_their_round(draft_dir: Path, ta
             assert set(replica.service._ahead) == {("a", 1), ("b", 1), ("c", 1)}
             await replica.drafted_ahead()
             answer = await replica.service._propose(propose_request("a", 1, 4, 6), SESSION)
-            assert list(answer.results[0].draft_tokens) == expected_four
+            assert list(answer.results[0].drafts.tokens) == expected_four
             assert answer.ahead_seconds > 0 and answer.compute_seconds == 0
             # A shorter chain is the start of the one drafted; a longer one is drafted again from the same rows.
             shorter = await replica.service._propose(propose_request("b", 1, 2, 6), SESSION)
-            assert list(shorter.results[0].draft_tokens) == expected_four[:2]
+            assert list(shorter.results[0].drafts.tokens) == expected_four[:2]
             longer = await replica.service._propose(propose_request("c", 1, 5, 6), SESSION)
-            assert list(longer.results[0].draft_tokens) == expected_five
+            assert list(longer.results[0].drafts.tokens) == expected_five
             assert longer.compute_seconds > 0
             assert not replica.service._ahead
 
@@ -160,7 +160,7 @@ def test_a_propose_waiting_for_the_rows_is_not_raced_by_drafting_ahead(draft_dir
             await asyncio.sleep(0.01)  # the call waits for the rows
             await replica.send(message("a", 1, rows, ahead=3, step_end=True))
             answer = await asked
-            assert list(answer.results[0].draft_tokens) == expected
+            assert list(answer.results[0].drafts.tokens) == expected
             assert answer.ahead_seconds == 0 and not replica.service._ahead
 
     asyncio.run(scenario())
@@ -236,7 +236,7 @@ def test_one_propose_takes_some_requests_drafted_ahead_and_drafts_the_others(dra
                 ]
             )
             answer = await asyncio.wait_for(replica.service._propose(request, SESSION), 30)
-            assert [list(result.draft_tokens) for result in answer.results] == expected
+            assert [list(result.drafts.tokens) for result in answer.results] == expected
             assert replica.service.drafted_ahead == 1
 
     asyncio.run(scenario())
@@ -284,7 +284,7 @@ def test_a_request_dropped_for_kv_room_is_answered_as_needing_a_replay(draft_dir
             return [first, second, third]
 
     first, second, third = asyncio.run(scenario())
-    outcome = [[(r.request_id, r.HasField("error"), len(r.draft_tokens)) for r in b.results] for b in (first, second)]
+    outcome = [[(r.request_id, r.HasField("error"), len(r.drafts.tokens)) for r in b.results] for b in (first, second)]
     assert outcome == [[("a", False, 3), ("b", True, 0)], [("a", False, 3), ("b", True, 0)]]
     assert "needs a replay" in second.results[1].error.message
     assert second.ahead_seconds > 0  # the batch's, not the undrafted request's nothing

@@ -14,12 +14,12 @@ import torch
 from launch.cli import _hybrid, _ngram, build_parser
 from launch.processes import Launcher, ServeSettings, ready_line
 from orchestrator.backends import BackendError, ProposedBatch, ProposeTask
-from orchestrator.hybrid import HybridDrafter, MergedDrafts, merge_branch, with_hybrid
+from orchestrator.hybrid import HybridDrafter, merge_branch, with_hybrid
 from orchestrator.ngram import NgramDrafter, lookup
 from orchestrator.output import Stats
-from orchestrator.proposing import draft_depth, tree_fault
 from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
-from tandem.sampling.tree_verify import TreeOutcome, tree_depths, verify_tree
+from tandem.sampling.draft_tree import DraftTree
+from tandem.sampling.tree_verify import TreeOutcome, verify_tree
 from tandem.sampling.verify import verify_sampled
 from tandem.settings import TreeShape
 from tests.unit.test_sampling_lossless import (
@@ -33,9 +33,9 @@ from tests.unit.test_sampling_lossless import (
 from tests.unit.test_tree_verify import lossy_walk
 
 
-def as_tree(merged: MergedDrafts) -> list[int]:
-    """The merged answer's parents, a chain's written out."""
-    return merged.parents or list(range(-1, len(merged.tokens) - 1))
+def tree(tokens: Sequence[int], parents: Sequence[int] = ()) -> DraftTree:
+    """A replica's answer as the wire carries it: no parents for a chain."""
+    return DraftTree.of(tokens, parents)
 
 
 def paths(tokens: Sequence[int], parents: Sequence[int]) -> set[tuple[int, ...]]:
@@ -47,8 +47,8 @@ def paths(tokens: Sequence[int], parents: Sequence[int]) -> set[tuple[int, ...]]
 
 
 def test_worked_example_of_the_docstring() -> None:
-    assert merge_branch([5, 6, 7], [], [5, 9, 4]) == MergedDrafts([5, 6, 7, 9, 4], [-1, 0, 1, 0, 3])
-    assert merge_branch([5, 6, 7], [], [5, 6]) == MergedDrafts([5, 6, 7], [])
+    assert merge_branch(tree([5, 6, 7]), [5, 9, 4]) == DraftTree((5, 6, 7, 9, 4), (-1, 0, 1, 0, 3))
+    assert merge_branch(tree([5, 6, 7]), [5, 6]) == DraftTree.chain([5, 6, 7])
 
 
 @pytest.mark.parametrize(
@@ -65,19 +65,16 @@ def test_worked_example_of_the_docstring() -> None:
 def test_the_merge_is_the_trie_union_and_keeps_the_answer_whole(
     tokens: list[int], parents: list[int], branch: list[int]
 ) -> None:
-    merged = merge_branch(tokens, parents, branch)
-    tree = as_tree(merged)
-    assert tree_fault(merged.tokens, tree, len(tokens) + len(branch)) == ""
+    answer = tree(tokens, parents)
+    merged = merge_branch(answer, branch)
+    assert merged.fault(len(tokens) + len(branch)) == ""
     # The replica's answer is a prefix, unchanged: its nodes keep their indices, tokens and parents.
-    assert merged.tokens[: len(tokens)] == tokens
-    assert tree[: len(tokens)] == (parents or list(range(-1, len(tokens) - 1)))
+    assert merged.first(len(tokens)) == answer
     # Exactly the paths of the answer and of the branch, and no node more than the branch's unshared tokens.
-    expected = paths(tokens, parents or list(range(-1, len(tokens) - 1)))
+    expected = paths(answer.tokens, answer.parents)
     expected |= {tuple(branch[:end]) for end in range(1, len(branch) + 1)}
-    assert paths(merged.tokens, tree) == expected
-    assert len(merged.tokens) <= len(tokens) + len(branch)
-    # A chain-shaped union travels as a chain, which the target verifies in its batched path.
-    assert (merged.parents == []) == (tree == list(range(-1, len(merged.tokens) - 1)))
+    assert paths(merged.tokens, merged.parents) == expected
+    assert len(merged) <= len(tokens) + len(branch)
 
 
 class CannedReplica:
@@ -102,17 +99,19 @@ TOKENS = (1, 2, 3, 9, 1, 2)  # the lookup of 1 2 proposes 3 9 1 2 ...
 
 def test_the_drafter_merges_the_lookup_into_each_answer() -> None:
     answer = ProposedBatch(
-        {"chain": [3, 8], "tree": [3, 4, 8], "same": [3, 9]},
+        {"chain": tree([3, 8]), "tree": tree([3, 4, 8], [-1, -1, 0]), "same": tree([3, 9])},
         {"full": "no KV room"},
         0.25,
-        {"tree": [-1, -1, 0]},
     )
     replica = CannedReplica(answer)
     drafter = HybridDrafter(replica, HybridSettings(NgramSettings(max_n=2, min_n=2)), TreeShape(2, 4).resolved(2))
     tasks = [ProposeTask(name, 1, 2, TOKENS) for name in ("chain", "tree", "same", "full")]
     batch = asyncio.run(drafter.propose(tasks))
-    assert batch.drafts == {"chain": [3, 8, 9], "tree": [3, 4, 8, 9], "same": [3, 9]}
-    assert batch.parents == {"chain": [-1, 0, 0], "tree": [-1, -1, 0, 0]}  # "same" stays a chain
+    assert batch.drafts == {
+        "chain": DraftTree((3, 8, 9), (-1, 0, 0)),
+        "tree": DraftTree((3, 4, 8, 9), (-1, -1, 0, 0)),
+        "same": DraftTree.chain([3, 9]),  # the lookup adds nothing: it stays a chain
+    }
     assert batch.exhausted == {"full": "no KV room"}
     assert batch.compute_seconds >= 0.25  # the replica's compute, and the lookups
     asyncio.run(drafter.release(["chain"]))
@@ -122,16 +121,18 @@ def test_the_drafter_merges_the_lookup_into_each_answer() -> None:
 @pytest.mark.parametrize(
     ("drafts", "parents", "message"),
     [
-        ([3, 8, 1], {}, "request r: 3 drafts, 2 asked"),
-        ([3, 8, 1, 4], {"r": [-1, 0, 0, 1]}, "request r: a tree of 4 drafts, --speculative-num-draft-tokens allows 3"),
-        ([3, 8], {"r": [-1, 1]}, "request r: draft parent 1 of draft 1"),
+        ([3, 8, 1], {}, "request r: draft_tokens: 3, at most 2"),
+        ([3, 8, 1, 4], {"r": [-1, 0, 0, 1]}, "request r: draft_tokens: 4, at most 3"),
+        ([3, 8], {"r": [-1, 1]}, r"request r: parents\[1\]: 1 must be -1"),
     ],
 )
 def test_a_bad_answer_is_the_replicas_fault_before_any_merge(
     drafts: list[int], parents: dict[str, list[int]], message: str
 ) -> None:
     drafter = HybridDrafter(
-        CannedReplica(ProposedBatch({"r": drafts}, {}, 0.0, parents)), HybridSettings(), TreeShape(2, 4).resolved(2)
+        CannedReplica(ProposedBatch({"r": tree(drafts, parents.get("r", []))}, {}, 0.0)),
+        HybridSettings(),
+        TreeShape(2, 4).resolved(2),
     )
     with pytest.raises(BackendError, match=message):
         asyncio.run(drafter.propose([ProposeTask("r", 1, 2, TOKENS)]))
@@ -150,7 +151,7 @@ def test_per_request_stats_count_acceptance_by_depth() -> None:
     stats = Stats()
     # A tree of 5 nodes 2 deep that accepted a path of 2, then a chain of 3 that accepted 1, then no drafts.
     for tokens, parents, accepted in (([1, 2, 3, 4, 5], [-1, -1, 0, 1, 1], 2), ([1, 2, 3], [], 1), ([], [], 0)):
-        stats.count_round(len(tokens), draft_depth(tokens, parents), accepted)
+        stats.count_round(len(tokens), tree(tokens, parents).depth, accepted)
     assert (stats.rounds, stats.draft_rounds, stats.draft_tokens, stats.accepted_tokens) == (3, 2, 8, 3)
     assert stats.accepted_per_position == [2, 1, 0]  # as wide as the deepest round, not as the largest tree
 
@@ -193,15 +194,14 @@ def hybrid_round(
     """One round as the stack runs it: merge the lookup into the answer, then the target's rule for what results (a
     chain: tandem.sampling.verify; a tree: tree_verify), or the lossy tree rule of the negative control."""
     branch = lookup([*HISTORY, *committed], 2, min_n=1, max_n=2)
-    merged = merge_branch(*answer, branch)
-    tree = as_tree(merged)
+    merged = merge_branch(tree(*answer), branch)
     start = len(committed)
-    rows = TARGET_LOGITS[[start + depth for depth in [0, *tree_depths(tree)]]]  # [1 + n, vocab]
+    rows = TARGET_LOGITS[[start + depth for depth in [0, *merged.depths()]]]  # [1 + n, vocab]
     if lossy:
-        return lossy_walk(rows, merged.tokens, tree, generator).tokens
-    if not merged.parents:
-        return verify_sampled(rows, merged.tokens, PARAMS, generator, None).tokens
-    outcome: TreeOutcome = verify_tree(rows, merged.tokens, merged.parents, PARAMS, generator)
+        return lossy_walk(rows, merged.tokens, merged.parents, generator).tokens
+    if merged.is_chain:
+        return verify_sampled(rows, list(merged.tokens), PARAMS, generator, None).tokens
+    outcome: TreeOutcome = verify_tree(rows, merged, PARAMS, generator)
     return outcome.tokens
 
 
@@ -219,7 +219,7 @@ def first_two_hybrid_tokens(answer: tuple[list[int], list[int]], trials: int, lo
 def test_the_lookup_branch_follows_the_sampled_tokens() -> None:
     # What the sampling test relies on: the merged tree differs with the committed tokens.
     answer = MODEL_ANSWERS["likely-chain"]
-    shapes = {tuple(merge_branch(*answer, lookup([*HISTORY, token], 2, 1, 2)).tokens) for token in range(7)}
+    shapes = {merge_branch(tree(*answer), lookup([*HISTORY, token], 2, 1, 2)).tokens for token in range(7)}
     assert len(shapes) >= 4
 
 

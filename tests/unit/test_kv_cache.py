@@ -143,9 +143,9 @@ def test_plan_is_all_or_nothing_when_out_of_blocks() -> None:
 def test_plan_refuses_a_bad_tree_before_reserving() -> None:
     cache = make_cache(num_blocks=4)
     sequence = SequenceKV()
-    with pytest.raises(ValueError, match=r"parents\[0\]\[2\]: 2 must be -1 \(the context\) or an earlier index"):
+    with pytest.raises(ValueError, match=r"parents\[0\]\[2\]: 2 must be -1 \(the root\) or an earlier index"):
         cache.plan([(sequence, 3)], parents=[[-1, 0, 2]])
-    with pytest.raises(ValueError, match=r"parents\[0\]: 2 entries for 3 new tokens"):
+    with pytest.raises(ValueError, match=r"parents\[0\]: 2 entries for 3 nodes"):
         cache.plan([(sequence, 3)], parents=[[-1, 0]])
     assert (cache.num_free_blocks, sequence.length) == (4, 0)
 

@@ -20,6 +20,7 @@ from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.models.eagle3 import Eagle3Draft, load_eagle3
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.registry import load_target
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
@@ -193,8 +194,8 @@ def test_batched_verify_matches_separate_requests(target: LlamaForCausalLM) -> N
 
     first = runner.step(
         [
-            StepItem("a", 1, references["a"][len(PROMPT) + 1 : len(PROMPT) + 4]),  # all 3 right
-            StepItem("b", 1, [0, 0]),  # wrong
+            StepItem("a", 1, DraftTree.chain(references["a"][len(PROMPT) + 1 : len(PROMPT) + 4])),  # all 3 right
+            StepItem("b", 1, DraftTree.chain([0, 0])),  # wrong
             StepItem("c", 1),  # plain decoding
         ]
     )

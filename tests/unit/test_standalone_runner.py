@@ -21,6 +21,7 @@ from draft_server.standalone_runner import StandaloneRunner
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
 from tandem.models.registry import TargetModel, load_target
 from tandem.models.tokenizer_digest import tokenizer_digest
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
@@ -100,7 +101,7 @@ def test_target_streams_committed_tokens_from_position_minus_one(target: TargetM
     assert captured.features.shape == (len(tokens), 0)
 
     # A verification streams its committed positions only: rows n.. with the tokens after them.
-    (verified,) = runner.step([StepItem("a", 1, [7, 8])])
+    (verified,) = runner.step([StepItem("a", 1, DraftTree.chain([7, 8]))])
     assert verified.captured is not None
     assert verified.captured.start_position == len(tokens) - 1
     assert verified.captured.next_tokens == verified.new_tokens
@@ -192,7 +193,7 @@ def test_the_target_as_its_own_draft_is_accepted_in_full(target: TargetModel) ->
     captured = open_tokens_only(target_runner)
     for _ in range(4):
         (proposal,) = draft_runner.propose([ProposeInput("a", delivered(captured), K)])
-        (result,) = target_runner.step([StepItem("a", 1, proposal)])
+        (result,) = target_runner.step([StepItem("a", 1, DraftTree.chain(proposal))])
         assert result.accepted == K
         assert result.new_tokens[:K] == proposal
         captured = result.captured

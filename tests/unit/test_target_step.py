@@ -10,6 +10,7 @@ import torch
 
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.registry import load_target
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from target_server.items import MAX_DRAFT_TOKENS, ItemStatus, OpenRequest, StepItem
@@ -66,7 +67,7 @@ def test_preempted_request_is_recomputed_from_its_tokens(target: LlamaForCausalL
     runner.step([StepItem("a", 6)])
     (resumed,) = runner.step([StepItem("a", len(tokens) - 6)])
     assert [*tokens, *resumed.new_tokens] == reference[: len(tokens) + 1]
-    (following,) = runner.step([StepItem("a", 1, reference[len(tokens) + 1 : len(tokens) + 3])])
+    (following,) = runner.step([StepItem("a", 1, DraftTree.chain(reference[len(tokens) + 1 : len(tokens) + 3]))])
     assert runner.requests["a"].tokens == reference[: len(runner.requests["a"].tokens)]
     assert following.accepted == 2
 
@@ -78,8 +79,8 @@ def test_bad_items_fail_alone_and_change_nothing(target: LlamaForCausalLM) -> No
     states = {rid: (list(r.tokens), r.kv.length) for rid, r in runner.requests.items()}
     results = runner.step(
         [
-            StepItem("a", 1, [VOCAB]),  # a draft id outside the vocabulary
-            StepItem("b", 1, [5] * (MAX_DRAFT_TOKENS + 1)),  # too many drafts
+            StepItem("a", 1, DraftTree.chain([VOCAB])),  # a draft id outside the vocabulary
+            StepItem("b", 1, DraftTree.chain([5] * (MAX_DRAFT_TOKENS + 1))),  # too many drafts
             StepItem("c", 1),  # unknown request
             open_item("a", 2),  # already running
             StepItem("b", 3),  # more tokens than b has without KV
@@ -87,11 +88,11 @@ def test_bad_items_fail_alone_and_change_nothing(target: LlamaForCausalLM) -> No
     )
     assert [r.status for r in results] == [ItemStatus.INVALID] * 5
     assert results[0].message == f"draft_tokens[0]: {VOCAB} is outside the vocabulary [0, {VOCAB})"
-    assert results[1].message == f"draft_tokens: {MAX_DRAFT_TOKENS + 1}, at most {MAX_DRAFT_TOKENS} per item"
+    assert results[1].message == f"draft_tokens: {MAX_DRAFT_TOKENS + 1}, at most {MAX_DRAFT_TOKENS}"
     assert {rid: (list(r.tokens), r.kv.length) for rid, r in runner.requests.items()} == states
     assert runner.cache.num_free_blocks == free
     # The same step with one good item: the good one runs, the bad one still changes nothing.
-    good, bad = runner.step([StepItem("a", 1), StepItem("b", 1, [-1])])
+    good, bad = runner.step([StepItem("a", 1), StepItem("b", 1, DraftTree.chain([-1]))])
     assert good.status is ItemStatus.OK and len(good.new_tokens) == 1
     assert bad.status is ItemStatus.INVALID and runner.requests["b"].tokens == states["b"][0]
 
@@ -115,7 +116,7 @@ def test_a_failing_forward_returns_every_block(target: LlamaForCausalLM, monkeyp
 
     monkeypatch.setattr(runner.ranks, "forward", broken)
     with pytest.raises(RuntimeError, match="the forward pass failed"):
-        runner.step([StepItem("a", 1, [3, 4, 5]), open_item("b", len(PROMPT))])
+        runner.step([StepItem("a", 1, DraftTree.chain([3, 4, 5])), open_item("b", len(PROMPT))])
     assert "b" not in runner.requests
     assert (runner.cache.num_free_blocks, runner.requests["a"].kv.length) == (free, length)
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from draft_server.runner import DraftRunner, ProposeInput, TargetRows
-from draft_server.tree_draft import DraftTree, as_tree, best_children, propose_trees, select_tree
-from orchestrator.proposing import tree_fault
+from draft_server.tree_draft import as_tree, best_children, propose_trees, select_tree
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.models.eagle3 import Eagle3Draft, load_eagle3
+from tandem.sampling.draft_tree import DraftTree
 from tandem.settings import KVCacheSettings, TreeShape
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
 from tests.helpers.eagle3_mla_checkpoints import TinyEagle3MLASpec, write_tiny_eagle3_mla
@@ -106,7 +106,7 @@ def naive_tree(model: Eagle3Draft, rows: TargetRows, topk: int, num_steps: int, 
         chosen = best_children([scores[node] for node in frontier], child_log_probs, child_tokens, topk)
         frontier = [add(token, frontier[slot], score) for score, slot, token in chosen]
     kept = select_tree(scores, parents, count)
-    return DraftTree([tokens[node] for node in kept], as_tree(kept, parents))
+    return DraftTree(tuple(tokens[node] for node in kept), tuple(as_tree(kept, parents)))
 
 
 @pytest.mark.parametrize(("topk", "num_steps", "num_draft_tokens"), [(2, 3, 5), (4, 3, 8), (3, 4, 11)])
@@ -130,8 +130,8 @@ def test_runner_tree_equals_the_naive_expansion(
 def test_topk_one_is_the_chain(draft: Eagle3Draft) -> None:
     rows = random_rows(0, 9, seed=3)
     (tree,) = propose_trees(DraftRunner(draft, CACHE), [ProposeInput("a", rows, 4)], topk=1, num_draft_tokens=5)
-    assert [tree.tokens] == DraftRunner(draft, CACHE).propose([ProposeInput("a", rows, 4)])
-    assert tree.parents == [-1, 0, 1, 2]
+    assert [list(tree.tokens)] == DraftRunner(draft, CACHE).propose([ProposeInput("a", rows, 4)])
+    assert tree.parents == (-1, 0, 1, 2) and tree.is_chain
 
 
 def test_batched_requests_expand_independently(draft: Eagle3Draft) -> None:
@@ -182,10 +182,11 @@ def test_tree_flags_resolve() -> None:
     ("tokens", "parents", "fault"),
     [
         ([5, 6, 7], [-1, -1, 0], ""),
-        ([5, 6, 7], [-1, 2, 0], "draft parent 2 of draft 1: must be -1 or an earlier draft's index"),
-        ([5, 6, 7], [-1, -1], "2 draft parents for 3 drafts"),
-        ([5] * 8, [-1] * 8, "a tree of 8 drafts, --speculative-num-draft-tokens allows 7"),
+        ([5, 6, 7], [-1, 2, 0], "parents[1]: 2 must be -1 (the root) or an earlier index (0..0)"),
+        ([5, 6, 7], [-1, -1], "parents: 2 entries for 3 nodes"),
+        ([5] * 8, [-1] * 8, "draft_tokens: 8, at most 7"),
+        ([5, 6, 70], [-1, -1, 0], "draft_tokens[2]: 70 is outside the vocabulary [0, 64)"),
     ],
 )
 def test_the_orchestrator_refuses_a_bad_tree_from_a_replica(tokens: list[int], parents: list[int], fault: str) -> None:
-    assert tree_fault(tokens, parents, max_drafts=7) == fault
+    assert DraftTree(tuple(tokens), tuple(parents)).fault(max_tokens=7, vocab_size=64) == fault

@@ -1,4 +1,4 @@
-"""The target runner verifying a tree of drafts in one forward (StepItem.draft_parents): greedy output equals
+"""The target runner verifying a tree of drafts in one forward (a DraftTree on StepItem.drafts): greedy output equals
 target-only greedy decoding, the accepted path's KV is kept and the rest freed, and the draft gets the path's rows."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import torch
 
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.registry import load_target
+from tandem.sampling.draft_tree import DraftTree
 from target_server.items import ItemStatus, StepItem
 from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
@@ -51,7 +52,7 @@ def test_tree_rounds_give_the_target_only_tokens(target: LlamaForCausalLM, refer
             reference[position + depth - 1] if node in right else wrong(reference[position + depth - 1])
             for node, depth in enumerate(depths)
         ]
-        (result,) = runner.step([StepItem("a", 1, drafts, draft_parents=parents)])
+        (result,) = runner.step([StepItem("a", 1, DraftTree(tuple(drafts), tuple(parents)))])
         assert result.status is ItemStatus.OK, result.message
         assert result.accepted == len(path)
         assert result.new_tokens == reference[position : position + len(path) + 1]
@@ -74,9 +75,9 @@ def test_a_tree_with_a_bad_parent_is_invalid_and_changes_nothing(target: LlamaFo
     runner = TargetRunner(target, CACHE, max_context=64)
     runner.prefill("a", PROMPT, GREEDY)
     free = runner.cache.num_free_blocks
-    (result,) = runner.step([StepItem("a", 1, [1, 2], draft_parents=[-1, 1])])
+    (result,) = runner.step([StepItem("a", 1, DraftTree((1, 2), (-1, 1)))])
     assert result.status is ItemStatus.INVALID
-    assert "draft_parents[1]: 1 must be -1" in result.message
+    assert "parents[1]: 1 must be -1" in result.message
     assert runner.cache.num_free_blocks == free
-    (result,) = runner.step([StepItem("a", 1, [1, 2], draft_parents=[-1])])
-    assert "draft_parents: 1 entries for 2 new tokens" in result.message
+    (result,) = runner.step([StepItem("a", 1, DraftTree((1, 2), (-1,)))])
+    assert "parents: 1 entries for 2 nodes" in result.message

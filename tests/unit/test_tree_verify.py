@@ -9,8 +9,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
-from tandem.sampling.tree_verify import TreeOutcome, mask_tree_stop_tokens, tree_depths, verify_tree
+from tandem.sampling.tree_verify import TreeOutcome, mask_tree_stop_tokens, verify_tree
 from tandem.sampling.verify import target_probs
 from tests.unit.test_sampling_lossless import (
     NUM_CONTROL_TRIALS,
@@ -27,6 +28,10 @@ VOCAB = 10
 PARENTS = [-1, -1, 0, 0, 1]
 
 
+def tree(tokens: Sequence[int], parents: Sequence[int] = PARENTS) -> DraftTree:
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
 def logits_with_argmax(choices: Sequence[int]) -> torch.Tensor:  # -> [len(choices), VOCAB]
     rows = torch.zeros((len(choices), VOCAB))
     rows[torch.arange(len(choices)), torch.tensor(list(choices))] = 5.0
@@ -35,7 +40,9 @@ def logits_with_argmax(choices: Sequence[int]) -> torch.Tensor:  # -> [len(choic
 
 def test_greedy_worked_example_of_the_docstring() -> None:
     tokens = [5, 6, 7, 8, 9]
-    outcome = verify_tree(logits_with_argmax([6, 0, 9, 0, 0, 3]), tokens, [-1, -1, 0, 1, 1], GREEDY, torch.Generator())
+    outcome = verify_tree(
+        logits_with_argmax([6, 0, 9, 0, 0, 3]), tree(tokens, [-1, -1, 0, 1, 1]), GREEDY, torch.Generator()
+    )
     assert outcome == TreeOutcome(accepted=2, tokens=[6, 9, 3], path=[1, 4])
 
 
@@ -52,22 +59,22 @@ def test_greedy_worked_example_of_the_docstring() -> None:
 )
 def test_greedy_walks_the_matching_branch(choices: list[int], expected: TreeOutcome) -> None:
     tokens = [1, 2, 2, 3, 4]  # node 2 repeats node 1's token under another parent: the walk follows parents
-    assert verify_tree(logits_with_argmax(choices), tokens, PARENTS, GREEDY, torch.Generator()) == expected
+    assert verify_tree(logits_with_argmax(choices), tree(tokens), GREEDY, torch.Generator()) == expected
 
 
 def test_bad_trees_are_refused_naming_the_entry() -> None:
     with pytest.raises(ValueError, match=r"parents\[1\]: 1 must be -1"):
-        verify_tree(logits_with_argmax([0, 0, 0]), [1, 2], [-1, 1], GREEDY, torch.Generator())
+        verify_tree(logits_with_argmax([0, 0, 0]), tree([1, 2], [-1, 1]), GREEDY, torch.Generator())
     with pytest.raises(ValueError, match=r"target_logits must be \[num_drafts \+ 1, vocab\]"):
-        verify_tree(logits_with_argmax([0, 0]), [1, 2], [-1, 0], GREEDY, torch.Generator())
+        verify_tree(logits_with_argmax([0, 0]), tree([1, 2], [-1, 0]), GREEDY, torch.Generator())
 
 
 def test_stop_tokens_are_masked_by_depth() -> None:
     params = SamplingParams(min_tokens=2, stop_token_ids=(3,))
-    masked = mask_tree_stop_tokens(torch.zeros((6, VOCAB)), PARENTS, params, generated=0)
+    masked = mask_tree_stop_tokens(torch.zeros((6, VOCAB)), tree([0] * 5), params, generated=0)
     # Rows of depth 0 (root) and 1 (nodes 0, 1) decide tokens 1 and 2; deeper rows are past min_tokens.
     assert [bool(row[3] == float("-inf")) for row in masked] == [True, True, True, False, False, False]
-    assert tree_depths(PARENTS) == [1, 1, 2, 2, 2]
+    assert tree([0] * 5).depths() == [1, 1, 2, 2, 2]
 
 
 # Sampled trees. The rows of the target follow the depth: row 0 (root) is TARGET_LOGITS[start], node i's row is
@@ -78,7 +85,7 @@ BAD_TREE = [3, 3, 1, 1, 2]
 
 
 def tree_rows(start: int) -> torch.Tensor:  # -> [1 + len(PARENTS), vocab]
-    depths = [0, *tree_depths(PARENTS)]
+    depths = [0, *tree([0] * len(PARENTS)).depths()]
     return TARGET_LOGITS[[start + depth for depth in depths]]
 
 
@@ -117,7 +124,7 @@ def first_two_tree_tokens(draft: Sequence[int], num_trials: int, seed: int, loss
             if lossy:
                 outcome = lossy_walk(rows, draft, PARENTS, generator)
             else:
-                outcome = verify_tree(rows, draft, PARENTS, PARAMS, generator)
+                outcome = verify_tree(rows, tree(draft), PARAMS, generator)
             committed.extend(outcome.tokens)
         trials.append(committed[:2])
     return torch.tensor(trials)
