@@ -17,9 +17,8 @@ import torch
 from transformers import AutoTokenizer
 
 from draft_server.formats import ProposalRunner, prepare_draft, propose_what_fits
-from draft_server.runner import DraftRunner, ProposeInput, TargetRows, join_rounds, pop_rounds
+from draft_server.runner import ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
-from draft_server.tree_draft import TreeDrafter
 from orchestrator.backends import (
     BackendError,
     FailureKind,
@@ -38,7 +37,6 @@ from orchestrator.scheduler import Scheduler, TargetFacts
 from orchestrator.service import response_message
 from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
 from orchestrator.validation import Limits, validate_request
-from tandem.models.config import ConfigError
 from tandem.models.registry import load_target
 from tandem.models.tokenizer_digest import tokenizer_digest
 from tandem.parallel.vocab import assemble_shards
@@ -175,11 +173,7 @@ class ColocatedEngine:
             for name in prepared.missing_tables:
                 table = assemble_shards(target_runner.weight_shards(name), model.config.vocab_size)
                 prepared.fill_table(name, table)
-            runner = prepared.build_runner(settings.cache)
-            if settings.tree.topk > 1:
-                if not isinstance(runner, DraftRunner):
-                    raise ConfigError(f"--speculative-eagle-topk: a {prepared.kind!r} draft drafts chains only")
-                runner = TreeDrafter(runner, settings.tree.topk, settings.tree.num_draft_tokens)
+            runner = prepared.build_proposer(settings.cache, settings.tree)
             draft = LocalDraft(runner, prepared.capture.indices, prepared.tokens_only)
             replicas.add(REPLICA_ID, "in-process", with_hybrid(draft, scheduler_settings))
         if settings.ngram is not None:

@@ -29,6 +29,7 @@ from draft_server.mtp_runner import MTPRunner
 from draft_server.runner import DraftModel, DraftRunner, ProposeInput
 from draft_server.settings import DraftSettings
 from draft_server.standalone_runner import StandaloneRunner
+from draft_server.tree_draft import TreeDrafter
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache
 from tandem.models.aux_layers import CaptureSpec, resolve_capture
 from tandem.models.config import ConfigError, read_hf_config
@@ -37,7 +38,7 @@ from tandem.models.mtp import NextNDraft, load_mtp
 from tandem.models.registry import TARGET_ARCHITECTURES, load_target, target_architecture
 from tandem.models.tokenizer_digest import TOKENIZER_FILE, tokenizer_digest
 from tandem.sampling.draft_tree import DraftTree
-from tandem.settings import KVCacheSettings
+from tandem.settings import KVCacheSettings, TreeShape
 from tandem.wire import target_pb2
 
 LOG = logging.getLogger(__name__)
@@ -96,6 +97,19 @@ class PreparedDraft:
     fill_table: Callable[[str, torch.Tensor], None]  # (name, [vocab, hidden] table)
     build_runner: Callable[[KVCacheSettings], ProposalRunner]  # once every missing table is filled
     tokens_only: bool = False  # the draft takes committed tokens and no hidden states (capture.indices is empty)
+
+    def build_proposer(self, cache: KVCacheSettings, tree: TreeShape) -> ProposalRunner:
+        """The runner the replica drafts with: the draft's own, expanded into trees with tree.topk > 1 (EAGLE3 and
+        NextN heads only; another kind is refused naming it)."""
+        runner = self.build_runner(cache)
+        if tree.topk == 1:
+            return runner
+        if not isinstance(runner, DraftRunner):
+            raise ConfigError(
+                f"--speculative-eagle-topk {tree.topk}: tree drafting needs an EAGLE3 or NextN head; "
+                f"this draft is {self.kind!r}, which drafts chains (use --speculative-eagle-topk 1)"
+            )
+        return TreeDrafter(runner, tree.topk, tree.num_draft_tokens)
 
 
 def prepare_draft(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:

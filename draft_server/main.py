@@ -6,7 +6,8 @@ import asyncio
 
 from prometheus_client import Histogram
 
-from draft_server.service import DraftService, DraftSettings, start_draft
+from draft_server.service import DraftService, DraftSettings
+from draft_server.startup import start_draft
 from tandem.leases import sweep_interval
 from tandem.service_metrics import ServiceMetrics, model_service_metrics, serve_metrics
 from tandem.serving import ListenSettings, run_server

@@ -1,15 +1,13 @@
-"""A draft replica's gRPC service and its start-up against the target.
+"""A draft replica's gRPC service (its start-up against the target: draft_server.startup).
 
-Start-up: read the target's info, load the draft (draft_server.formats: check compatibility, resolve the
-capture indices), pull the shared tables the checkpoint lacks from the target, subscribe to the target's
-hidden-state stream. Per round, Propose joins the orchestrator's request with the target's rows for
-the same (request id, round) and runs the runner on one worker thread.
+Per round, Propose joins the orchestrator's request with the target's rows for the same (request id, round) and runs
+the runner on one worker thread.
 
-Drafting ahead: rows that carry `draft_ahead` (the orchestrator asked for it in the step item) are drafted as soon
-as the step's last message (`step_end`) arrives, one batch for the step, while the target's answer travels to the
-orchestrator and its Propose travels here. Propose then takes the drafts made ahead (waiting for them if they are
-still being made) when it asks for the same number of steps, the first ones of a longer chain, and drafts again
-from the same rows otherwise. Rows a Propose already waits for are never drafted ahead.
+Drafting ahead (draft_server.ahead): rows that carry `draft_ahead` (the orchestrator asked for it in the step item)
+are drafted as soon as the step's last message (`step_end`) arrives, one batch for the step. Propose then takes the
+drafts made ahead (waiting for them if they are still being made) when it asks for the same number of steps, the
+first ones of a longer chain, and drafts again from the same rows otherwise. Rows a Propose already waits for are
+never drafted ahead.
 """
 
 from __future__ import annotations
@@ -17,43 +15,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
 
 import grpc
 
-from draft_server.formats import PreparedDraft, ProposalRunner, prepare_draft, propose_what_fits
-from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, TargetRows, join_rounds, pop_rounds
+from draft_server.ahead import DraftedAhead, Key, drafting_failure, settle, timed_proposals, usable_drafts
+from draft_server.formats import PreparedDraft, ProposalRunner, propose_what_fits
+from draft_server.runner import DraftRequestError, ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
-from draft_server.shared_tables import pull_tables
-from draft_server.tree_draft import TreeDrafter
 from tandem.background import in_background
-from tandem.grpc_util import CallFailed, wait_for_ready
+from tandem.grpc_util import CallFailed
 from tandem.leases import Leases, leased_call, leased_stream
 from tandem.model_thread import ModelThread
-from tandem.models.config import ConfigError
 from tandem.sampling.draft_tree import DraftTree
-from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2
 from tandem.wire.codec import tensor_from_proto
 from tandem.wire.drafts import tree_to_proto
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
-Key = tuple[str, int]  # (request id, round)
-
-
-@dataclass
-class DraftedAhead:
-    """One request's drafts made ahead, from `rows`, for `num_steps` steps; `done` once the batch ran."""
-
-    rows: TargetRows
-    num_steps: int
-    done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    proposal: DraftTree | None = None  # None until the batch ran, or when it could not draft the request
-    exhausted: str | None = None  # why the pool could not hold the request (it was dropped, like a Propose's)
-    started: float = 0.0  # perf_counter at the start and end of its batch's compute
-    finished: float = 0.0
 
 
 class DraftService(draft_pb2_grpc.DraftServicer):
@@ -139,8 +120,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         if not live:
             return
         inputs = [ProposeInput(key[0], ahead.rows, ahead.num_steps) for key, ahead in live.items()]
-        computing = self.model_thread.start(_timed_proposals, self.runner, inputs)
-        computing.add_done_callback(lambda done: _settle(live, done))
+        computing = self.model_thread.start(timed_proposals, self.runner, inputs)
+        computing.add_done_callback(lambda done: settle(live, done))
 
     def _needs_replay(self, request_id: str, rows: TargetRows) -> bool:
         return request_id in self._dropped and rows.start_position > 0
@@ -185,35 +166,10 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             # state it made (the drafting runs on) to that orchestrator's session, which frees it.
             self.leases.own(session, item.request_id, now)
         steps = {item.request_id: item.num_steps or self.settings.num_steps for item in request.items}
-        ahead: dict[str, DraftedAhead] = {}
-        inputs = []
-        for item in request.items:
-            self._released.pop(item.request_id, None)  # asked for again (after a preemption): it is live
-            try:
-                taken = await self._take_rows(item.request_id, item.round, item.rows_end)
-            except DraftRequestError as error:
-                raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, f"request {item.request_id!r}: {error}") from None
-            if isinstance(taken, DraftedAhead):
-                ahead[item.request_id] = taken
-            else:
-                inputs.append(ProposeInput(item.request_id, taken, steps[item.request_id]))
-        waited = time.perf_counter()
+        ahead, inputs = await self._take_all(request, steps)
         for listener in self.rows_wait_listeners:
-            listener(waited - arrived)
-        drafts: dict[str, DraftTree] = {}
-        exhausted: dict[str, str] = {}
-        ahead_seconds = 0.0
-        for request_id, made in ahead.items():
-            await self._drafted(request_id, made)
-            # One batch drafted them all: its time before this call, once (as compute_seconds counts a batch once).
-            ahead_seconds = max(ahead_seconds, min(made.finished, arrived) - made.started)
-            if made.exhausted is not None:
-                exhausted[request_id] = made.exhausted
-            elif (usable := _usable(made, steps[request_id], self.settings.tree.topk == 1)) is not None:
-                drafts[request_id] = usable
-                self.drafted_ahead += 1
-            else:  # another length than drafted ahead: draft again from the same rows
-                inputs.append(ProposeInput(request_id, made.rows, steps[request_id]))
+            listener(time.perf_counter() - arrived)
+        drafts, exhausted, ahead_seconds = await self._from_ahead(ahead, steps, arrived, inputs)
         ahead_waited = max((made.finished for made in ahead.values()), default=arrived) - arrived
         started = time.perf_counter()
         if inputs:
@@ -237,6 +193,49 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 response.results.append(draft_pb2.ProposeResult(request_id=item.request_id, drafts=drafted))
         return response
 
+    async def _take_all(
+        self, request: draft_pb2.ProposeRequest, steps: Mapping[str, int]
+    ) -> tuple[dict[str, DraftedAhead], list[ProposeInput]]:
+        """Each request's rows for this round, or what was drafted ahead from them."""
+        ahead: dict[str, DraftedAhead] = {}
+        inputs = []
+        for item in request.items:
+            self._released.pop(item.request_id, None)  # asked for again (after a preemption): it is live
+            try:
+                taken = await self._take_rows(item.request_id, item.round, item.rows_end)
+            except DraftRequestError as error:
+                raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, f"request {item.request_id!r}: {error}") from None
+            if isinstance(taken, DraftedAhead):
+                ahead[item.request_id] = taken
+            else:
+                inputs.append(ProposeInput(item.request_id, taken, steps[item.request_id]))
+        return ahead, inputs
+
+    async def _from_ahead(
+        self,
+        ahead: Mapping[str, DraftedAhead],
+        steps: Mapping[str, int],
+        arrived: float,  # perf_counter when the Propose arrived
+        inputs: list[ProposeInput],  # gets the requests drafted ahead for another length: drafted again
+    ) -> tuple[dict[str, DraftTree], dict[str, str], float]:
+        """What the drafts made ahead answer: drafts and exhausted requests by id, and the compute they took before
+        the call."""
+        drafts: dict[str, DraftTree] = {}
+        exhausted: dict[str, str] = {}
+        ahead_seconds = 0.0
+        for request_id, made in ahead.items():
+            await self._drafted(request_id, made)
+            # One batch drafted them all: its time before this call, once (as compute_seconds counts a batch once).
+            ahead_seconds = max(ahead_seconds, min(made.finished, arrived) - made.started)
+            if made.exhausted is not None:
+                exhausted[request_id] = made.exhausted
+            elif (usable := usable_drafts(made, steps[request_id], self.settings.tree.topk == 1)) is not None:
+                drafts[request_id] = usable
+                self.drafted_ahead += 1
+            else:  # another length than drafted ahead: draft again from the same rows
+                inputs.append(ProposeInput(request_id, made.rows, steps[request_id]))
+        return drafts, exhausted, ahead_seconds
+
     async def _drafted(self, request_id: str, made: DraftedAhead) -> None:
         """Waits for a draft-ahead batch; raises CallFailed, as a Propose's own drafting would, when it failed."""
         try:
@@ -247,7 +246,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 f"request {request_id!r}: drafting ahead took more than {self.settings.rows_timeout_s} s",
             ) from None
         except Exception as error:
-            raise _drafting_failure(request_id, error) from None
+            raise drafting_failure(request_id, error) from None
 
     def _no_room(self, reason: str) -> CallFailed:
         """What a request this replica had no KV room for answers (it dropped the request's state)."""
@@ -344,100 +343,3 @@ class DraftService(draft_pb2_grpc.DraftServicer):
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
         return await self.model_thread.run(function, *args)
-
-
-def _timed_proposals(
-    runner: ProposalRunner, inputs: Sequence[ProposeInput]
-) -> tuple[dict[str, DraftTree], dict[str, str], float, float]:  # -> drafts, exhausted, started, finished
-    started = time.perf_counter()
-    drafts, exhausted = propose_what_fits(runner, inputs)
-    return drafts, exhausted, started, time.perf_counter()
-
-
-def _settle(batch: Mapping[Key, DraftedAhead], done: asyncio.Future[Any]) -> None:
-    """Hands each request of a draft-ahead batch its outcome; a failed batch fails each of them."""
-    if done.cancelled():  # the model thread shut down with the batch still queued
-        for made in batch.values():
-            made.done.cancel()
-        return
-    error = done.exception()
-    if error is None:
-        drafts, exhausted, started, finished = done.result()
-    for (request_id, _), made in batch.items():
-        if error is not None:
-            made.done.set_exception(error)
-            made.done.exception()  # retrieved: a Propose that asks still gets it; one nobody asks for is not logged
-            continue
-        made.proposal, made.exhausted = drafts.get(request_id), exhausted.get(request_id)
-        made.started, made.finished = started, finished
-        made.done.set_result(None)
-    if error is not None and not isinstance(error, DraftRequestError):
-        LOG.error("drafting ahead for %d requests failed: %r", len(batch), error)
-
-
-def _batch_failure(request_id: str, made: DraftedAhead) -> CallFailed | None:
-    """Why a settled draft-ahead batch failed for a request (as a Propose's drafting would have), or None."""
-    if made.done.cancelled():
-        return CallFailed(grpc.StatusCode.UNAVAILABLE, f"request {request_id!r}: the replica is stopping")
-    error = made.done.exception()
-    return _drafting_failure(request_id, error) if isinstance(error, Exception) else None
-
-
-def _drafting_failure(request_id: str, error: Exception) -> CallFailed:
-    if isinstance(error, DraftRequestError):
-        return CallFailed(grpc.StatusCode.FAILED_PRECONDITION, f"request {request_id!r}: {error}")
-    return CallFailed(grpc.StatusCode.INTERNAL, f"request {request_id!r}: drafting ahead failed: {error!r}")
-
-
-def _usable(made: DraftedAhead, num_steps: int, chains: bool) -> DraftTree | None:
-    """The drafts made ahead as a Propose for num_steps takes them: all when the steps match, the first num_steps
-    of a longer chain (`chains`: the runner drafts chains); None when they must be drafted again (a longer chain, or
-    a tree of another size)."""
-    if made.num_steps == num_steps:
-        return made.proposal
-    if chains and made.proposal is not None and num_steps < made.num_steps:
-        return made.proposal.first(num_steps)
-    return None
-
-
-async def start_draft(settings: DraftSettings) -> tuple[DraftService, list[asyncio.Task[None]], grpc.aio.Channel]:
-    """Builds the replica against its target; raises IncompatibleDraft / AuxLayerError on a mismatch. Returns it
-    with its essential task: the hidden-state stream from the target."""
-    # Before any torch work on this thread (tandem.model_thread).
-    model_thread = ModelThread("draft-model", settings.threads)
-    security = settings.target_security
-    await wait_for_ready(settings.target_address, timeout_s=300.0, open_channel=security.aio_channel)
-    channel = security.aio_channel(settings.target_address)
-    target = target_pb2_grpc.TargetStub(channel)
-    info: target_pb2.TargetInfo = await target.GetInfo(target_pb2.TargetInfoRequest())
-    LOG.info(
-        "target: %s, hidden %d, vocab %d, %d layers",
-        info.architecture,
-        info.hidden_size,
-        info.vocab_size,
-        info.num_layers,
-    )
-    prepared = await model_thread.run(prepare_draft, settings, info)
-    if prepared.missing_tables:
-        tables = await pull_tables(target, prepared.missing_tables)
-        for name, table in tables.items():
-            await model_thread.run(prepared.fill_table, name, table.full())
-    runner = await model_thread.run(prepared.build_runner, settings.cache)
-    if settings.tree.topk > 1:
-        if not isinstance(runner, DraftRunner):
-            raise ConfigError(
-                f"--speculative-eagle-topk {settings.tree.topk}: tree drafting needs an EAGLE3 or NextN head; "
-                f"this draft is {prepared.kind!r}, which drafts chains (use --speculative-eagle-topk 1)"
-            )
-        runner = TreeDrafter(runner, settings.tree.topk, settings.tree.num_draft_tokens)
-    LOG.info("%s draft ready, %d KV blocks", prepared.kind, runner.cache.num_blocks)
-    service = DraftService(runner, settings, prepared, model_thread)
-    stream = target.SubscribeHidden(
-        target_pb2.SubscribeRequest(
-            replica_id=settings.replica_id,
-            capture_indices=list(prepared.capture.indices),
-            tokens_only=prepared.tokens_only,
-        )
-    )
-    consumer = asyncio.create_task(service.consume(stream), name="hidden-state stream from the target")
-    return service, [consumer], channel
