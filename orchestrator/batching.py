@@ -131,73 +131,105 @@ def plan_step(
     """
     k = settings.num_steps if num_steps is None else num_steps
     plan = StepPlan()
-    free = pool.num_blocks - sum(pool.blocks(request.kv_length) for request in running)
-    tokens_left = settings.max_num_batched_tokens
-    victims = list(running)  # the newest is preempted first
+    budget = _Budget(
+        pool,
+        pool.num_blocks - sum(pool.blocks(request.kv_length) for request in running),
+        settings.max_num_batched_tokens,
+    )
+    _plan_decodes(plan, running, budget, settings, k)
+    _plan_prefills(plan, running, budget)
+    _plan_admissions(plan, running, waiting, budget, settings.max_num_seqs)
+    if not plan.chunks and not waiting and not plan.preempted:
+        plan.decode = _multi_step(plan.decode, pool, budget.free, settings.num_scheduler_steps)
+    return plan
 
-    def growth(request: ActiveRequest, new_positions: int) -> int:
+
+@dataclass
+class _Budget:
+    """What is left of the step as it is planned: free KV blocks and tokens of --max-num-batched-tokens."""
+
+    pool: KVPool
+    free: int
+    tokens: int
+
+    def growth(self, request: ActiveRequest, new_positions: int) -> int:
+        """The blocks `new_positions` more positions of the request take."""
+        pool = self.pool
         grown = pool.blocks(request.kv_length + new_positions) - pool.blocks(request.kv_length)
         # A replay recomputes the request's rows in a scratch sequence as long as its KV, for the step.
         return grown + (pool.blocks(request.kv_length) if request.needs_move else 0)
 
+    def take(self, blocks: int, tokens: int) -> None:
+        self.free -= blocks
+        self.tokens -= tokens
+
+
+def _plan_decodes(
+    plan: StepPlan, running: Sequence[ActiveRequest], budget: _Budget, settings: SchedulerSettings, k: int
+) -> None:
+    """Decoding requests, oldest first, each with room for its drafts; the newest running request is preempted while
+    one does not fit."""
+    victims = list(running)  # the newest is preempted first
     for request in running:
         if not request.decoding or request in plan.preempted:
             continue
         drafts = request.max_drafts(k)
         rows = 1 + draft_rows(drafts, settings)
-        if rows > tokens_left:
+        if rows > budget.tokens:
             break
-        need = growth(request, rows)
-        while need > free:
+        need = budget.growth(request, rows)
+        while need > budget.free:
             victim = victims.pop()
             plan.preempted.append(victim)
-            free += pool.blocks(victim.kv_length)
+            budget.free += budget.pool.blocks(victim.kv_length)
             if victim is request:
                 break
         if request in plan.preempted:
             break
-        free -= need
-        tokens_left -= rows
+        budget.take(need, rows)
         plan.decode.append(Scheduled(request, 1, drafts))
 
+
+def _plan_prefills(plan: StepPlan, running: Sequence[ActiveRequest], budget: _Budget) -> None:
+    """The next prompt chunk of each running prefill, oldest first, in the tokens left."""
     scheduled = {id(entry.request) for entry in plan.decode}
     for index, request in enumerate(running):
         if request.decoding or request in plan.preempted:
             continue
-        chunk = min(request.uncomputed, tokens_left)
+        chunk = min(request.uncomputed, budget.tokens)
         if chunk <= 0:
             break
-        need = growth(request, chunk)
+        need = budget.growth(request, chunk)
         # Only a newer request that is not in this step yet may make room, so that the oldest prefill always
         # progresses (running requests that all prefill and fill the pool would otherwise wait on each other).
-        while need > free:
+        while need > budget.free:
             newer = [r for r in running[index + 1 :] if id(r) not in scheduled and r not in plan.preempted]
             if not newer:
                 break
             plan.preempted.append(newer[-1])
-            free += pool.blocks(newer[-1].kv_length)
-        if need > free:
+            budget.free += budget.pool.blocks(newer[-1].kv_length)
+        if need > budget.free:
             continue
-        free -= need
-        tokens_left -= chunk
+        budget.take(need, chunk)
         scheduled.add(id(request))
         plan.chunks.append(Scheduled(request, chunk, 0))
 
+
+def _plan_admissions(
+    plan: StepPlan, running: Sequence[ActiveRequest], waiting: deque[ActiveRequest], budget: _Budget, max_seqs: int
+) -> None:
+    """Waiting requests in arrival order, while their first chunk fits with a block of headroom per running one."""
     num_running = len(running) - len(plan.preempted)
     for request in waiting:
-        if num_running + len(plan.admitted) >= settings.max_num_seqs or tokens_left <= 0:
+        if num_running + len(plan.admitted) >= max_seqs or budget.tokens <= 0:
             break
-        chunk = min(request.uncomputed, tokens_left)
-        need = growth(request, chunk)
-        if need + num_running + len(plan.admitted) > free:
+        chunk = min(request.uncomputed, budget.tokens)
+        need = budget.growth(request, chunk)
+        if need + num_running + len(plan.admitted) > budget.free:
             break  # arrival order: no later request overtakes this one
-        free -= need
-        tokens_left -= chunk
+        budget.take(need, chunk)
         plan.admitted.append(request)
         plan.chunks.append(Scheduled(request, chunk, 0))
-    if not plan.chunks and not waiting and not plan.preempted:
-        plan.decode = _multi_step(plan.decode, pool, free, settings.num_scheduler_steps)
-    return plan
 
 
 def draft_rows(max_drafts: int, settings: SchedulerSettings) -> int:

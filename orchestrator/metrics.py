@@ -37,48 +37,56 @@ class Metrics:
         self.model_name = model_name
         self.acceptance = AcceptanceMonitor(watch or AcceptanceWatch())
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name"]
+        self._define_request_metrics()
+        self._define_speculation_metrics()
+        scheduler.proposer.listeners.append(self.observe_propose)
+        self.registry.register(SchedulerCollector(scheduler, self))
 
-        def counter(name: str, documentation: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, documentation, [*labels, *extra], registry=self.registry)
+    def _counter(self, name: str, documentation: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, documentation, ["model_name", *extra], registry=self.registry)
 
-        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, documentation, labels, registry=self.registry, buckets=buckets)
+    def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, documentation, ["model_name"], registry=self.registry, buckets=buckets)
 
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that ended")
-        self.generation_tokens = counter(
+    def _define_request_metrics(self) -> None:
+        """What vLLM users already query of a request's life."""
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prompt tokens of requests that ended")
+        self.generation_tokens = self._counter(
             "vllm:generation_tokens", "Tokens generated for requests that ended, as their usage counts them"
         )
-        self.request_success = counter(
+        self.request_success = self._counter(
             "vllm:request_success",
             "Requests that ended, by finished_reason: stop (EOS, stop string or stop token), length, abort "
             "(the client went away), error",
             ("finished_reason",),
         )
-        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Rounds that verified at least one draft token")
-        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed")
-        self.num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
-        self.accepted_per_position = counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Rounds in which the draft token at this position (0-based) was accepted",
-            ("position",),
-        )
-        self.time_to_first_token = histogram(
+        self.time_to_first_token = self._histogram(
             "vllm:time_to_first_token_seconds", "From arrival to the first token", FIRST_TOKEN_BUCKETS
         )
-        self.inter_token_latency = histogram(
+        self.inter_token_latency = self._histogram(
             "vllm:inter_token_latency_seconds",
             "Between consecutive outputs of a request (one output carries every token one round commits)",
             INTER_TOKEN_BUCKETS,
         )
-        self.e2e_request_latency = histogram(
+        self.e2e_request_latency = self._histogram(
             "vllm:e2e_request_latency_seconds", "From arrival to the last token", REQUEST_BUCKETS
         )
-        self.request_queue_time = histogram(
+        self.request_queue_time = self._histogram(
             "vllm:request_queue_time_seconds", "From arrival to the first admission into the batch", REQUEST_BUCKETS
         )
-        self.rounds = counter("tandem:rounds", "Draft/verify rounds, counted per request")
-        self.round_seconds = counter(
+
+    def _define_speculation_metrics(self) -> None:
+        """Drafts and acceptance, by vLLM's names, and Tandem's rounds and Propose calls."""
+        self.num_drafts = self._counter("vllm:spec_decode_num_drafts", "Rounds that verified at least one draft token")
+        self.num_draft_tokens = self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.num_accepted_tokens = self._counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.accepted_per_position = self._counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Rounds in which the draft token at this position (0-based) was accepted",
+            ("position",),
+        )
+        self.rounds = self._counter("tandem:rounds", "Draft/verify rounds, counted per request")
+        self.round_seconds = self._counter(
             "tandem:round_seconds",
             "Time of the rounds of requests that ended, by part: draft (replica compute the round waited for), verify "
             "(target compute), wire (the rest of the Propose/Step calls) and scheduling (the orchestrator's own work); "
@@ -89,12 +97,10 @@ class Metrics:
         self.propose_seconds = Histogram(
             "tandem:propose_seconds",
             "Wall time of one Propose call to a draft replica (its whole batch), by replica",
-            [*labels, "replica"],
+            ["model_name", "replica"],
             registry=self.registry,
             buckets=PROPOSE_BUCKETS,
         )
-        scheduler.proposer.listeners.append(self.observe_propose)
-        self.registry.register(SchedulerCollector(scheduler, self))
 
     def observe_propose(self, replica: str, seconds: float) -> None:
         self.propose_seconds.labels(self.model_name, replica).observe(seconds)

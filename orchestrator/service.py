@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 
 import grpc
@@ -31,6 +31,8 @@ from tandem.wire import draft_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrato
 from tandem.wire.logprobs import logprobs_to_proto
 
 LOG = logging.getLogger(__name__)
+STARTUP_TIMEOUT_S = 600.0  # for the target, and each --draft-address, to answer at start-up (they may be loading)
+ADMIN_CONNECT_TIMEOUT_S = 30.0  # for a replica added on the admin port to answer
 
 REQUEST_ID_METADATA = "x-request-id"  # the client's id for its request, echoed in the initial metadata
 
@@ -95,7 +97,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServicer):
 async def connect_replica(
     address: str,
     call_timeout_s: float,
-    timeout_s: float = 30.0,
+    timeout_s: float = ADMIN_CONNECT_TIMEOUT_S,
     session: str = "",
     *,
     security: TransportSecurity,
@@ -123,18 +125,21 @@ async def start_orchestrator(
     """Connects to the target and the given drafts; returns the services and the essential background tasks."""
     check_one_draft_kind(settings)
     security = settings.internal_security
-    await wait_for_ready(settings.target_address, timeout_s=600.0, open_channel=security.aio_channel)
-    target_channel = security.aio_channel(settings.target_address)
-    target_stub = target_pb2_grpc.TargetStub(target_channel)
+    await wait_for_ready(settings.target_address, timeout_s=STARTUP_TIMEOUT_S, open_channel=security.aio_channel)
+    target_stub = target_pb2_grpc.TargetStub(security.aio_channel(settings.target_address))
     info: target_pb2.TargetInfo = await target_stub.GetInfo(target_pb2.TargetInfoRequest())
-    replicas = ReplicaPool()
-    draft_timeout_s = settings.scheduler.draft_timeout_s
     # New at every start: the target and drafts free the requests of an earlier run of this orchestrator.
     session = uuid.uuid4().hex
+
+    def connect(
+        address: str, timeout_s: float = ADMIN_CONNECT_TIMEOUT_S, over: TransportSecurity = security
+    ) -> Awaitable[tuple[str, DraftBackend]]:
+        call_timeout_s = settings.scheduler.draft_timeout_s
+        return connect_replica(address, call_timeout_s, timeout_s, session, security=over, scheduler=settings.scheduler)
+
+    replicas = ReplicaPool()
     for address in settings.draft_addresses:
-        replica_id, backend = await connect_replica(
-            address, draft_timeout_s, timeout_s=600.0, session=session, security=security, scheduler=settings.scheduler
-        )
+        replica_id, backend = await connect(address, STARTUP_TIMEOUT_S)
         replicas.add(replica_id, address, backend)
     if settings.ngram is not None:
         add_ngram_replica(replicas, settings.ngram)
@@ -145,11 +150,7 @@ async def start_orchestrator(
     facts = TargetFacts(info.vocab_size, KVPool(info.kv_blocks_total, info.kv_block_size), info.max_draft_tokens)
     target = GrpcTarget(target_stub, settings.scheduler.target_timeout_s, session)
     scheduler = Scheduler(target, replicas, tokenizer, eos_ids, settings.scheduler, facts)
-    limits = Limits(
-        vocab_size=info.vocab_size,
-        max_context=info.max_context,
-        default_max_new_tokens=settings.default_max_new_tokens,
-    )
+    limits = Limits(info.vocab_size, info.max_context, settings.default_max_new_tokens)
     metrics = Metrics(scheduler, settings.model_name)
     background = [
         asyncio.create_task(scheduler.run(), name="scheduler loop"),
@@ -158,34 +159,28 @@ async def start_orchestrator(
     discovery = None
     if settings.draft_discovery is not None:
         found_by = settings.draft_discovery
-        discovered_security = security.with_server_name(found_by.tls_server_name)  # found replicas are dialled by IP
+        found_security = security.with_server_name(found_by.tls_server_name)  # found replicas are dialled by IP
         discovery = DraftDiscovery(
             found_by,
             DnsResolver(),
-            lambda address: connect_replica(
-                address,
-                draft_timeout_s,
-                found_by.connect_timeout_s,
-                session,
-                security=discovered_security,
-                scheduler=settings.scheduler,
-            ),
+            lambda address: connect(address, found_by.connect_timeout_s, found_security),
             replicas,
             scheduler.wake,
         )
         background.append(asyncio.create_task(discovery.run(), name="draft discovery"))
-    scaler = None
-    if settings.scaler_address:
-        scaler_channel = security.aio_channel(settings.scaler_address)
-        scaler = orchestrator_pb2_grpc.ScalerStub(scaler_channel)
     admin = AdminService(
         scheduler,
-        lambda address: connect_replica(
-            address, draft_timeout_s, session=session, security=security, scheduler=settings.scheduler
-        ),
-        scaler,
+        connect,
+        _scaler(settings, security),
         max_draft_replicas=settings.admin.max_draft_replicas,
         allowed_addresses=(*settings.admin.allowed_draft_addresses, *settings.draft_addresses),
         discovery=discovery,
     )
     return OrchestratorService(Generation(scheduler, limits, metrics)), admin, background
+
+
+def _scaler(settings: OrchestratorSettings, security: TransportSecurity) -> orchestrator_pb2_grpc.ScalerStub | None:
+    """The launcher's Scaler (tandem scale), when the stack was started by one."""
+    if not settings.scaler_address:
+        return None
+    return orchestrator_pb2_grpc.ScalerStub(security.aio_channel(settings.scaler_address))
