@@ -20,6 +20,7 @@ B's first chunk is the remaining 4 tokens (1 block, leaving 4 >= 1 running reque
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,15 @@ class KVPool:
         return self.blocks(positions) <= self.num_blocks
 
 
+class Drafting(enum.Enum):
+    """Where a request's drafts come from; its replica, when it has one, is ActiveRequest.replica."""
+
+    TARGET_ONLY = "target-only"  # no replica: it asked for none, or none served (one that serves brings it back)
+    PAUSED = "paused"  # adaptive k settled at 0 took it off its replica: target-only to its end
+    JOINING = "joining"  # the replica has not drafted for it yet: its first Propose ingests every committed row
+    DRAFTING = "drafting"  # the replica drafted for it: a Propose ingests the rows of the last round only
+
+
 @dataclass
 class ActiveRequest:
     request_id: str
@@ -56,19 +66,25 @@ class ActiveRequest:
     # replica starts it from scratch (it is new to the request, or it dropped the request's state).
     needs_move: bool = False
     cancelled: bool = False
-    # Adaptive k settled at 0 for the batch this request decodes in: it left its replica and decodes target-only
-    # (no hidden rows, several tokens a step) to its end.
-    paused: bool = False
-    # Its replica drafted for it since it last started over there: a Propose ingests the rows of the last round
-    # only, not every committed row (the adaptive k's cost model keeps the two apart).
-    ingested: bool = False
+    # Set from `replica` when the request is made; the adaptive k's cost model keeps a first Propose's ingest of
+    # every row (JOINING) apart from a draft step's.
+    drafting: Drafting = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.drafting = Drafting.TARGET_ONLY if self.replica is None else Drafting.JOINING
 
     def start_over(self, replica: str | None) -> None:
         """Points the request at `replica` (None: target-only), which holds none of its state: the target resends
         every committed row there (if it holds the request), and the replica's next Propose ingests them all."""
         self.replica = replica
         self.needs_move = self.opened
-        self.ingested = False
+        self.drafting = Drafting.TARGET_ONLY if replica is None else Drafting.JOINING
+
+    def pause(self) -> None:
+        """Takes the request off its replica for good (adaptive k settled at 0 for its batch): it decodes target-only,
+        with no hidden rows and several tokens a step, to its end."""
+        self.start_over(None)  # the target stops capturing its rows
+        self.drafting = Drafting.PAUSED
 
     @property
     def finished(self) -> bool:
@@ -251,7 +267,11 @@ def _multi_step(decode: list[Scheduled], pool: KVPool, free: int, steps: int) ->
     each time it drafts; it waits for their extra passes instead.
     """
     drafting = any(entry.max_drafts for entry in decode)
-    many = [entry for entry in decode if not entry.max_drafts and (entry.request.paused or not drafting)]
+    many = [
+        entry
+        for entry in decode
+        if not entry.max_drafts and (entry.request.drafting is Drafting.PAUSED or not drafting)
+    ]
     if steps <= 1 or not many:
         return decode
     planned = {id(entry): min(steps, entry.request.output.remaining) for entry in many}

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 
 from orchestrator.backends import BackendError
-from orchestrator.batching import ActiveRequest
+from orchestrator.batching import ActiveRequest, Drafting
 from orchestrator.replicas import ReplicaPool
 from orchestrator.settings import SchedulerSettings
 from orchestrator.speculation import SpeculationPolicy
@@ -112,8 +112,7 @@ class Placement:
             self.replicas.release(replica)
             if request.opened:
                 forget.setdefault(replica, []).append(request.request_id)
-            request.start_over(None)  # the target stops capturing its rows
-            request.paused = True
+            request.pause()
         self.requests_paused += len(attached) - 1
         LOG.info("adaptive k is 0 at %d requests: %d go on without drafts", len(wanting), len(attached) - 1)
         for replica_id, request_ids in forget.items():
@@ -125,5 +124,5 @@ class Placement:
         if not self.replicas.has_serving():
             return
         for request in running:
-            if request.replica is None and request.wants_speculation and not request.finished and not request.paused:
+            if request.drafting is Drafting.TARGET_ONLY and request.wants_speculation and not request.finished:
                 request.start_over(self.assign())

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from orchestrator.backends import ProposedBatch, ProposeTask
-from orchestrator.batching import ActiveRequest, Scheduled
+from orchestrator.batching import ActiveRequest, Drafting, Scheduled
 from orchestrator.placement import Placement
 from orchestrator.speculation import SpeculationPolicy
 from tandem.sampling.draft_tree import DraftTree
@@ -91,8 +91,10 @@ class Proposer:
         new_rows = 0
         for task in tasks:
             request = requests[task.request_id]
-            new_rows += 0 if request.ingested else task.rows_end
-            request.ingested = request.ingested or task.request_id in batch.drafts
+            if request.drafting is Drafting.JOINING:
+                new_rows += task.rows_end
+                if task.request_id in batch.drafts:
+                    request.drafting = Drafting.DRAFTING
         for listener in self.listeners:
             listener(replica, call_seconds)
         k = max(task.num_steps for task in tasks)

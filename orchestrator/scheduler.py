@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from orchestrator.accounting import StepTimes, count_round, observe_target_cost
 from orchestrator.backends import BackendError, FailureKind, OpenTask, StepDone, StepOutcome, StepTask, TargetBackend
-from orchestrator.batching import ActiveRequest, KVPool, Scheduled, StepPlan, plan_step
+from orchestrator.batching import ActiveRequest, Drafting, KVPool, Scheduled, StepPlan, plan_step
 from orchestrator.output import RequestFailed, RequestOutput
 from orchestrator.placement import Placement
 from orchestrator.proposing import Drafts, Proposer
@@ -314,7 +314,8 @@ class Scheduler:
             # The replica starts over from the recomputed rows. A pending move stays: the target still holds the
             # request and sends its rows where the last move told it to (a replica since demoted, or any at all for
             # a paused request) until a move says otherwise; with no KV it replays nothing.
-            request.ingested = False
+            if request.drafting is Drafting.DRAFTING:  # its replica forgets it and ingests it anew
+                request.drafting = Drafting.JOINING
         await self.releases.release_on_replicas(requests)
         self.waiting.extendleft(requests)  # newest first in `requests`: the oldest ends up at the front
 

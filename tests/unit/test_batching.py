@@ -119,7 +119,8 @@ def test_a_paused_batch_keeps_its_passes_beside_the_probes_drafts(tokenizer: Pre
     # one of its exploration rounds (3 drafts). P and Q still take 4 passes; D verifies its drafts in the first.
     paused = [request(tokenizer, name, prompt=4, generated=2, replica=None) for name in ("P", "Q")]
     for each in paused:
-        each.paused = True
+        each.pause()
+        each.needs_move = False  # a step since told the target: their rows go nowhere
     probe = request(tokenizer, "D", prompt=4, generated=2)
     settings = SchedulerSettings(num_steps=3, max_num_batched_tokens=16, num_scheduler_steps=4)
     plan = plan_step([*paused, probe], deque(), KVPool(num_blocks=12, block_size=4), settings)
