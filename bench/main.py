@@ -20,6 +20,11 @@ from bench.prompts import held_out_prompts
 from bench.report import write, write_requests
 from bench.settings import BenchSettings
 from launch.processes import ServeProcess
+from launch.serve_settings import ServeSettings
+from launch.stack_security import ServeSecurity
+from orchestrator.settings import SchedulerSettings
+from tandem import flags
+from tandem.devices import DeviceRequest
 from tandem.wire import orchestrator_pb2
 
 WARMUP_PROMPT = "def main():\n"
@@ -78,18 +83,20 @@ async def _measure(
 
 
 def _start_stack(settings: BenchSettings, kind: DraftKind) -> ServeProcess:
+    """`tandem serve` of the benchmark's target with this kind's drafts, on free ports."""
+    scheduler = {
+        "num_steps": settings.num_steps,
+        "adaptive_k": settings.adaptive_k,
+        "draft_ahead": settings.draft_ahead,
+    }
     return ServeProcess(
         [
             "--target", str(settings.target_dir),
             *kind.serve_arguments(settings),
-            "--port", "0",
-            "--admin-port", "0",
-            "--speculative-num-steps", str(settings.num_steps),
-            "--adaptive-k" if settings.adaptive_k else "--no-adaptive-k",
-            "--draft-ahead", str(settings.draft_ahead),
-            "--push-drafts" if settings.push_drafts else "--no-push-drafts",
-            "--dtype", settings.dtype,
-            "--target-threads", str(settings.target_threads),
+            *flags.field_arguments(ServeSettings, port=0, target_threads=settings.target_threads),
+            *flags.field_arguments(ServeSecurity, admin_port=0),
+            *flags.field_arguments(SchedulerSettings, **scheduler),
+            *flags.field_arguments(DeviceRequest, dtype=settings.dtype),
         ]
     )  # fmt: skip
 

@@ -1,11 +1,19 @@
-"""Settings of `tandem bench`; the CLI takes its defaults from here (no torch import)."""
+"""Settings of `tandem bench`; its options are their fields' (tandem.flags, bench.cli; no torch import)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
+from orchestrator.settings import (
+    HybridSettings,
+    NgramSettings,
+    OrchestratorSettings,
+    SchedulerSettings,
+    check_ngram_kinds,
+)
+from tandem.devices import DTYPES
+from tandem.flags import flag, flag_of, nested, non_negative, thread_count
 from tandem.settings import TreeShape
 
 
@@ -14,28 +22,92 @@ class BenchSettings:
     target_dir: Path
     draft_dir: Path | None  # None with ngram
     # `--draft ngram`: prompt lookup in the orchestrator, no draft model; with `kinds`, the ngram kind's lookup.
-    ngram: NgramSettings | None = None
+    ngram: NgramSettings | None = field(default=None, metadata=flag_of(OrchestratorSettings, "ngram"))
     # `--hybrid-ngram`: prompt lookup merged into the draft model's answers; with `kinds`, the hybrid kind's.
-    hybrid: HybridSettings | None = None
+    hybrid: HybridSettings | None = field(default=None, metadata=flag_of(SchedulerSettings, "hybrid"))
     # `--kinds`: draft kinds measured side by side on the draft model (bench/kinds.py), each on a stack of its own;
-    # (): the one configuration of the fields above.
+    # (): the one configuration of the fields above. The command's option: its choices are bench.kinds's.
     kinds: tuple[str, ...] = ()
-    address: str | None = None  # a running stack; None: start one with `tandem serve`
-    num_prompts: int = 32
-    max_new_tokens: int = 64
-    concurrency: tuple[int, ...] = (1, 8)
-    num_steps: int = 5
-    tree: TreeShape = field(default_factory=TreeShape)  # --speculative-eagle-topk / --speculative-num-draft-tokens
-    adaptive_k: bool = SchedulerSettings.adaptive_k  # choose k per batch (orchestrator/speculation.py), in both setups
-    draft_ahead: int = SchedulerSettings.draft_ahead  # `tandem serve --draft-ahead` of the started stack
-    push_drafts: bool = SchedulerSettings.push_drafts  # `tandem serve --push-drafts` of the started stack
-    dtype: str = "float32"  # of target and draft, in both setups
-    repeats: int = 1  # runs of each configuration, interleaved across setups and modes; the report takes medians
-    draft_replicas: int = 1  # of the split stack started by the benchmark
-    target_threads: int = 0  # `tandem serve --target-threads` of that stack (0: its default)
-    draft_threads: int = 0  # `tandem serve --draft-threads` of that stack (0: its default)
-    colocated: bool = True
-    transformers: bool = True  # rows for Hugging Face transformers `generate` on the same target (bench.huggingface)
+    # A running stack; None: start one with `tandem serve`.
+    address: str | None = field(
+        default=None, metadata=flag("--address", "a running stack to measure (default: start one)")
+    )
+    num_prompts: int = field(default=32, metadata=flag("--num-prompts", "held-out prompts per run"))
+    max_new_tokens: int = field(default=64, metadata=flag("--max-new-tokens", "tokens each prompt generates"))
+    concurrency: tuple[int, ...] = field(
+        default=(1, 8), metadata=flag("--concurrency", "requests in flight at once; one run per value", count="+")
+    )
+    num_steps: int = field(default=SchedulerSettings.num_steps, metadata=flag_of(SchedulerSettings, "num_steps"))
+    tree: TreeShape = field(default_factory=TreeShape, metadata=nested())  # resolved against num_steps on construction
+    # Choose k per batch (orchestrator/speculation.py), in both setups.
+    adaptive_k: bool = field(
+        default=SchedulerSettings.adaptive_k,
+        metadata=flag("--adaptive-k", "as on tandem serve; --no-adaptive-k measures a fixed k (both setups)"),
+    )
+    # `tandem serve --draft-ahead` of the started stack.
+    draft_ahead: int = field(
+        default=SchedulerSettings.draft_ahead,
+        metadata=flag(
+            "--draft-ahead",
+            "as on tandem serve, for the started stack (the colocated engine has nothing to overlap)",
+            parse=non_negative,
+            metavar="N",
+        ),
+    )
+    dtype: str = field(default="float32", metadata=flag("--dtype", "of target and draft", choices=DTYPES))
+    # Runs of each configuration, interleaved across setups and modes; the report takes medians.
+    repeats: int = field(default=1, metadata=flag("--repeats", "runs of each configuration; medians are reported"))
+    draft_replicas: int = field(
+        default=1, metadata=flag("--draft-replicas", "draft replicas of the split stack the benchmark starts")
+    )
+    # `tandem serve --target-threads` of that stack (0: its default).
+    target_threads: int = field(
+        default=0,
+        metadata=flag(
+            "--target-threads",
+            "intra-op (OpenMP) threads of the target (started stack, colocated, transformers); 0: their default",
+            parse=thread_count,
+        ),
+    )
+    # `tandem serve --draft-threads` of that stack (0: its default).
+    draft_threads: int = field(
+        default=0,
+        metadata=flag(
+            "--draft-threads",
+            "intra-op (OpenMP) threads of the started stack's draft; 0: tandem serve's default",
+            parse=thread_count,
+        ),
+    )
+    colocated: bool = field(
+        default=True, metadata=flag("--colocated", "the one-process baseline (--no-colocated skips it)")
+    )
+    # Rows for Hugging Face transformers `generate` on the same target (bench.huggingface).
+    transformers: bool = field(
+        default=True,
+        metadata=flag(
+            "--transformers",
+            "the Hugging Face transformers rows, greedy and prompt lookup (--no-transformers skips them)",
+        ),
+    )
     prompt_lookup_num_tokens: int = 5  # of the transformers prompt-lookup row
-    out_dir: Path = Path("bench/results")  # latest.md, latest.json (a summary of a few KB) and the PNG
-    save_requests: Path | None = None  # a JSON of every request of every run (token ids, stats); None: not written
+    # latest.md, latest.json (a summary of a few KB) and the PNG.
+    out_dir: Path = field(
+        default=Path("bench/results"), metadata=flag("--out", "the directory of latest.md, latest.json and the plot")
+    )
+    # A JSON of every request of every run (token ids, stats); None: not written.
+    save_requests: Path | None = field(
+        default=None,
+        metadata=flag(
+            "--save-requests", "also write every request's tokens and statistics to this JSON file", parse=Path
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        # The tree shape is checked against num_steps, and N filled in, once: ValueError names the flags.
+        object.__setattr__(self, "tree", self.tree.resolved(self.num_steps))
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
+        if not self.kinds:  # the kinds hold the lookups of the ngram and hybrid kinds side by side
+            check_ngram_kinds(self.ngram, self.hybrid)
+            if self.ngram is not None and self.draft_replicas != BenchSettings.draft_replicas:
+                raise ValueError("--draft ngram drafts in the orchestrator and starts no --draft-replicas")

@@ -1,12 +1,15 @@
-"""Settings of a draft replica process; the CLI takes its defaults from these (no torch import here)."""
+"""Settings of a draft replica process; `tandem draft`'s options are their fields' (tandem.flags; no torch)."""
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from tandem.models.aux_layers import Convention
+from tandem.flags import flag, nested, thread_count
+from tandem.models.aux_layers import CONVENTIONS, Convention
 from tandem.settings import KVCacheSettings, TreeShape
 from tandem.transport import Insecure, TransportSecurity
 
@@ -19,21 +22,68 @@ MTPMode = Literal["chain", "independent"]
 MTP_MODES: tuple[MTPMode, ...] = ("chain", "independent")
 
 
+def default_replica_id() -> str:
+    """A name no other replica has: this machine's and this process's."""
+    return f"draft-{socket.gethostname()}-{os.getpid()}"
+
+
 @dataclass(frozen=True)
 class DraftSettings:
-    model_dir: Path
-    target_address: str
-    replica_id: str
-    num_steps: int = 5
-    tree: TreeShape = field(default_factory=TreeShape)  # resolved against num_steps; topk 1: chains
-    aux_layer_convention: Convention = "auto"
-    cache: KVCacheSettings = field(default_factory=KVCacheSettings)
+    model_dir: Path = field(metadata=flag("--model", "the draft model's directory", parse=Path))
+    target_address: str = field(metadata=flag("--target-address", "host:port of the target service"))
+    replica_id: str = field(
+        default_factory=default_replica_id, metadata=flag("--replica-id", "this replica's name for the orchestrator")
+    )
+    num_steps: int = field(default=5, metadata=flag("--speculative-num-steps", "draft tokens per round"))
+    # Resolved against num_steps on construction; topk 1: chains.
+    tree: TreeShape = field(default_factory=TreeShape, metadata=nested())
+    aux_layer_convention: Convention = field(
+        default="auto",
+        metadata=flag(
+            "--aux-layer-convention",
+            "how an EAGLE3 config's layer ids name target layers: output (id + 1), input (as they are), auto",
+            choices=CONVENTIONS,
+        ),
+    )
+    cache: KVCacheSettings = field(default_factory=KVCacheSettings, metadata=nested())
     dtype: str = "float32"  # resolved (tandem.devices): the CLI's "auto" is bfloat16 on CUDA, float32 on the CPU
     device: str = "cpu"  # resolved: "cpu" or "cuda:N"
-    threads: int = 0  # intra-op (OpenMP) threads of the model; 0: PyTorch's default (one per core it may use)
+    threads: int = field(
+        default=0,
+        metadata=flag(
+            "--threads",
+            "intra-op (OpenMP) threads of the draft model; 0: PyTorch's default (one per core this process may use)",
+            parse=thread_count,
+        ),
+    )
     rows_timeout_s: float = 60.0  # how long Propose waits for the target's rows of a round
     rows_ttl_s: float = 120.0  # rows nobody asked for (finished requests) are dropped after this
-    mtp_feedback: MTPFeedback = "post_norm"
-    mtp_mode: MTPMode = "chain"
+    mtp_feedback: MTPFeedback = field(
+        default="post_norm",
+        metadata=flag(
+            "--mtp-feedback",
+            "DeepSeek NextN drafts: what one step hands to the next (SGLang: post_norm, vLLM: pre_norm)",
+            choices=MTP_FEEDBACKS,
+        ),
+    )
+    mtp_mode: MTPMode = field(
+        default="chain",
+        metadata=flag(
+            "--mtp-mode",
+            "multi-layer MTP drafts: layer k reads layer k-1's output (chain) or the target's hidden",
+            choices=MTP_MODES,
+        ),
+    )
     target_security: TransportSecurity = field(default_factory=Insecure)  # the channel to the target
-    metrics_port: int | None = None  # serve Prometheus /metrics on this port (0: a free one); None: no endpoint
+    metrics_port: int | None = field(
+        default=None,
+        metadata=flag(
+            "--metrics-port",
+            "serve Prometheus /metrics on this port, on --host (0: a free one; unset: none)",
+            parse=int,
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        # The tree shape is checked against num_steps, and N filled in, once: ValueError names the flags.
+        object.__setattr__(self, "tree", self.tree.resolved(self.num_steps))

@@ -1,4 +1,4 @@
-"""`tandem generate`: stream one completion from a running orchestrator and print its stats."""
+"""`tandem generate` and `tandem scale`: a completion streamed from a running orchestrator, and its replica count."""
 
 from __future__ import annotations
 
@@ -8,10 +8,40 @@ import time
 
 import grpc
 
-from launch.security_flags import api_key_of, client_security_of
+from launch.security_flags import (
+    add_admin_token_options,
+    add_api_key_options,
+    add_tls_options,
+    api_key_of,
+    client_security_of,
+)
+from launch.serve_settings import ServeSettings
+from orchestrator.settings import AdminSettings
 from tandem.auth import bearer_metadata
 from tandem.transport import TransportSecurity
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
+
+
+def add_client_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    scale_parser = commands.add_parser("scale", help="change the number of draft replicas of a running stack")
+    scale_parser.add_argument("--draft-replicas", type=int, required=True)
+    scale_parser.add_argument("--address", default=f"127.0.0.1:{AdminSettings.port}", help="the admin port")
+    add_admin_token_options(scale_parser, "the orchestrator's admin token")
+    add_tls_options(scale_parser, "presented to the admin port (it asks for none)")
+
+    generate_parser = commands.add_parser("generate", help="stream a completion from a running Tandem")
+    generate_parser.add_argument("prompt")
+    generate_parser.add_argument("--address", default=f"127.0.0.1:{ServeSettings.port}")
+    generate_parser.add_argument("--max-new-tokens", type=int, default=0, help="0: the server default")
+    generate_parser.add_argument("--temperature", type=float, default=0.0)
+    generate_parser.add_argument("--top-p", type=float, default=0.0, help="0: no nucleus filtering")
+    generate_parser.add_argument("--top-k", type=int, default=0)
+    generate_parser.add_argument("--seed", type=int, help="seed of sampling (0 is a seed); default: not seeded")
+    generate_parser.add_argument("--stop", action="append", default=[])
+    generate_parser.add_argument("--ignore-eos", action="store_true")
+    generate_parser.add_argument("--no-speculation", action="store_true")
+    add_api_key_options(generate_parser, "the orchestrator's API key")
+    add_tls_options(generate_parser, "presented to the orchestrator (it asks for none)")
 
 
 def scale(address: str, draft_replicas: int, security: TransportSecurity, admin_token: str | None) -> int:

@@ -19,18 +19,20 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
 import grpc
 
-from draft_server.settings import DraftSettings, MTPFeedback, MTPMode
-from launch.stack_security import ServeSecurity, StackSecurity, without_secrets
+from draft_server.settings import DraftSettings
+from launch.serve_settings import ServeSettings
+from launch.stack_security import StackSecurity, without_secrets
 from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
+from tandem import flags
+from tandem.devices import DeviceRequest
 from tandem.grpc_util import channel_options
 from tandem.lifetime import start_child
-from tandem.settings import KVCacheSettings, TreeShape
+from tandem.settings import TreeShape
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 from target_server.settings import TargetSettings
 
@@ -38,48 +40,25 @@ STARTUP_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 15.0
 
 
-@dataclass(frozen=True)
-class ServeSettings:
-    target_dir: Path
-    draft_dir: Path | None  # None: no draft process (target-only, or ngram)
-    ngram: NgramSettings | None = None  # --draft ngram: the orchestrator drafts by prompt lookup (draft_dir is None)
-    draft_replicas: int = 1
-    host: str = "127.0.0.1"
-    port: int = 50051
-    # The orchestrator's: draft steps, tree shape (resolved; topk 1: chains), batching limits, timeouts, --hybrid-ngram.
-    # Drafts take its num_steps and tree too.
-    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
-    aux_layer_convention: str = "auto"
-    dtype: str = "float32"  # resolved, as device (tandem.devices)
-    device: str = "cpu"  # target rank 0's and every draft replica's: "cpu" or "cuda:N"
-    cache: KVCacheSettings = field(default_factory=KVCacheSettings)  # the target's pool, and each replica's
-    launcher: str = "process"  # "ray": launch.ray_cluster
-    ray_address: str | None = None  # the Ray cluster to join; None: start a local one
-    tp: int = TargetSettings.tp  # the target's tensor-parallel ranks
-    target_threads: int = TargetSettings.threads  # intra-op threads of each target rank (0: its share of the cores)
-    draft_threads: int = DraftSettings.threads  # intra-op threads of each draft replica (0: the cores)
-    mtp_feedback: MTPFeedback = DraftSettings.mtp_feedback  # see draft_server.settings
-    mtp_mode: MTPMode = DraftSettings.mtp_mode
-    security: ServeSecurity = field(default_factory=ServeSecurity)  # API key, admin port, TLS
-    http_port: int | None = 0  # the orchestrator's OpenAI-compatible HTTP API and /metrics; 0: a free port; None: off
-    chat_template: Path | None = None  # for /v1/chat/completions when the tokenizer has none
-    served_model_name: str | None = None  # None: the target directory's name
+def service_arguments(command: str, settings: TargetSettings | DraftSettings) -> list[str]:
+    """`tandem target|draft` with these settings: their options, and the resolved devices as a request."""
+    device = DeviceRequest.of(settings.device, settings.dtype, settings.cache)
+    return [command, *flags.arguments_of(settings), *flags.arguments_of(device)]
 
 
 def ngram_arguments(ngram: NgramSettings | None) -> list[str]:
-    """The flags that give `tandem serve` or `tandem orchestrator` these n-gram settings (none: no n-gram drafting)."""
-    if ngram is None:
-        return []
-    return ["--draft", "ngram", *ngram_lengths(ngram)]
+    """The flags that give `tandem serve` these n-gram settings (none: no n-gram drafting; bench/kinds.py)."""
+    return flags.field_arguments(ServeSettings, ngram=ngram)
 
 
 def hybrid_arguments(hybrid: HybridSettings | None) -> list[str]:
-    """The flags that give `tandem serve` or `tandem orchestrator` these hybrid settings (none: no merging)."""
-    return [] if hybrid is None else ["--hybrid-ngram", *ngram_lengths(hybrid.ngram)]
+    """The flags that give `tandem serve` these hybrid settings (none: no merging; bench/kinds.py)."""
+    return flags.field_arguments(SchedulerSettings, hybrid=hybrid)
 
 
-def ngram_lengths(ngram: NgramSettings) -> list[str]:
-    return ["--ngram-max", str(ngram.max_n), "--ngram-min", str(ngram.min_n)]
+def tree_arguments(tree: TreeShape) -> list[str]:
+    """The flags that give `tandem serve` this tree shape (bench/kinds.py)."""
+    return flags.arguments_of(tree)
 
 
 class ChildFailed(RuntimeError):
@@ -110,46 +89,29 @@ class Launcher:
     def start(self) -> str:
         """Starts target, draft and orchestrator in order; returns the public address."""
         s = self.settings
-        self._security = StackSecurity.prepare(s.security, Path(self._workdir.name))
+        workdir = Path(self._workdir.name)
+        self._security = StackSecurity.prepare(s.security, workdir)
         target = self._spawn("target", self.target_arguments())
-        target_address = self._wait_ready("target", target)
-        self._target_address = target_address
-        draft_addresses = []
+        self._target_address = self._wait_ready("target", target)
         replicas = [f"draft-{next(self._replica_ids)}" for _ in range(s.draft_replicas)] if s.draft_dir else []
-        ready_files = {
-            replica: self._spawn(replica, self.draft_arguments(replica, target_address)) for replica in replicas
-        }
-        for replica, ready_file in ready_files.items():
-            draft_addresses.append(self._wait_ready(replica, ready_file))
-        arguments = ["orchestrator", "--target-address", target_address, "--tokenizer", str(s.target_dir)]
-        for address in draft_addresses:
-            arguments += ["--draft-address", address]
-        arguments += self.scheduler_arguments()
-        if s.draft_dir is not None:
-            arguments += ["--scaler-address", self._start_scaler()]
-        admin_ready_file = Path(self._workdir.name) / "orchestrator-admin.address"
-        arguments += [*self._security.orchestrator_arguments(), "--admin-ready-file", str(admin_ready_file)]
-        arguments += self._tls_arguments()
-        http_ready_file = Path(self._workdir.name) / "orchestrator-http.url"
-        arguments += self.http_arguments(http_ready_file)
-        environment = self._security.orchestrator_environment()
-        orchestrator = self._spawn("orchestrator", arguments, host=s.host, port=s.port, environment=environment)
-        self._orchestrator_address = self._wait_ready("orchestrator", orchestrator)
-        self.admin_address = admin_ready_file.read_text().strip()  # written before the public port's file
+        ready_files = {replica: self._spawn(replica, self.draft_arguments(replica)) for replica in replicas}
+        draft_addresses = [self._wait_ready(replica, ready_file) for replica, ready_file in ready_files.items()]
+        # The launcher starts new replicas on free loopback ports: AddReplica must accept any of them.
+        admin = s.admin_settings(ready_file=workdir / "orchestrator-admin.address", allowed=["127.0.0.1:*"])
+        http_ready_file = workdir / "orchestrator-http.url"
+        scaler_address = self._start_scaler() if s.draft_dir is not None else None
+        orchestrator = s.orchestrator_settings(
+            self._target_address, draft_addresses, admin, http_ready_file, scaler_address
+        )
+        arguments = ["orchestrator", *flags.arguments_of(orchestrator), *self._security.public_arguments()]
+        environment = self._security.orchestrator_environment()  # the secrets: never on a command line
+        ready_file = self._spawn("orchestrator", [*arguments, *self._tls_arguments()], s.host, s.port, environment)
+        self._orchestrator_address = self._wait_ready("orchestrator", ready_file)
+        assert admin.ready_file is not None
+        self.admin_address = admin.ready_file.read_text().strip()  # written before the public port's file
         if s.http_port is not None:
             self.http_url = http_ready_file.read_text().strip()  # written before the public port's file too
         return self._orchestrator_address
-
-    def http_arguments(self, ready_file: Path) -> list[str]:
-        s = self.settings
-        arguments = []
-        if s.http_port is not None:
-            arguments += ["--http-port", str(s.http_port), "--http-ready-file", str(ready_file)]
-        if s.chat_template is not None:
-            arguments += ["--chat-template", str(s.chat_template)]
-        if s.served_model_name is not None:
-            arguments += ["--served-model-name", s.served_model_name]
-        return arguments
 
     def _start_scaler(self) -> str:
         """A Scaler service in this process: the orchestrator forwards OrchestratorAdmin.Scale to it."""
@@ -173,7 +135,7 @@ class Launcher:
                 admin = orchestrator_pb2_grpc.OrchestratorAdminStub(channel)
                 for _ in range(count - len(running)):
                     replica = f"draft-{next(self._replica_ids)}"
-                    ready_file = self._spawn(replica, self.draft_arguments(replica, self._target_address))
+                    ready_file = self._spawn(replica, self.draft_arguments(replica))
                     address = self._wait_ready(replica, ready_file)
                     admin.AddReplica(orchestrator_pb2.AddReplicaRequest(address=address), metadata=metadata)
                 for name, process in reversed(running[count:]):
@@ -182,72 +144,12 @@ class Launcher:
                     process.send_signal(signal.SIGTERM)
                     process.wait(timeout=STOP_TIMEOUT_S)
 
-    def scheduler_arguments(self) -> list[str]:
-        s = self.settings.scheduler
-        return [
-            "--speculative-num-steps", str(s.num_steps),
-            *tree_arguments(s.tree),
-            "--max-num-seqs", str(s.max_num_seqs),
-            "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-            "--max-waiting", str(s.max_waiting),
-            "--num-scheduler-steps", str(s.num_scheduler_steps),
-            "--adaptive-k" if s.adaptive_k else "--no-adaptive-k",
-            "--draft-ahead", str(s.draft_ahead),
-            "--push-drafts" if s.push_drafts else "--no-push-drafts",
-            "--target-timeout", str(s.target_timeout_s),
-            "--draft-timeout", str(s.draft_timeout_s),
-            *ngram_arguments(self.settings.ngram),
-            *hybrid_arguments(s.hybrid),
-        ]  # fmt: skip
-
-    def cache_arguments(self) -> list[str]:
-        cache = self.settings.cache
-        pool = (
-            ["--kv-cache-memory", str(cache.memory_bytes)]
-            if cache.memory_bytes
-            else ["--kv-blocks", str(cache.num_blocks)]
-        )
-        backend = ["--attention-backend", cache.attention_backend] if cache.attention_backend else []
-        return [
-            *pool,
-            "--block-size", str(cache.block_size),
-            "--orphan-timeout", str(cache.orphan_timeout_s),
-            *backend,
-            "--cuda-graphs" if cache.cuda_graphs else "--no-cuda-graphs",
-        ]  # fmt: skip
-
     def target_arguments(self) -> list[str]:
-        s = self.settings
-        return [
-            "target",
-            "--model", str(s.target_dir),
-            "--dtype", s.dtype,
-            "--device", s.device,
-            "--tp", str(s.tp),
-            "--threads", str(s.target_threads),
-            *self.cache_arguments(),
-            *self._tls_arguments(),
-        ]  # fmt: skip
+        return [*service_arguments("target", self.settings.target_settings()), *self._tls_arguments()]
 
-    def draft_arguments(self, replica_id: str, target_address: str) -> list[str]:
-        s = self.settings
-        assert s.draft_dir is not None
-        return [
-            "draft",
-            "--model", str(s.draft_dir),
-            "--target-address", target_address,
-            "--replica-id", replica_id,
-            "--speculative-num-steps", str(s.scheduler.num_steps),
-            *tree_arguments(s.scheduler.tree),
-            "--aux-layer-convention", s.aux_layer_convention,
-            "--dtype", s.dtype,
-            "--device", s.device,
-            "--threads", str(s.draft_threads),
-            "--mtp-feedback", s.mtp_feedback,
-            "--mtp-mode", s.mtp_mode,
-            *self.cache_arguments(),
-            *self._tls_arguments(),
-        ]  # fmt: skip
+    def draft_arguments(self, replica_id: str) -> list[str]:
+        draft = self.settings.draft_settings(replica_id, self._target_address)
+        return [*service_arguments("draft", draft), *self._tls_arguments()]
 
     def _tls_arguments(self) -> list[str]:
         return [] if self._security is None else self._security.tls_arguments()
@@ -425,11 +327,3 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
         return self.process.wait()
-
-
-def tree_arguments(tree: TreeShape) -> list[str]:
-    """The flags that give a service the same tree shape (resolved: num_draft_tokens is set)."""
-    return [
-        "--speculative-eagle-topk", str(tree.topk),
-        "--speculative-num-draft-tokens", str(tree.num_draft_tokens),
-    ]  # fmt: skip

@@ -12,20 +12,17 @@ TLS (`--internal-tls`, or `--tls-cert/--tls-key/--tls-ca`) reaches each actor as
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import math
 import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, cast
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -34,17 +31,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from draft_server.settings import DraftSettings
 from launch.actor_security import ActorSecurity, ServiceSettings
-from launch.processes import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, ServeSettings, http_line, ready_line
+from launch.processes import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, http_line, ready_line
+from launch.ray_actors import RankActor, ServiceActor, ServiceExit, rendezvous_on_this_node
+from launch.serve_settings import ServeSettings
 from launch.stack_security import StackSecurity
-from orchestrator.settings import AdminSettings, HttpSettings, OrchestratorSettings
-from tandem.errors import StartupError
-from tandem.models.aux_layers import Convention
-from tandem.serving import ListenSettings, configure_logging
 from tandem.settings import service_environment
 from tandem.transport import TransportConfigError
 from target_server.settings import TargetSettings
-
-LOG = logging.getLogger(__name__)
 
 # Ray's resource counts place actors; they do not limit them. One bundle per target rank, so a TP group
 # lands on one node. A draft replica (one decoder layer) asks for half a CPU; the orchestrator (I/O and
@@ -56,14 +49,6 @@ POLL_S = 0.2
 PLACEMENT_TIMEOUT_S = 15.0
 
 
-@dataclass(frozen=True)
-class ServiceExit:
-    """How a service ended: `code` is what its own process would have exited with."""
-
-    code: int
-    reason: str
-
-
 class NoRoom(RuntimeError):
     """The cluster cannot hold what the stack asks for; the message names both."""
 
@@ -72,148 +57,6 @@ class ServiceFailed(RuntimeError):
     def __init__(self, name: str, ended: ServiceExit) -> None:
         super().__init__(f"{name} {ended.reason}")
         self.code = ended.code or 1
-
-
-async def run_service(settings: ServiceSettings, listen: ListenSettings) -> None:
-    """The service coroutine its `tandem` subcommand runs (imported here: they load torch)."""
-    if isinstance(settings, TargetSettings):
-        from target_server.main import serve_target
-
-        await serve_target(settings, listen)
-    elif isinstance(settings, DraftSettings):
-        from draft_server.main import serve_draft
-
-        await serve_draft(settings, listen)
-    else:
-        from orchestrator.main import serve_orchestrator
-
-        await serve_orchestrator(settings, listen)
-
-
-class ServiceActor:
-    """One service on an event loop in a thread of this actor; the methods only watch and stop it.
-
-    `host` None binds the address of the actor's node (a joined cluster spans machines). The work directory
-    (0700, removed when the service ends) holds the ready file and the certificates `security` writes.
-    """
-
-    def __init__(
-        self, name: str, settings: ServiceSettings, host: str | None, port: int, security: ActorSecurity
-    ) -> None:
-        configure_logging(name)
-        self.name = name
-        self._workdir = tempfile.TemporaryDirectory(prefix=f"tandem-{name}-")
-        self._ready_file = Path(self._workdir.name) / "address"
-        listen = ListenSettings(host=host or ray.util.get_node_ip_address(), port=port, ready_file=self._ready_file)
-        settings, listen = security.secure(settings, listen, Path(self._workdir.name))
-        self._lock = threading.Lock()
-        self._started = threading.Event()
-        self._ended = threading.Event()
-        self._exit: ServiceExit | None = None  # set under _lock while the loop still runs
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[None] | None = None
-        threading.Thread(target=self._run, args=(settings, listen), name=name, daemon=True).start()
-
-    def __repr__(self) -> str:
-        return self.name  # Ray prefixes the actor's forwarded log lines with this
-
-    def _run(self, settings: ServiceSettings, listen: ListenSettings) -> None:
-        # A nested coroutine, not a method: one `async def` method would make Ray run every method of
-        # this actor on a single event loop, where the blocking wait_until_stopped() would starve the rest.
-        async def serve() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._task = asyncio.current_task()
-            self._started.set()
-            try:
-                await run_service(settings, listen)
-                outcome = ServiceExit(0, "stopped")
-            except asyncio.CancelledError:
-                outcome = ServiceExit(0, "stopped")
-            except StartupError as error:
-                outcome = ServiceExit(2, f"cannot start: {error}")  # 2: what `tandem <service>` exits with
-            except SystemExit as error:  # run_server: an essential background task ended
-                outcome = ServiceExit(error.code if isinstance(error.code, int) else 1, "stopped on its own")
-            except Exception as error:
-                LOG.exception("%s failed", self.name)
-                outcome = ServiceExit(1, f"failed: {error!r}")
-            with self._lock:
-                self._exit = outcome
-
-        try:
-            asyncio.run(serve())
-        finally:
-            self._workdir.cleanup()
-            self._ended.set()
-
-    def address(self) -> str | None:
-        """Blocks until the service serves and returns its host:port; None if it ended first."""
-        while not self._ready_file.exists():
-            if self._ended.wait(timeout=0.05):
-                return None
-        return self._ready_file.read_text().strip()
-
-    def process(self) -> str:
-        """Where this actor runs, for the launcher's log."""
-        return f"pid {os.getpid()} on node {ray.util.get_node_ip_address()}"
-
-    def wait_until_stopped(self) -> ServiceExit:
-        """Blocks for as long as the service runs; the launcher watches this call to notice an end."""
-        self._ended.wait()
-        assert self._exit is not None
-        return self._exit
-
-    def stop(self) -> ServiceExit:
-        """Stops the service as SIGTERM stops its process (cancellation, then the graceful shutdown)."""
-        self._started.wait()
-        with self._lock:
-            if self._exit is None:
-                assert self._loop is not None and self._task is not None
-                self._loop.call_soon_threadsafe(self._task.cancel)
-        return self.wait_until_stopped()
-
-
-class RankActor:
-    """A target rank other than 0 (target_server.rank) on a thread of this actor; rank 0's STOP ends it."""
-
-    def __init__(self, name: str, settings: TargetSettings, rank: int) -> None:
-        configure_logging(name)
-        self.name = name
-        self._ended = threading.Event()
-        self._exit: ServiceExit | None = None
-        threading.Thread(target=self._run, args=(settings, rank), name=name, daemon=True).start()
-
-    def __repr__(self) -> str:
-        return self.name
-
-    def _run(self, settings: TargetSettings, rank: int) -> None:
-        from target_server.rank import run_rank  # loads torch: only in the actor
-
-        try:
-            run_rank(settings, rank)
-            self._exit = ServiceExit(0, "stopped")
-        except StartupError as error:
-            self._exit = ServiceExit(2, f"cannot start: {error}")
-        except Exception as error:  # the group broke: rank 0 went away without saying stop
-            LOG.exception("%s failed", self.name)
-            self._exit = ServiceExit(1, f"failed: {error!r}")
-        finally:
-            self._ended.set()
-
-    def wait_until_stopped(self) -> ServiceExit:
-        self._ended.wait()
-        assert self._exit is not None
-        return self._exit
-
-    def stop(self) -> ServiceExit:
-        """Rank 0 stops this rank (the launcher stops rank 0 first); this only waits for that."""
-        return self.wait_until_stopped()
-
-
-def rendezvous_on_this_node(host: str | None) -> str:
-    """A free "host:port" on the node this runs on (`host` None: the node's IP), for the target's ranks to meet."""
-    from tandem.parallel.group import free_rendezvous  # loads torch: only on the node
-
-    return free_rendezvous(host or ray.util.get_node_ip_address())
 
 
 @dataclass(frozen=True)
@@ -311,40 +154,22 @@ class RayLauncher:
             probe = ray.remote(rendezvous_on_this_node).options(**rank_options[0]).remote(internal_host)
             self._wait_for([probe], "a free port on the target's node")
             rendezvous = ray.get(probe)
-        target_settings = TargetSettings(
-            model_dir=s.target_dir,
-            dtype=s.dtype,
-            cache=s.cache,
-            tp=s.tp,
-            threads=s.target_threads,
-            rendezvous=rendezvous,
-        )
+        target_settings = s.target_settings(rendezvous)
         for rank in range(1, s.tp):
             self._start_rank(rank, target_settings, rank_options[rank])
         target = self._start("target", target_settings, internal_host, 0, rank_options[0])
         target_address = self._wait_ready(target)
         replicas = [f"draft-{index}" for index in range(len(draft_options))]
         drafts = [
-            self._start(replica, self.draft_settings(replica, target_address), internal_host, 0, options)
+            self._start(replica, s.draft_settings(replica, target_address), internal_host, 0, options)
             for replica, options in zip(replicas, draft_options, strict=True)
         ]
         draft_addresses = [self._wait_ready(draft) for draft in drafts]
         http_ready_file = Path(self._workdir.name) / "orchestrator-http.url"
-        orchestrator_settings = OrchestratorSettings(
-            target_address=target_address,
-            draft_addresses=tuple(draft_addresses),
-            tokenizer_dir=s.target_dir,
-            scheduler=s.scheduler,
-            api_key=s.security.api_key,
-            # On loopback of this machine (the orchestrator runs here); Scale answers FAILED_PRECONDITION on Ray.
-            admin=AdminSettings(
-                port=s.security.admin_port,
-                token=s.security.admin_token,
-                max_draft_replicas=s.security.max_draft_replicas,
-            ),
-            ngram=s.ngram,  # drafts in the orchestrator's actor: no draft replica is reserved or started for it
-            http=HttpSettings(s.http_port, http_ready_file, s.chat_template),
-            served_model_name=s.served_model_name,
+        # On loopback of this machine (the orchestrator runs here); Scale answers FAILED_PRECONDITION on Ray. With
+        # --draft ngram the orchestrator's actor drafts: no draft replica is reserved or started for it.
+        orchestrator_settings = s.orchestrator_settings(
+            target_address, draft_addresses, s.admin_settings(), http_ready_file
         )
         # --host/--port name an address of the machine running `tandem serve`, so the orchestrator runs here.
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -354,23 +179,6 @@ class RayLauncher:
         if s.http_port is not None:
             self.http_url = http_ready_file.read_text().strip()  # written before the public address
         return address
-
-    def draft_settings(self, replica_id: str, target_address: str) -> DraftSettings:
-        s = self.settings
-        assert s.draft_dir is not None
-        return DraftSettings(
-            model_dir=s.draft_dir,
-            target_address=target_address,
-            replica_id=replica_id,
-            num_steps=s.scheduler.num_steps,
-            tree=s.scheduler.tree,
-            cache=s.cache,
-            aux_layer_convention=cast(Convention, s.aux_layer_convention),  # the CLI offers only CONVENTIONS
-            dtype=s.dtype,
-            threads=s.draft_threads,
-            mtp_feedback=s.mtp_feedback,
-            mtp_mode=s.mtp_mode,
-        )
 
     def reservation(self, rank_bundle: Mapping[str, float]) -> Reservation:
         s = self.settings

@@ -1,4 +1,4 @@
-"""The security options of the `tandem` command: TLS files, the API key, the admin port and its token.
+"""The security options of the `tandem` commands that are no settings field: TLS files, the API key, the admin token.
 
 Secrets never get a default from the environment in the parser (argparse would print it in --help); they are
 resolved after parsing by `tandem.auth.resolve_secret`: the flag, its `-file` twin, or the environment variable.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from orchestrator.settings import AdminSettings
 from tandem.auth import ADMIN_TOKEN_VARIABLE, API_KEY_VARIABLE, resolve_secret
 from tandem.transport import Tls, TransportConfigError, TransportSecurity, internal_security, public_security
 
@@ -77,46 +76,3 @@ def client_security_of(args: argparse.Namespace) -> TransportSecurity:
         return Tls(args.tls_cert, args.tls_key, args.tls_ca)
     except TransportConfigError as error:
         raise SystemExit(f"tandem: {error}") from None
-
-
-def _replicas_bound(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value}: must be 0 or more")
-    return value
-
-
-def add_admin_options(parser: argparse.ArgumentParser, with_listen: bool) -> None:
-    """The admin port's options; `with_listen` adds where it binds (`tandem orchestrator`; `serve` picks them)."""
-    if with_listen:
-        parser.add_argument(
-            "--admin-host", default=AdminSettings.host, help="interface of the admin port (loopback by default)"
-        )
-        parser.add_argument("--admin-ready-file", type=Path, help="write the admin port's bound host:port here")
-        parser.add_argument(
-            "--allow-draft-address",
-            action="append",
-            default=[],
-            help="HOST:PORT (or HOST:*) that AddReplica may dial, besides --draft-address; repeat per entry",
-        )
-    parser.add_argument(
-        "--admin-port", type=int, default=AdminSettings.port, help="port of OrchestratorAdmin (0 picks a free one)"
-    )
-    add_admin_token_options(parser, "bearer token that OrchestratorAdmin calls must carry")
-    parser.add_argument(
-        "--max-draft-replicas",
-        type=_replicas_bound,
-        default=AdminSettings.max_draft_replicas,
-        help="the most draft replicas Scale may ask for",
-    )
-
-
-def admin_settings_of(args: argparse.Namespace) -> AdminSettings:
-    return AdminSettings(
-        host=args.admin_host,
-        port=args.admin_port,
-        ready_file=args.admin_ready_file,
-        token=admin_token_of(args),
-        max_draft_replicas=args.max_draft_replicas,
-        allowed_draft_addresses=tuple(args.allow_draft_address),
-    )

@@ -18,26 +18,56 @@ from pathlib import Path
 from orchestrator.settings import AdminSettings
 from tandem.auth import ADMIN_TOKEN_VARIABLE, API_KEY_VARIABLE, bearer_metadata
 from tandem.certificates import CertificateFiles, make_certificates
+from tandem.flags import flag, flag_of
 from tandem.transport import Insecure, Tls, TransportSecurity, internal_security
 
 
 @dataclass(frozen=True)
 class ServeSecurity:
+    """What `tandem serve` is asked to secure; refuses, on construction, combinations that cannot work."""
+
     api_key: str | None = field(default=None, repr=False)  # Generate requires it (tandem.auth)
-    admin_port: int = AdminSettings.port  # the orchestrator's admin port, on loopback
+    admin_port: int = field(
+        default=AdminSettings.port, metadata=flag_of(AdminSettings, "port")
+    )  # the orchestrator's admin port, on loopback
     admin_token: str | None = field(default=None, repr=False)
-    max_draft_replicas: int = AdminSettings.max_draft_replicas
+    max_draft_replicas: int = field(
+        default=AdminSettings.max_draft_replicas, metadata=flag_of(AdminSettings, "max_draft_replicas")
+    )
     # The user's certificates: every service, and the public port, use them (the CA verifies peers).
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_ca: Path | None = None
-    internal_tls: bool = False  # a throwaway CA for the services' own traffic; the public port stays plaintext
+    tls_cert: Path | None = field(
+        default=None,
+        metadata=flag(
+            "--tls-cert",
+            "PEM certificate of every service and the public port (needs all three --tls-* flags)",
+            parse=Path,
+        ),
+    )
+    tls_key: Path | None = field(default=None, metadata=flag("--tls-key", "PEM private key of --tls-cert", parse=Path))
+    tls_ca: Path | None = field(
+        default=None,
+        metadata=flag("--tls-ca", "PEM CA certificate: the services verify each other against it", parse=Path),
+    )
+    # A throwaway CA for the services' own traffic; the public port stays plaintext.
+    internal_tls: bool = field(
+        default=False,
+        metadata=flag(
+            "--internal-tls",
+            "encrypt the services' own traffic with a throwaway CA (mutual TLS); the public port stays plaintext",
+        ),
+    )
     # The name the services' certificates are checked for, instead of the address dialled (--launcher ray on several
     # machines: services bind their node's address, which a certificate made beforehand cannot name). None: the address.
-    tls_server_name: str | None = None
+    tls_server_name: str | None = field(
+        default=None,
+        metadata=flag(
+            "--tls-server-name",
+            "with --launcher ray and --tls-cert: check the services' certificates for NAME instead of the address "
+            "dialled (on several machines services bind their node's address)",
+        ),
+    )
 
-    def check(self) -> None:
-        """Refuses combinations that cannot work; messages name the flags."""
+    def __post_init__(self) -> None:
         given = [self.tls_cert is not None, self.tls_key is not None, self.tls_ca is not None]
         if self.internal_tls and any(given):
             raise ValueError("--internal-tls makes its own certificates: drop --tls-cert/--tls-key/--tls-ca")
@@ -61,7 +91,6 @@ class StackSecurity:
     @staticmethod
     def prepare(settings: ServeSecurity, workdir: Path) -> StackSecurity:
         """Makes the throwaway certificates into `workdir` when asked to."""
-        settings.check()
         if settings.internal_tls:
             directory = workdir / "tls"
             directory.mkdir(mode=0o700)
@@ -77,14 +106,9 @@ class StackSecurity:
             return []
         return ["--tls-cert", str(self.files.cert), "--tls-key", str(self.files.key), "--tls-ca", str(self.files.ca)]
 
-    def orchestrator_arguments(self) -> list[str]:
-        s = self.settings
-        arguments = ["--admin-port", str(s.admin_port), "--max-draft-replicas", str(s.max_draft_replicas)]
-        # The launcher starts new replicas on free loopback ports: AddReplica must accept any of them.
-        arguments += ["--allow-draft-address", "127.0.0.1:*"]
-        if self.files is not None and not self.public_tls:
-            arguments.append("--public-plaintext")
-        return arguments
+    def public_arguments(self) -> list[str]:
+        """The orchestrator child's flags for its public and admin ports: plaintext with --internal-tls."""
+        return ["--public-plaintext"] if self.files is not None and not self.public_tls else []
 
     def orchestrator_environment(self) -> dict[str, str]:
         """This process's environment with the secrets the orchestrator reads (and without those it must not)."""

@@ -6,17 +6,23 @@ index, so `cuda` puts ranks 0..tp-1 on GPUs 0..tp-1). `--dtype auto` is bfloat16
 `--attention-backend auto` is FlashInfer on CUDA when it imports and the dtype is a 16-bit one, else torch (SDPA).
 
 Asking for CUDA where there is none is a StartupError with one line naming the flag; nothing falls back silently.
-The parsing of the flags is torch-free (the CLI builds its parser without torch); resolving imports torch.
+The flags are the options of DeviceRequest (tandem.flags), parsed torch-free (the CLI builds its parser without
+torch); resolving imports torch. Settings hold the resolved values and have no device options of their own: a
+launcher hands a child its resolved values as a request (DeviceRequest.of), which resolves to itself.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tandem.errors import StartupError
+from tandem.flags import flag
+from tandem.settings import KVCacheSettings
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +39,53 @@ def device_flag(text: str) -> str:
     if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
         raise ValueError(f"--device: {text!r} is not one of auto, cpu, cuda, cuda:N")
     return text.strip()
+
+
+def device_option(text: str) -> str:
+    """device_flag as argparse's type: the message follows argparse's own "argument --device:"."""
+    try:
+        return device_flag(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--device: ")) from None
+
+
+@dataclass(frozen=True)
+class DeviceRequest:
+    """What the device flags ask for, before it is resolved against the machine (launch.devices.placement_of)."""
+
+    device: str = field(
+        default=AUTO,
+        metadata=flag(
+            "--device",
+            "where the model computes: auto (CUDA when available), cpu, cuda or cuda:N (a tensor-parallel target's "
+            "rank r: GPU N + r)",
+            parse=device_option,
+        ),
+    )
+    dtype: str = field(
+        default=AUTO,
+        metadata=flag("--dtype", "auto: bfloat16 on CUDA, float32 on the CPU", choices=(AUTO, *DTYPES)),
+    )
+    attention_backend: str = field(
+        default=AUTO,
+        metadata=flag(
+            "--attention-backend",
+            "auto: flashinfer on CUDA when installed (tandem[cuda]) and the dtype is 16-bit, else torch (SDPA)",
+            choices=(AUTO, *ATTENTION_BACKEND_NAMES),
+        ),
+    )
+    cuda_graphs: bool = field(
+        default=KVCacheSettings.cuda_graphs,
+        metadata=flag(
+            "--cuda-graphs",
+            "replay decode and verification steps from CUDA graphs (CUDA, flashinfer, --tp 1; not yet run on a GPU)",
+        ),
+    )
+
+    @staticmethod
+    def of(device: str, dtype: str, cache: KVCacheSettings) -> DeviceRequest:
+        """The request of settings' resolved values: what a launcher gives a child, which resolves to the same."""
+        return DeviceRequest(device, dtype, cache.attention_backend or AUTO, cache.cuda_graphs)
 
 
 def resolve_device(requested: str, ranks: int = 1) -> str:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from tandem.flags import checked, flag, positive
 
 # What a service process needs in its environment before torch loads (docs/architecture.md, "Threads"). Services
 # on one machine compute in turn, each with its own OpenMP pool; libgomp's default spin before an idle worker sleeps
@@ -35,16 +37,48 @@ DEMO_DRAFTS = {name: DEMO_DIR / name for name in ("eagle3", "eagle3-mla", "mtp")
 DEMO_CHAT_TEMPLATE = DEMO_DIR / "chat_template.jinja"
 
 
+def parse_size(text: str) -> int:
+    """Bytes in a size such as "512MiB", "2GiB", "1.5G" or "1048576" (K/M/G are powers of 1024, as Ki/Mi/Gi)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    cleaned = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = cleaned[-1:] if cleaned[-1:] in units else ""
+    number = cleaned.removesuffix(unit) if unit else cleaned
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (e.g. 512MiB, 2GiB, 1048576)") from None
+    if value <= 0:
+        raise ValueError(f"{text!r}: a size must be positive")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class KVCacheSettings:
-    num_blocks: int = 1024  # blocks preallocated in the pool, unless memory_bytes sizes it
-    block_size: int = 16  # tokens per block
-    memory_bytes: int = 0  # > 0: the pool holds as many blocks as fit in this many bytes (num_blocks is ignored)
+    num_blocks: int = field(
+        default=1024,
+        metadata=flag("--kv-blocks", "KV blocks preallocated in the pool", parse=positive, exclusive="pool"),
+    )
+    block_size: int = field(default=16, metadata=flag("--block-size", "tokens per KV block", parse=positive))
+    # > 0: the pool holds as many blocks as fit in this many bytes (num_blocks is ignored).
+    memory_bytes: int = field(
+        default=0,
+        metadata=flag(
+            "--kv-cache-memory",
+            "size the KV pool by memory instead of blocks, e.g. 512MiB or 4GiB (per process: target rank, draft)",
+            parse=checked(parse_size),
+            exclusive="pool",
+        ),
+    )
     # A service frees the requests of an orchestrator that holds no stream to it and made no call for this long
     # (tandem.leases): an orchestrator that died, or restarted under a new session id.
-    orphan_timeout_s: float = 30.0
+    orphan_timeout_s: float = field(
+        default=30.0,
+        metadata=flag(
+            "--orphan-timeout", "seconds after which the requests of an orchestrator that went away are freed"
+        ),
+    )
     # The pool's attention backend by name ("torch", "flashinfer"; tandem.layers.attention_backend); None: the
-    # default for the cache's device and dtype. The CLI resolves its "auto" before building these settings.
+    # default for the cache's device and dtype. No option: the CLI resolves --attention-backend (tandem.devices).
     attention_backend: str | None = None
     # Decode-shaped steps replayed from CUDA graphs (tandem.layers.cuda_graphs): CUDA and the flashinfer backend
     # only (the CLI refuses it elsewhere); the pool then holds one scratch block more.
@@ -64,11 +98,24 @@ class KVCacheSettings:
 
 @dataclass(frozen=True)
 class TreeShape:
-    """Tree drafting (docs/architecture.md, "Tree drafting"), SGLang's flags: --speculative-eagle-topk K and
+    """Tree drafting (docs/drafting.md, "Tree drafting"), SGLang's flags: --speculative-eagle-topk K and
     --speculative-num-draft-tokens N. K 1 is the chain of --speculative-num-steps tokens (N = steps + 1)."""
 
-    topk: int = 1  # --speculative-eagle-topk
-    num_draft_tokens: int = 0  # --speculative-num-draft-tokens, counting the last committed token; 0: steps + 1
+    topk: int = field(
+        default=1,
+        metadata=flag(
+            "--speculative-eagle-topk", "tree drafting: branches per node of an EAGLE3 head's draft tree; 1: a chain"
+        ),
+    )
+    # Counting the last committed token; 0: steps + 1.
+    num_draft_tokens: int = field(
+        default=0,
+        metadata=flag(
+            "--speculative-num-draft-tokens",
+            "tree drafting: nodes of the tree plus one (the last committed token); 0: --speculative-num-steps + 1, "
+            "which topk 1 requires",
+        ),
+    )
 
     def resolved(self, num_steps: int) -> TreeShape:
         """The shape with N filled in, checked against --speculative-num-steps; ValueError names the flags."""
@@ -91,18 +138,3 @@ class TreeShape:
     def max_drafts(self) -> int:
         """Draft tokens a round may carry (once resolved): num_draft_tokens - 1."""
         return self.num_draft_tokens - 1
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size such as "512MiB", "2GiB", "1.5G" or "1048576" (K/M/G are powers of 1024, as Ki/Mi/Gi)."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    cleaned = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = cleaned[-1:] if cleaned[-1:] in units else ""
-    number = cleaned.removesuffix(unit) if unit else cleaned
-    try:
-        value = float(number) * units[unit]
-    except ValueError:
-        raise ValueError(f"{text!r} is not a size (e.g. 512MiB, 2GiB, 1048576)") from None
-    if value <= 0:
-        raise ValueError(f"{text!r}: a size must be positive")
-    return int(value)

@@ -13,12 +13,13 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 
-from tandem.devices import rank_device
+from tandem.devices import DeviceRequest, rank_device, resolve_attention_backend
 from tandem.errors import StartupError
+from tandem.flags import add_options, settings_of
 from tandem.layers.matmul import prepack
 from tandem.models.registry import load_target
 from tandem.parallel.group import barrier, join_group, leave_group, share_cpu_threads
@@ -72,44 +73,36 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_arguments(argv: Sequence[str] | None = None) -> tuple[TargetSettings, int]:
+    """The settings and the rank that rank 0 gave (target_server.ranks.rank_command)."""
     parser = argparse.ArgumentParser(prog="python -m target_server.rank", description=__doc__)
-    # No defaults: rank 0 passes every value from its own TargetSettings.
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--dtype", required=True)
-    parser.add_argument("--device", required=True, help="rank 0's device; this rank's is tandem.devices.rank_device")
-    parser.add_argument("--attention-backend", help="the KV cache's attention backend; none: its device's default")
-    parser.add_argument("--kv-blocks", type=int, required=True)
-    parser.add_argument("--block-size", type=int, required=True)
-    parser.add_argument("--kv-cache-memory", type=int, required=True)
-    parser.add_argument("--tp", type=int, required=True)
-    parser.add_argument("--threads", type=int, required=True)
+    # `tandem target`'s options (rank 0 passes its own TargetSettings and resolved devices), and the two that only
+    # ranks other than 0 have.
+    add_options(parser, TargetSettings)
+    add_options(parser, DeviceRequest)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--rendezvous", required=True, help="host:port where rank 0 serves the group's store")
     args = parser.parse_args(argv)
-    configure_logging(f"target-rank{args.rank}")
-    exit_with_parent()
-    settings = TargetSettings(
-        model_dir=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        cache=KVCacheSettings(
-            num_blocks=args.kv_blocks,
-            block_size=args.block_size,
-            memory_bytes=args.kv_cache_memory,
-            attention_backend=args.attention_backend,
-        ),
-        tp=args.tp,
-        threads=args.threads,
-        rendezvous=args.rendezvous,
+    request = settings_of(DeviceRequest, args)  # resolved by rank 0; its backend "auto" when its cache named none
+    backend = resolve_attention_backend(request.attention_backend, request.device, request.dtype)
+    cache = replace(settings_of(KVCacheSettings, args), attention_backend=backend, cuda_graphs=request.cuda_graphs)
+    settings = settings_of(
+        TargetSettings, args, dtype=request.dtype, device=request.device, cache=cache, rendezvous=args.rendezvous
     )
+    return settings, args.rank
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings, rank = parse_arguments(argv)
+    configure_logging(f"target-rank{rank}")
+    exit_with_parent()
     try:
-        run_rank(settings, args.rank)
+        run_rank(settings, rank)
     except StartupError as error:
-        LOG.error("target rank %d cannot start: %s", args.rank, error)
+        LOG.error("target rank %d cannot start: %s", rank, error)
         return 2
     except RuntimeError as error:  # the group broke: rank 0 went away without saying stop
-        LOG.error("target rank %d lost the group, exiting: %s", args.rank, str(error).splitlines()[0])
+        LOG.error("target rank %d lost the group, exiting: %s", rank, str(error).splitlines()[0])
         return 1
     return 0
 

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from tandem.devices import DeviceRequest
 from tandem.errors import StartupError
+from tandem.flags import arguments_of
 from tandem.layers.kv_cache import PagedKVCache
 from tandem.lifetime import start_child
 from tandem.models.registry import TargetModel
@@ -213,22 +215,14 @@ def check_running(processes: Sequence[subprocess.Popen[bytes]]) -> None:  # rank
             raise RankFailed(f"target rank {rank} exited with code {process.returncode} (its log is above)")
 
 
+def rank_command(settings: TargetSettings, rank: int, rendezvous: str) -> list[str]:
+    """`python -m target_server.rank` as rank `rank` of these settings (tandem.flags) that meets at `rendezvous`."""
+    device = DeviceRequest.of(settings.device, settings.dtype, settings.cache)
+    arguments = [*arguments_of(settings), *arguments_of(device), "--rank", str(rank), "--rendezvous", rendezvous]
+    return [sys.executable, "-m", "target_server.rank", *arguments]
+
+
 def spawn_rank(settings: TargetSettings, rank: int, rendezvous: str) -> subprocess.Popen[bytes]:
-    cache = settings.cache
-    command = [
-        sys.executable, "-m", "target_server.rank",
-        "--model", str(settings.model_dir),
-        "--dtype", settings.dtype,
-        "--device", settings.device,
-        *(["--attention-backend", cache.attention_backend] if cache.attention_backend else []),
-        "--kv-blocks", str(cache.num_blocks),
-        "--block-size", str(cache.block_size),
-        "--kv-cache-memory", str(cache.memory_bytes),
-        "--tp", str(settings.tp),
-        "--threads", str(settings.threads),
-        "--rank", str(rank),
-        "--rendezvous", rendezvous,
-    ]  # fmt: skip
-    process = start_child(command)  # also gets SIGTERM when this process is killed (tandem.lifetime)
+    process = start_child(rank_command(settings, rank, rendezvous))  # SIGTERM when this one is killed (tandem.lifetime)
     LOG.info("started target rank %d/%d (pid %d)", rank, settings.tp, process.pid)
     return process

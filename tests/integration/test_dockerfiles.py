@@ -11,13 +11,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import tomllib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
+import tomllib
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 

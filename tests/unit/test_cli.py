@@ -1,29 +1,44 @@
-"""The `tandem` command line: what the thread options reach, and what they refuse."""
+"""The `tandem` command line: what the settings' options reach in the children's command lines, and what the settings
+refuse together."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from launch.cli import build_parser, main, scheduler_settings_of, tree_shape_of
-from launch.processes import Launcher, ServeSettings
+from launch.cli import build_parser, main
+from launch.processes import Launcher
+from launch.serve_command import serve_settings_of
+from launch.serve_settings import ServeSettings
+from launch.service_commands import draft_settings_of, orchestrator_settings_of, target_settings_of
+from launch.stack_security import ServeSecurity
+from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
+from tandem import flags
 from tandem.settings import TreeShape
+from target_server.rank import parse_arguments
+from target_server.ranks import rank_command
+
+ORCHESTRATOR = ["orchestrator", "--target-address", "a", "--tokenizer", "t"]
+
+
+def serve_settings(*arguments: str) -> ServeSettings:
+    return serve_settings_of(build_parser().parse_args(["serve", "--target", "t", "--draft", "d", *arguments]))
+
+
+def orchestrator_of(settings: ServeSettings) -> list[str]:
+    """The orchestrator child's command line, as the process launcher writes it."""
+    orchestrator = settings.orchestrator_settings("a", [], settings.admin_settings(), Path("http.url"))
+    return ["orchestrator", *flags.arguments_of(orchestrator)]
 
 
 def test_serve_thread_options_reach_the_draft_and_target_command_lines() -> None:
-    args = build_parser().parse_args(["serve", "--target-threads", "2", "--draft-threads", "1"])
-    assert (args.target_threads, args.draft_threads) == (2, 1)
-    settings = ServeSettings(
-        target_dir=Path("t"), draft_dir=Path("d"), target_threads=args.target_threads, draft_threads=args.draft_threads
-    )
-    launcher = Launcher(settings)
-    target = launcher.target_arguments()
-    draft = launcher.draft_arguments("draft-0", "127.0.0.1:1")
-    assert target[target.index("--threads") + 1] == "2"
-    assert draft[draft.index("--threads") + 1] == "1"
-    assert build_parser().parse_args([*target, "--port", "0"]).threads == 2
-    assert build_parser().parse_args([*draft, "--port", "0"]).threads == 1
+    launcher = Launcher(serve_settings("--target-threads", "2", "--draft-threads", "1"))
+    target = build_parser().parse_args([*launcher.target_arguments(), "--port", "0"])
+    draft = build_parser().parse_args([*launcher.draft_arguments("draft-0"), "--port", "0"])
+    assert (target_settings_of(target).threads, draft_settings_of(draft).threads) == (2, 1)
+    assert draft_settings_of(draft).replica_id == "draft-0"
 
 
 @pytest.mark.parametrize("command", [["target", "--model", "m"], ["draft", "--model", "m", "--target-address", "a"]])
@@ -37,52 +52,116 @@ def test_a_negative_thread_count_is_refused_with_the_value(
 
 
 def test_tree_flags_reach_the_draft_and_orchestrator_command_lines() -> None:
-    args = build_parser().parse_args(
-        [
-            "serve",
-            "--speculative-eagle-topk",
-            "4",
-            "--speculative-num-draft-tokens",
-            "8",
-            "--speculative-num-steps",
-            "3",
-        ]
-    )
-    settings = ServeSettings(target_dir=Path("t"), draft_dir=Path("d"), scheduler=scheduler_settings_of(args))
-    launcher = Launcher(settings)
-    for command in (
-        launcher.draft_arguments("draft-0", "127.0.0.1:1"),
-        ["orchestrator", *launcher.scheduler_arguments()],
-    ):
-        parsed = build_parser().parse_args(
-            [*command, "--port", "0", *(["--target-address", "a", "--tokenizer", "t"] if command[0] != "draft" else [])]
-        )
-        assert tree_shape_of(parsed) == TreeShape(4, 8)
+    tree = ["--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8", "--speculative-num-steps", "3"]
+    settings = serve_settings(*tree)
+    assert settings.scheduler.tree == TreeShape(4, 8)
+    draft = build_parser().parse_args([*Launcher(settings).draft_arguments("draft-0"), "--port", "0"])
+    assert draft_settings_of(draft).tree == TreeShape(4, 8)
+    orchestrator = build_parser().parse_args(orchestrator_of(settings))
+    assert orchestrator_settings_of(orchestrator).scheduler.tree == TreeShape(4, 8)
+
+
+def test_a_chain_gets_its_draft_tokens_from_the_steps_given() -> None:
+    assert serve_settings("--speculative-num-steps", "3").scheduler.tree == TreeShape(1, 4)
 
 
 @pytest.mark.parametrize(
-    ("flags", "message"),
+    ("flags_given", "message"),
     [
         (["--speculative-num-draft-tokens", "8"], "--speculative-num-draft-tokens 8 with --speculative-eagle-topk 1"),
         (["--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "12"], "between 2 and"),
     ],
 )
-def test_inconsistent_tree_flags_stop_the_command_naming_them(flags: list[str], message: str) -> None:
+def test_inconsistent_tree_flags_stop_the_command_naming_them(flags_given: list[str], message: str) -> None:
     with pytest.raises(SystemExit, match=message):
-        main(["serve", "--speculative-num-steps", "3", *flags])
+        main(["serve", "--speculative-num-steps", "3", *flags_given])
 
 
 def test_every_scheduler_flag_of_serve_reaches_the_orchestrator_command_line() -> None:
-    flags = [
+    settings = serve_settings(
         "--speculative-num-steps", "4", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6",
         "--max-num-seqs", "7", "--max-num-batched-tokens", "300", "--max-waiting", "9", "--num-scheduler-steps", "2",
         "--no-adaptive-k", "--target-timeout", "12.5", "--draft-timeout", "3.5", "--hybrid-ngram", "--ngram-max", "5",
-    ]  # fmt: skip
-    scheduler = scheduler_settings_of(build_parser().parse_args(["serve", *flags]))
-    settings = ServeSettings(target_dir=Path("t"), draft_dir=Path("d"), scheduler=scheduler)
-    arguments = Launcher(settings).scheduler_arguments()
-    orchestrator = build_parser().parse_args(["orchestrator", "--target-address", "a", "--tokenizer", "t", *arguments])
-    assert scheduler_settings_of(orchestrator) == scheduler
+        "--draft-ahead", "0",
+    )  # fmt: skip
+    scheduler = settings.scheduler
+    orchestrator = orchestrator_settings_of(build_parser().parse_args(orchestrator_of(settings)))
+    assert orchestrator.scheduler == scheduler
     assert (scheduler.num_steps, scheduler.max_num_batched_tokens, scheduler.draft_timeout_s) == (4, 300, 3.5)
-    assert not scheduler.adaptive_k  # the flag differs from the default (on)
-    assert scheduler.hybrid is not None and scheduler.hybrid.ngram.max_n == 5
+    assert not scheduler.adaptive_k and scheduler.draft_ahead == 0  # both differ from their defaults
+    assert scheduler.hybrid == HybridSettings(NgramSettings(max_n=5, min_n=HybridSettings().ngram.min_n))
+
+
+def test_serve_draft_ngram_reaches_the_orchestrator_and_starts_no_draft() -> None:
+    settings = serve_settings_of(build_parser().parse_args(["serve", "--target", "t", "--draft", "ngram"]))
+    assert (settings.draft_dir, settings.ngram) == (None, NgramSettings())
+    orchestrator = orchestrator_settings_of(build_parser().parse_args(orchestrator_of(settings)))
+    assert orchestrator.ngram == NgramSettings() and orchestrator.scheduler.hybrid is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--ngram-max", "3"], "--ngram-max and --ngram-min apply to --draft ngram and --hybrid-ngram only"),
+        (["--draft", "ngram", "--ngram-min", "5"], "--ngram-max: 4 is below --ngram-min 5"),
+        (["--draft", "ngram", "--hybrid-ngram"], "--hybrid-ngram merges n-gram drafts into a draft model's;"),
+        (["--target", "t", "--hybrid-ngram"], "--hybrid-ngram merges n-gram drafts into a draft model's: give --draft"),
+        (["--draft", "ngram", "--draft-replicas", "2"], "--draft ngram drafts in the orchestrator and starts no"),
+        (["--ray-address", "ray://head:10001"], "--ray-address needs --launcher ray"),
+    ],
+)
+def test_serve_refuses_flags_that_do_not_fit_together_naming_them(arguments: list[str], message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        main(["serve", *arguments])
+
+
+def test_the_ray_launcher_is_refused_on_a_gpu_naming_both() -> None:
+    with pytest.raises(ValueError, match="--launcher ray: places services on CPUs only for now, not cuda:0"):
+        ServeSettings(Path("t"), Path("d"), launcher="ray", device="cuda:0")
+
+
+def test_the_orchestrator_refuses_both_kinds_of_ngram_drafts() -> None:
+    with pytest.raises(SystemExit, match="--hybrid-ngram merges n-gram drafts into a draft model's"):
+        main([*ORCHESTRATOR, "--draft", "ngram", "--hybrid-ngram"])
+
+
+def test_serve_settings_are_checked_however_they_are_built() -> None:
+    hybrid = SchedulerSettings(hybrid=HybridSettings())
+    with pytest.raises(ValueError, match="--hybrid-ngram merges n-gram drafts into a draft model's: give --draft"):
+        ServeSettings(Path("t"), None, scheduler=hybrid)
+    with pytest.raises(ValueError, match="--draft-replicas 9 is above --max-draft-replicas"):
+        ServeSettings(Path("t"), Path("d"), draft_replicas=9, security=ServeSecurity(max_draft_replicas=8))
+
+
+def test_no_http_turns_the_http_api_off_and_the_orchestrator_gets_none() -> None:
+    settings = serve_settings("--no-http")
+    assert settings.http_port is None
+    orchestrator = orchestrator_settings_of(build_parser().parse_args(orchestrator_of(settings)))
+    assert orchestrator.http.port is None and orchestrator.http.ready_file is None
+    assert serve_settings().http_port == ServeSettings.http_port
+
+
+def test_the_kv_pool_is_sized_one_way_and_the_children_get_that_way(capsys: pytest.CaptureFixture[str]) -> None:
+    settings = serve_settings("--kv-cache-memory", "1MiB")
+    target = target_settings_of(build_parser().parse_args([*Launcher(settings).target_arguments(), "--port", "0"]))
+    assert target.cache == settings.cache and target.cache.memory_bytes == 1 << 20
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-blocks", "8", "--kv-cache-memory", "1MiB"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_the_service_commands_round_trip_the_settings_the_launcher_gives_them() -> None:
+    settings = serve_settings("--tp", "2", "--block-size", "8", "--mtp-mode", "independent")
+    launcher = Launcher(settings)
+    target = target_settings_of(build_parser().parse_args([*launcher.target_arguments(), "--port", "0"]))
+    assert target == settings.target_settings()
+    draft = draft_settings_of(build_parser().parse_args([*launcher.draft_arguments("draft-3"), "--port", "0"]))
+    assert draft == settings.draft_settings("draft-3", "")
+    assert (target.tp, target.cache.block_size, draft.mtp_mode) == (2, 8, "independent")
+
+
+def test_a_target_rank_gets_rank_0_s_settings_through_its_command_line() -> None:
+    settings = serve_settings("--tp", "2", "--kv-cache-memory", "1MiB", "--target-threads", "1").target_settings()
+    command = rank_command(settings, 1, "127.0.0.1:9")
+    assert command[1:3] == ["-m", "target_server.rank"]
+    assert parse_arguments(command[3:]) == (replace(settings, rendezvous="127.0.0.1:9"), 1)

@@ -17,14 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("tandem", "orchestrator", "target_server", "draft_server", "launch", "training", "bench")
 OPTIONAL = ("ray", "matplotlib")
 
-# Imports every module of the packages but the Ray launcher itself, and reports which optional modules came along.
+# The modules that run only under Ray, and import it at the top.
+RAY_MODULES = ("launch.ray_cluster", "launch.ray_actors")
+# Imports every module of the packages but the Ray launcher's, and reports which optional modules came along.
 IMPORT_ALL = """
 import importlib, json, pkgutil, sys
 imported = []
 for package in sys.argv[1].split(","):
     root = importlib.import_module(package)
     for module in pkgutil.walk_packages(root.__path__, package + "."):
-        if module.name != "launch.ray_cluster":
+        if module.name not in sys.argv[3].split(","):
             importlib.import_module(module.name)
             imported.append(module.name)
 optional = [name for name in sys.argv[2].split(",") if name in sys.modules]
@@ -34,7 +36,7 @@ print(json.dumps({"imported": imported, "optional": optional}))
 
 def test_importing_every_module_but_the_ray_launcher_imports_no_optional_dependency() -> None:
     finished = subprocess.run(
-        [sys.executable, "-c", IMPORT_ALL, ",".join(PACKAGES), ",".join(OPTIONAL)],
+        [sys.executable, "-c", IMPORT_ALL, ",".join(PACKAGES), ",".join(OPTIONAL), ",".join(RAY_MODULES)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -45,6 +47,42 @@ def test_importing_every_module_but_the_ray_launcher_imports_no_optional_depende
     wanted = {"launch.cli", "launch.processes", "orchestrator.main", "target_server.main", "draft_server.main"}
     assert wanted | {"bench.report", "bench.plot"} <= set(report["imported"])
     assert report["optional"] == []
+
+
+def test_the_product_command_imports_no_bench_module_and_no_psutil() -> None:
+    finished = subprocess.run(
+        [sys.executable, "-c", "import json, sys, launch.cli; print(json.dumps(sorted(sys.modules)))"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+    )
+    modules = json.loads(finished.stdout.splitlines()[-1])
+    assert "launch.cli" in modules
+    assert [name for name in modules if name == "bench" or name.startswith(("bench.", "psutil"))] == []
+
+
+def test_the_benchmarks_without_psutil_stop_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import bench.cli
+    from launch.cli import main
+
+    monkeypatch.setattr(bench.cli, "PSUTIL", Extra(BENCH.name, "tandem_test_no_such_module"))
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # what `bench` sets in this process; restored afterwards
+    for command in ("bench", "bench-load"):
+        assert main([command, "--target", "t", "--draft", "d"]) == 2
+        error = capsys.readouterr().err
+        assert f"tandem {command} cannot start: the tandem_test_no_such_module package is not installed" in error
+        assert "(pip install 'tandem[bench]')" in error
+
+
+def test_psutil_is_in_the_bench_extra_not_in_the_runtime_dependencies() -> None:
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11 on")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(requirement.startswith("psutil") for requirement in project["dependencies"])
+    assert any(requirement.startswith("psutil") for requirement in project["optional-dependencies"]["bench"])
 
 
 def test_a_missing_extra_is_named_with_its_install_command() -> None:

@@ -11,13 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.cli import _hybrid, _ngram, build_parser
-from launch.processes import Launcher, ServeSettings, ready_line
+from launch.cli import build_parser
+from launch.processes import ready_line
+from launch.serve_command import serve_settings_of
+from launch.service_commands import orchestrator_settings_of
 from orchestrator.backends import BackendError, ProposedBatch, ProposeTask
 from orchestrator.hybrid import HybridDrafter, merge_branch, with_hybrid
 from orchestrator.ngram import NgramDrafter, lookup
 from orchestrator.output import Stats
 from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
+from tandem import flags
 from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.tree_verify import TreeOutcome, verify_tree
 from tandem.sampling.verify import verify_sampled
@@ -157,23 +160,23 @@ def test_per_request_stats_count_acceptance_by_depth() -> None:
 
 
 def test_serve_hybrid_gives_the_orchestrator_its_sizes() -> None:
-    args = build_parser().parse_args(["serve", "--hybrid-ngram", "--ngram-max", "5"])
-    hybrid = _hybrid(args)
+    settings = serve_settings_of(build_parser().parse_args(["serve", "--hybrid-ngram", "--ngram-max", "5"]))
+    hybrid = settings.scheduler.hybrid
     assert hybrid == HybridSettings(NgramSettings(max_n=5, min_n=HybridSettings().ngram.min_n))
-    assert _ngram(args) is None
-    settings = ServeSettings(target_dir=Path("t"), draft_dir=Path("d"), scheduler=SchedulerSettings(hybrid=hybrid))
-    arguments = Launcher(settings).scheduler_arguments()
-    orchestrator = build_parser().parse_args(["orchestrator", "--target-address", "a", "--tokenizer", "t", *arguments])
-    assert _hybrid(orchestrator) == hybrid
+    assert settings.ngram is None
+    # The orchestrator's command line, as the launcher writes it, parses back to the same sizes.
+    orchestrator = settings.orchestrator_settings("a", [], settings.admin_settings(), Path("http.url"))
+    arguments = ["orchestrator", *flags.arguments_of(orchestrator)]
+    assert orchestrator_settings_of(build_parser().parse_args(arguments)).scheduler.hybrid == hybrid
     assert "with n-gram drafts merged in" in ready_line(settings, "127.0.0.1:5", "3 processes")
-    assert _hybrid(build_parser().parse_args(["serve"])) is None
+    assert serve_settings_of(build_parser().parse_args(["serve"])).scheduler.hybrid is None
 
 
 def test_hybrid_with_draft_ngram_is_refused() -> None:
     arguments = ["orchestrator", "--target-address", "a", "--tokenizer", "t", "--draft", "ngram", "--hybrid-ngram"]
     args = build_parser().parse_args(arguments)
-    with pytest.raises(SystemExit, match="--hybrid-ngram merges n-gram drafts into a draft model's"):
-        _ngram(args)
+    with pytest.raises(ValueError, match="--hybrid-ngram merges n-gram drafts into a draft model's"):
+        orchestrator_settings_of(args)
 
 
 # Sampling. TARGET_LOGITS depend on the position only, so the first two committed tokens must follow p_0 x p_1

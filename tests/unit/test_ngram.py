@@ -7,13 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import _ngram, build_parser
-from launch.processes import Launcher, ServeSettings, ready_line
+from launch.cli import build_parser
+from launch.processes import ready_line
+from launch.serve_command import serve_settings_of
+from launch.service_commands import orchestrator_settings_of
 from orchestrator.backends import ProposeTask
 from orchestrator.ngram import NGRAM_REPLICA, NgramDrafter, add_ngram_replica, check_one_draft_kind, lookup
 from orchestrator.replicas import ReplicaPool
 from orchestrator.settings import DiscoverySettings, NgramSettings, OrchestratorSettings
+from tandem import flags
 from tandem.errors import StartupError
+from tandem.sampling.draft_tree import DraftTree
 
 
 def test_the_longest_suffix_is_tried_first() -> None:
@@ -70,7 +74,7 @@ def test_the_drafter_proposes_per_task_and_holds_nothing() -> None:
     drafter = NgramDrafter(NgramSettings(max_n=2, min_n=1))
     tasks = [ProposeTask("a", 3, 2, (1, 2, 3, 1, 2)), ProposeTask("b", 1, 4, (1, 2, 3))]
     batch = asyncio.run(drafter.propose(tasks))
-    assert batch.drafts == {"a": [3, 1], "b": []}
+    assert batch.drafts == {"a": DraftTree.chain([3, 1]), "b": DraftTree()}
     assert batch.exhausted == {}
     assert asyncio.run(drafter.release(["a", "b"])) is None
 
@@ -105,21 +109,20 @@ def test_ngram_beside_draft_replicas_is_refused() -> None:
 
 
 def test_serve_draft_ngram_gives_the_orchestrator_its_sizes_and_starts_no_draft() -> None:
-    args = build_parser().parse_args(["serve", "--draft", "ngram", "--ngram-max", "3"])
-    ngram = _ngram(args)
-    assert ngram == NgramSettings(max_n=3, min_n=NgramSettings.min_n)
-    settings = ServeSettings(target_dir=Path("t"), draft_dir=None, ngram=ngram)
-    arguments = Launcher(settings).scheduler_arguments()
-    orchestrator = build_parser().parse_args(["orchestrator", "--target-address", "a", "--tokenizer", "t", *arguments])
-    assert _ngram(orchestrator) == ngram
+    settings = serve_settings_of(build_parser().parse_args(["serve", "--draft", "ngram", "--ngram-max", "3"]))
+    assert settings.ngram == NgramSettings(max_n=3, min_n=NgramSettings.min_n) and settings.draft_dir is None
+    # The orchestrator's command line, as the launcher writes it, parses back to the same sizes.
+    orchestrator = settings.orchestrator_settings("a", [], settings.admin_settings(), Path("http.url"))
+    arguments = ["orchestrator", *flags.arguments_of(orchestrator)]
+    assert orchestrator_settings_of(build_parser().parse_args(arguments)).ngram == settings.ngram
     line = ready_line(settings, "127.0.0.1:5", "2 processes")
     assert "speculative, n-gram drafts in the orchestrator" in line and "draft replicas" not in line
 
 
 def test_ngram_sizes_without_draft_ngram_are_refused() -> None:
     args = build_parser().parse_args(["serve", "--ngram-max", "3"])
-    with pytest.raises(SystemExit, match="--ngram-max and --ngram-min apply to --draft ngram and --hybrid-ngram only"):
-        _ngram(args)
+    with pytest.raises(ValueError, match="--ngram-max and --ngram-min apply to --draft ngram and --hybrid-ngram only"):
+        serve_settings_of(args)
     args = build_parser().parse_args(["serve", "--draft", "ngram", "--ngram-min", "5"])
-    with pytest.raises(SystemExit, match="--ngram-max: 4 is below --ngram-min 5"):
-        _ngram(args)
+    with pytest.raises(ValueError, match="--ngram-max: 4 is below --ngram-min 5"):
+        serve_settings_of(args)

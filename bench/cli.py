@@ -1,0 +1,118 @@
+"""`tandem bench` and `tandem bench-load`: their flags (BenchSettings's and LoadSettings's options) and their runs.
+
+`tandem` (launch.cli) lists both commands and hands their arguments here, so that the product's start-up imports no
+bench module. Both measure processes with psutil, of the bench extra: without it they stop before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.kinds import KIND_NAMES, TREE_KIND
+from bench.load_settings import LoadSettings
+from bench.settings import BenchSettings
+from launch.model_dirs import NGRAM, draft_option, model_dir
+from tandem import flags
+from tandem.extras import BENCH, Extra
+from tandem.settings import DEMO_DRAFT, DEMO_TARGET
+
+PSUTIL = Extra(BENCH.name, "psutil")  # bench/cpu.py and bench/memory.py: the processes' CPU time and memory
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem bench", description="benchmark speculative vs target-only vs colocated"
+    )
+    parser.add_argument("--target", type=Path, help="target directory (default: the demo target)")
+    parser.add_argument(
+        "--draft", type=draft_option, help="draft directory, demo:<name> or ngram (default: demo:eagle3)"
+    )
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=KIND_NAMES,
+        help="measure these draft kinds side by side, each on a stack of its own: chain, tree (the shape flags', or "
+        f"topk {TREE_KIND.topk} with {TREE_KIND.num_draft_tokens} draft tokens), ngram, "
+        "hybrid (the --draft model with n-gram drafts merged in)",
+    )
+    flags.add_options(parser, BenchSettings)
+    return parser
+
+
+def load_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem bench-load", description="load test: many concurrent streams, a KV pool smaller than them"
+    )
+    parser.add_argument("--target", type=Path, help="target directory (default: the demo target)")
+    parser.add_argument("--draft", type=draft_option, help="draft directory or demo:<name> (default: demo:eagle3)")
+    flags.add_options(parser, LoadSettings)
+    return parser
+
+
+def bench_settings_of(args: argparse.Namespace) -> BenchSettings:
+    """Raises ValueError for flags that do not fit together."""
+    if args.kinds and (args.draft == NGRAM or args.hybrid_ngram or args.address):
+        raise ValueError(
+            "--kinds names the draft kinds: give their draft model with --draft (not ngram), no --hybrid-ngram (name "
+            "the hybrid kind) and no --address (each kind starts its own stack)"
+        )
+    return flags.settings_of(
+        BenchSettings,
+        args,
+        # With --kinds, --ngram-max and --ngram-min give the lookups of the ngram and hybrid kinds.
+        on=("ngram", "hybrid") if args.kinds else (),
+        target_dir=model_dir(args.target, DEMO_TARGET, "--target"),
+        draft_dir=None if args.draft == NGRAM else model_dir(args.draft, DEMO_DRAFT, "--draft"),
+        kinds=tuple(args.kinds or ()),
+    )
+
+
+def load_settings_of(args: argparse.Namespace) -> LoadSettings:
+    if args.draft == NGRAM:
+        # The load test checks every draft replica's KV pool; the n-gram drafter has none and no address.
+        raise ValueError("--draft ngram is not supported; give a draft directory or demo:<name>")
+    return flags.settings_of(
+        LoadSettings,
+        args,
+        target_dir=model_dir(args.target, DEMO_TARGET, "--target"),
+        draft_dir=model_dir(args.draft, DEMO_DRAFT, "--draft"),
+    )
+
+
+def run_bench_command(command: str, arguments: Sequence[str]) -> int:
+    """Runs `tandem bench` or `tandem bench-load` with their arguments; returns the exit code."""
+    args = (bench_parser() if command == "bench" else load_parser()).parse_args(arguments)
+    missing = PSUTIL.missing()
+    if missing is not None:
+        print(f"tandem {command} cannot start: {missing}", file=sys.stderr)
+        return 2
+    try:
+        settings = bench_settings_of(args) if command == "bench" else load_settings_of(args)
+    except ValueError as error:
+        raise SystemExit(f"tandem {command}: {error}") from None
+    if isinstance(settings, BenchSettings):
+        from bench.main import run_benchmark
+
+        print(run_benchmark(settings).read_text())
+        return 0
+    return _run_load(settings)
+
+
+def _run_load(settings: LoadSettings) -> int:
+    """Runs the load test; exits non-zero on a timeout, a failed stream or KV blocks missing at the end."""
+    from bench.load import LoadTimeout, run_load
+
+    try:
+        report, run = run_load(settings)
+    except (ValueError, LoadTimeout) as error:
+        raise SystemExit(f"tandem bench-load: {error}") from None
+    print(report.read_text())
+    failures = [f"{count} streams failed with {code}" for code, count in sorted(run.errors.items())]
+    failures += [] if run.kv_back else ["KV blocks did not all come back"]
+    if failures:
+        print(f"tandem bench-load: {'; '.join(failures)} (see {report})", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,38 @@
+"""The model flags of `tandem serve`, `bench` and `bench-load`: --target and --draft, and the bundled demo pair.
+
+They are no settings fields: a command resolves them (a missing --target is the demo target, with the demo head
+unless --draft names another) into the directories its settings hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tandem.settings import DEMO_DRAFTS
+
+NGRAM = "ngram"  # --draft ngram: prompt-lookup drafting in the orchestrator, no draft model (orchestrator/ngram.py)
+
+
+def draft_dir_option(given: str) -> Path:
+    """A draft directory, or `demo:<name>` for one of the bundled demo heads (which fit the demo target only)."""
+    if not given.startswith("demo:"):
+        return Path(given)
+    name = given.removeprefix("demo:")
+    if name not in DEMO_DRAFTS:
+        raise argparse.ArgumentTypeError(f"{given!r}: the demo heads are {', '.join('demo:' + n for n in DEMO_DRAFTS)}")
+    return DEMO_DRAFTS[name]
+
+
+def draft_option(given: str) -> Path | str:
+    """`--draft`: a directory or `demo:<name>` (draft_dir_option), or NGRAM (a directory of that name: ./ngram)."""
+    return NGRAM if given == NGRAM else draft_dir_option(given)
+
+
+def model_dir(given: Path | None, demo: Path, flag: str) -> Path:
+    """The directory given, else the bundled demo model `demo`; SystemExit when that is not installed."""
+    if given is not None:
+        return given
+    if not (demo / "config.json").is_file():
+        raise SystemExit(f"tandem: no {flag} given and the bundled demo pair is not installed at {demo}")
+    return demo
