@@ -13,6 +13,7 @@ import pytest
 from orchestrator.backends import BackendError, FailureKind, OpenTask, StepTask
 from orchestrator.grpc_backends import GrpcTarget
 from tandem.grpc_util import channel_options
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.wire import target_pb2, target_pb2_grpc
 from tests.integration.stack import target_process
@@ -31,7 +32,7 @@ def test_step_stream_fails_items_alone_and_reports_a_dead_target(llama_target: P
                 assert stream is not None
 
                 # A wrong item fails alone: the other item of the same step goes on.
-                mixed = await backend.step([StepTask("missing", 1, 1, [8]), StepTask("a", 2, 1)], [])
+                mixed = await backend.step([StepTask("missing", 1, 1, DraftTree.chain([8])), StepTask("a", 2, 1)], [])
                 failure = mixed.results[0].failure
                 assert failure is not None and failure.kind == FailureKind.INVALID
                 assert str(failure) == "target: INVALID_ARGUMENT: request_id: 'missing' is not running on the target"
