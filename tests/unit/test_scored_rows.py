@@ -8,6 +8,7 @@ import torch
 
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.registry import load_target
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.sampling.scored_rows import mask_stop_tokens, token_logprobs
 from target_server.items import ItemStatus, OpenRequest, StepItem
@@ -87,7 +88,7 @@ def test_logprobs_of_accepted_drafts_equal_a_plain_forward(target: LlamaForCausa
     n = len(PROMPT)
     runner = TargetRunner(target, CACHE, max_context=64)
     (opened,) = runner.step([StepItem("a", n, open=OpenRequest(PROMPT, SamplingParams()), top_logprobs=3)])
-    (verified,) = runner.step([StepItem("a", 1, reference[n + 1 : n + 4], top_logprobs=3)])
+    (verified,) = runner.step([StepItem("a", 1, DraftTree.chain(reference[n + 1 : n + 4]), top_logprobs=3)])
     assert verified.accepted == 3
     logits, _ = full_forward(target, reference)
     expected = torch.log_softmax(logits, dim=-1)  # row i predicts token i + 1
