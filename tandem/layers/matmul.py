@@ -10,48 +10,18 @@ and past a few rows they lose to oneDNN's inner product too. So `linear` takes o
 - `onednn`: the same inner product on the plain weight, for a weight without the copy;
 - `F.linear` itself where none applies (other dtypes and devices, inputs that are not [rows, in], autograd, a
   PyTorch built without oneDNN).
-Measured per call on cold caches (each weight read once per pass, as a forward pass reads a model bigger than the
-caches), 2 intra-op threads, microseconds, F.linear / few / onednn:
-
-| W (out x in) | 1 row | 2 rows | 6 rows | 7 rows |
-|---|---|---|---|---|
-| 1536 x 512 (q/k/v) | 315 / 126 / 151 | 446 / 104 / 182 | 316 / 211 / 251 | 600 / 302 / 251 |
-| 3072 x 512 (gate/up) | 585 / 208 / 247 | 988 / 199 / 387 | 1156 / 464 / 471 | 1356 / 589 / 487 |
-| 512 x 1536 (down) | 196 / 113 / 99 | 309 / 105 / 142 | 329 / 326 / 183 | 385 / 373 / 181 |
-| 4096 x 512 (LM head) | 787 / 254 / 329 | 1408 / 248 / 507 | 1665 / 592 / 606 | 1988 / 742 / 619 |
-
-| W (out x in) | 48 rows | 192 rows | 2048 rows |
-|---|---|---|---|
-| 1536 x 512 (q/k/v) | 904 / 689 / 564 | 2346 / 2277 / 1554 | 16461 / 30635 / 15357 |
-| 3072 x 512 (gate/up) | 1801 / 1409 / 1078 | 4542 / 4432 / 3085 | 34442 / 61250 / 32254 |
-| 512 x 1536 (down) | 683 / 585 / 466 | 1957 / 1885 / 1475 | 16656 / 21329 / 15299 |
-| 4096 x 512 (LM head) | 2339 / 1835 / 1415 | 6136 / 6196 / 4153 | 50478 / 56827 / 45541 |
-
-The plain weight's oneDNN call reorders it into oneDNN's blocked layout on every call; from the copy it does not,
-and a few rows then cost what one does (the weight is read once). Measured again the same way, another day, few /
-onednn / prepacked, microseconds:
-
-| W (out x in) | 1 row | 3 rows | 6 rows | 48 rows | 1024 rows |
-|---|---|---|---|---|---|
-| 1536 x 512 (q/k/v) | 195 / 206 / 190 | 313 / 258 / 243 | 390 / 329 / 179 | - / 613 / 514 | - / 8808 / 8042 |
-| 3072 x 512 (gate/up) | 273 / 332 / 312 | 326 / 462 / 324 | 495 / 555 / 271 | - / 1113 / 936 | - / 17995 / 14997 |
-| 512 x 1536 (down) | 151 / 161 / 183 | 308 / 244 / 226 | 340 / 237 / 167 | - / 598 / 492 | - / 7896 / 7477 |
-| 4096 x 512 (LM head) | 329 / 384 / 367 | 452 / 612 / 409 | 606 / 561 / 316 | - / 1486 / 1279 | - / 21080 / 19610 |
-| 512 x 512 (o) | 98 / 135 / 173 | 102 / 179 / 129 | 153 / 144 / 110 | - / 317 / 249 | - / 2983 / 2582 |
-
-Hence the rule (`route`): `few` up to 2 rows; from 3 rows `prepacked` where the weight has its copy, otherwise `few`
+The measurements behind the choice, per route and shape, are in docs/benchmarks.md ("Matrix products on the CPU").
+The rule (`route`): `few` up to 2 rows; from 3 rows `prepacked` where the weight has its copy, otherwise `few`
 up to FEW_ROWS_WIDE rows for a weight at least as tall as it is wide and `onednn` for everything larger. All are
 float32 products of the same terms summed in another order: results agree to float32 rounding (the parity tests
 with transformers hold), not bit for bit.
 
 oneDNN builds a primitive (JIT-compiled kernels) for every shape it meets and keeps it in two caches of 1024 entries
-(oneDNN's own and PyTorch's ideep wrapper's), about 0.6 MB of memory each. A server meets a new row count with
-nearly every prompt, so each prompt paid for new kernels and the process grew: in one process, 800 distinct row
-counts through one 768 x 256 weight grew it by 470 MB, and the draft head took a median of 7.0 ms to ingest each
-of 70 prompts of 90-297 tokens the first time and 4.7 ms the second (about 600 page faults per new length for the
-new kernels' memory, none after). So the oneDNN routes compute a padded number of rows, `onednn_rows`: exact up to
-EXACT_ROWS, then rounded up to a multiple of max(MIN_ROW_STEP, 1/ROW_STEPS of the count's power of two) (at most 94
-distinct counts up to 2048 rows, at most 1/16 more rows past 128), the extra rows zeros whose results are dropped.
+(oneDNN's own and PyTorch's ideep wrapper's). A server meets a new row count with nearly every prompt, which would
+build new kernels for each and grow the process. So the oneDNN routes compute a padded number of rows,
+`onednn_rows`: exact up to EXACT_ROWS, then rounded up to a multiple of max(MIN_ROW_STEP, 1/ROW_STEPS of the count's
+power of two) (at most 94 distinct counts up to 2048 rows, at most 1/16 more rows past 128), the extra rows zeros
+whose results are dropped.
 """
 
 from __future__ import annotations
