@@ -10,7 +10,7 @@ from typing import Literal
 
 from tandem.flags import flag, nested, thread_count
 from tandem.models.aux_layers import CONVENTIONS, Convention
-from tandem.settings import KVCacheSettings, TreeShape
+from tandem.settings import KVCacheSettings, TreeShape, metrics_port_field
 from tandem.transport import Insecure, TransportSecurity
 
 # DeepSeek NextN reused for several steps: what a step hands to the next, the layer's shared_head.norm output
@@ -75,14 +75,7 @@ class DraftSettings:
         ),
     )
     target_security: TransportSecurity = field(default_factory=Insecure)  # the channel to the target
-    metrics_port: int | None = field(
-        default=None,
-        metadata=flag(
-            "--metrics-port",
-            "serve Prometheus /metrics on this port, on --host (0: a free one; unset: none)",
-            parse=int,
-        ),
-    )
+    metrics_port: int | None = metrics_port_field()
 
     def __post_init__(self) -> None:
         # The tree shape is checked against num_steps, and N filled in, once: ValueError names the flags.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tandem.flags import checked, flag, positive
 
@@ -35,6 +36,18 @@ DEMO_DRAFT = DEMO_DIR / "eagle3"
 DEMO_DRAFTS = {name: DEMO_DIR / name for name in ("eagle3", "eagle3-mla", "mtp")}
 # The demo target is a code model without a chat template; `tandem serve` gives it this one for /v1/chat/completions.
 DEMO_CHAT_TEMPLATE = DEMO_DIR / "chat_template.jinja"
+
+
+def metrics_port_field() -> Any:
+    """The `--metrics-port` field of a target's or a draft's settings (tandem/service_metrics.py serves it)."""
+    return field(
+        default=None,
+        metadata=flag(
+            "--metrics-port",
+            "serve Prometheus /metrics on this port, on --host (0: a free one; unset: none)",
+            parse=int,
+        ),
+    )
 
 
 def parse_size(text: str) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.flags import flag, nested, thread_count
-from tandem.settings import KVCacheSettings
+from tandem.settings import KVCacheSettings, metrics_port_field
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,4 @@ class TargetSettings:
     # Where the ranks meet ("host:port", rank 0 serves it). None: rank 0 picks a free loopback port and starts
     # ranks 1..tp-1 itself as child processes; given: someone else (the Ray launcher) starts them.
     rendezvous: str | None = None
-    metrics_port: int | None = field(
-        default=None,
-        metadata=flag(
-            "--metrics-port",
-            "serve Prometheus /metrics on this port, on --host (0: a free one; unset: none)",
-            parse=int,
-        ),
-    )
+    metrics_port: int | None = metrics_port_field()
