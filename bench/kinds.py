@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.settings import BenchSettings
-from launch.processes import hybrid_arguments, ngram_arguments, tree_arguments
-from orchestrator.settings import HybridSettings, NgramSettings
+from launch.serve_settings import ServeSettings
+from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
+from tandem import flags
 from tandem.settings import TreeShape
 
 KIND_NAMES = ("chain", "tree", "ngram", "hybrid")
@@ -39,14 +40,14 @@ class DraftKind:
     def serve_arguments(self, settings: BenchSettings) -> list[str]:
         """`tandem serve`'s draft options for this kind (no draft process for n-gram drafting)."""
         if self.ngram is not None:
-            return ngram_arguments(self.ngram)
+            return flags.field_arguments(ServeSettings, ngram=self.ngram)
         assert self.draft_dir is not None
         return [
             "--draft", str(self.draft_dir.absolute()),  # absolute: a directory named ngram is not --draft ngram
             "--draft-replicas", str(settings.draft_replicas),
             "--draft-threads", str(settings.draft_threads),
-            *tree_arguments(self.tree),
-            *hybrid_arguments(self.hybrid),
+            *flags.arguments_of(self.tree),
+            *flags.field_arguments(SchedulerSettings, hybrid=self.hybrid),
         ]  # fmt: skip
 
 

@@ -27,12 +27,10 @@ import grpc
 from draft_server.settings import DraftSettings
 from launch.serve_settings import ServeSettings
 from launch.stack_security import StackSecurity, without_secrets
-from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
 from tandem import flags
 from tandem.devices import DeviceRequest
 from tandem.grpc_util import channel_options
 from tandem.lifetime import start_child
-from tandem.settings import TreeShape
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 from target_server.settings import TargetSettings
 
@@ -44,21 +42,6 @@ def service_arguments(command: str, settings: TargetSettings | DraftSettings) ->
     """`tandem target|draft` with these settings: their options, and the resolved devices as a request."""
     device = DeviceRequest.of(settings.device, settings.dtype, settings.cache)
     return [command, *flags.arguments_of(settings), *flags.arguments_of(device)]
-
-
-def ngram_arguments(ngram: NgramSettings | None) -> list[str]:
-    """The flags that give `tandem serve` these n-gram settings (none: no n-gram drafting; bench/kinds.py)."""
-    return flags.field_arguments(ServeSettings, ngram=ngram)
-
-
-def hybrid_arguments(hybrid: HybridSettings | None) -> list[str]:
-    """The flags that give `tandem serve` these hybrid settings (none: no merging; bench/kinds.py)."""
-    return flags.field_arguments(SchedulerSettings, hybrid=hybrid)
-
-
-def tree_arguments(tree: TreeShape) -> list[str]:
-    """The flags that give `tandem serve` this tree shape (bench/kinds.py)."""
-    return flags.arguments_of(tree)
 
 
 class ChildFailed(RuntimeError):
