@@ -24,9 +24,9 @@ from orchestrator.backends import (
     FailureKind,
     ProposedBatch,
     ProposeTask,
-    StepDone,
+    StepItem,
     StepOutcome,
-    StepTask,
+    StepResult,
 )
 from orchestrator.batching import KVPool
 from orchestrator.hybrid import with_hybrid
@@ -42,7 +42,8 @@ from tandem.models.tokenizer_digest import tokenizer_digest
 from tandem.parallel.vocab import assemble_shards
 from tandem.settings import KVCacheSettings, TreeShape
 from tandem.wire import orchestrator_pb2
-from target_server.items import MAX_DRAFT_TOKENS, CapturedRows, ItemStatus, OpenRequest, StepItem
+from target_server import items as target_items
+from target_server.items import MAX_DRAFT_TOKENS, TARGET_ONLY, CapturedRows, ItemStatus, RowStream
 from target_server.main import target_info
 from target_server.runner import TargetRunner
 
@@ -52,10 +53,9 @@ REPLICA_ID = "colocated"
 class LocalDraft:
     """A DraftBackend over an in-process draft runner; the target hands it rows directly."""
 
-    def __init__(self, runner: ProposalRunner, capture: tuple[int, ...], tokens_only: bool) -> None:
+    def __init__(self, runner: ProposalRunner, stream: RowStream) -> None:
         self.runner = runner
-        self.capture = capture
-        self.tokens_only = tokens_only  # a standalone draft model: rows of tokens, no features
+        self.stream = stream  # what the target sends it of each committed position
         self.rows: dict[tuple[str, int], TargetRows] = {}
 
     def deliver(self, rows: CapturedRows, round_number: int) -> None:
@@ -92,40 +92,38 @@ class LocalTarget:
         self.runner = runner
         self.draft = draft
 
-    async def step(self, tasks: Sequence[StepTask], preempt: Sequence[str]) -> StepOutcome:
-        capture = self.draft.capture if self.draft is not None else ()
-        tokens_only = self.draft is not None and self.draft.tokens_only
-        items = [
-            StepItem(
-                task.request_id,
-                task.num_tokens,
-                task.drafts,
-                None
-                if task.open is None
-                else OpenRequest(task.open.prompt, task.open.sampling, task.open.end_token_ids),
-                (capture if task.replica is not None else ()) if task.open is not None or task.move else None,
-                replay=task.replay,
-                top_logprobs=task.top_logprobs,
-                tokens_only=tokens_only and task.replica is not None,
-                decode_steps=task.decode_steps,
-            )
-            for task in tasks
-        ]
+    async def step(self, items: Sequence[StepItem], preempt: Sequence[str]) -> StepOutcome:
         started = time.perf_counter()
-        results = self.runner.step(items, preempt)
+        results = self.runner.step([self._runner_item(item) for item in items], preempt)
         compute = time.perf_counter() - started
-        done = []
-        for task, result in zip(tasks, results, strict=True):
+        answers = []
+        for item, result in zip(items, results, strict=True):
             if result.status is not ItemStatus.OK:
                 kind = FailureKind.INVALID if result.status is ItemStatus.INVALID else FailureKind.EXHAUSTED
-                done.append(StepDone(task.request_id, BackendError(kind, result.message)))
+                answers.append(StepResult(item.request_id, BackendError(kind, result.message)))
                 continue
             if self.draft is not None and result.captured is not None:
-                self.draft.deliver(result.captured, task.round)
-            request = self.runner.requests[task.request_id]
-            streaming = self.draft is not None and (bool(request.capture) or request.tokens_only)
-            done.append(StepDone(task.request_id, None, result.accepted, result.new_tokens, streaming, result.logprobs))
-        return StepOutcome(done, compute)
+                self.draft.deliver(result.captured, item.round)
+            streaming = self.draft is not None and self.runner.requests[item.request_id].stream.streams
+            answers.append(
+                StepResult(item.request_id, None, result.accepted, result.new_tokens, streaming, result.logprobs)
+            )
+        return StepOutcome(answers, compute)
+
+    def _runner_item(self, item: StepItem) -> target_items.StepItem:
+        """The runner's item, as the target service makes it of the wire's (its replica resolved to a row stream)."""
+        opened = item.open
+        stream = self.draft.stream if self.draft is not None and item.replica is not None else TARGET_ONLY
+        return target_items.StepItem(
+            item.request_id,
+            item.num_tokens,
+            item.drafts,
+            None if opened is None else target_items.OpenRequest(opened.prompt, opened.sampling, opened.end_token_ids),
+            stream if opened is not None or item.move else None,
+            replay=item.replay,
+            top_logprobs=item.top_logprobs,
+            decode_steps=item.decode_steps,
+        )
 
     async def release(self, request_ids: Sequence[str]) -> None:
         self.runner.release(request_ids)
@@ -174,7 +172,7 @@ class ColocatedEngine:
                 table = assemble_shards(target_runner.weight_shards(name), model.config.vocab_size)
                 prepared.fill_table(name, table)
             runner = prepared.build_proposer(settings.cache, settings.tree)
-            draft = LocalDraft(runner, prepared.capture.indices, prepared.tokens_only)
+            draft = LocalDraft(runner, RowStream(prepared.capture.indices, prepared.tokens_only))
             replicas.add(REPLICA_ID, "in-process", with_hybrid(draft, scheduler_settings))
         if settings.ngram is not None:
             add_ngram_replica(replicas, settings.ngram)

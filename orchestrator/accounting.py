@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from orchestrator.backends import StepDone, StepOutcome, StepTask
+from orchestrator.backends import StepItem, StepOutcome, StepResult
 from orchestrator.batching import ActiveRequest
 from orchestrator.proposing import ReplicaTiming
 from orchestrator.speculation import SpeculationPolicy
@@ -30,7 +30,7 @@ class StepTimes:
 
 def observe_target_cost(
     speculation: SpeculationPolicy,
-    tasks: Sequence[StepTask],
+    items: Sequence[StepItem],
     outcome: StepOutcome,
     has_chunks: bool,
     target_seconds: float,
@@ -38,35 +38,35 @@ def observe_target_cost(
     """Feeds the cost line one decoding step: its rows and the time of one forward pass."""
     # A multi-token decode ran one forward pass per token: the cost model is of one pass.
     passes = max(
-        (len(done.new_tokens) for task, done in zip(tasks, outcome.results, strict=True) if task.decode_steps > 1),
+        (len(result.new_tokens) for item, result in zip(items, outcome.results, strict=True) if item.decode_steps > 1),
         default=1,
     )
     # A paused batch's passes beside its probe's verification (batching._multi_step): the first pass computed more
     # than the others, so the step is no sample of one pass of its size.
-    mixed = passes > 1 and any(task.drafts.tokens for task in tasks)
+    mixed = passes > 1 and any(item.drafts.tokens for item in items)
     if has_chunks or mixed:
         # The cost line models decoding steps, which k is chosen for: a step with prompt chunks computes hundreds of
         # tokens at a cost per token (attention over the prompt) that says nothing about a few more rows to verify,
         # and fitted in, it made drafts look dear at 8 requests (docs/architecture.md, "Adaptive k").
         return
-    rows = sum(task.num_tokens + len(task.drafts) for task in tasks)
+    rows = sum(item.num_tokens + len(item.drafts) for item in items)
     speculation.observe_target(rows, target_seconds / passes)
 
 
 def count_round(
     speculation: SpeculationPolicy,
     request: ActiveRequest,
-    task: StepTask,
-    done: StepDone,
+    item: StepItem,
+    result: StepResult,
     timing: ReplicaTiming | None,  # of the Propose that drafted for the request's replica; None: none asked
     outcome: StepOutcome,
     times: StepTimes,
 ) -> None:
     """Counts a decoding request's round in its statistics and in the acceptance the cost model keeps."""
     stats = request.output.stats
-    depth = task.drafts.depth
-    stats.count_round(len(task.drafts), depth, done.accepted)
-    speculation.observe_round(depth, done.accepted)
+    depth = item.drafts.depth
+    stats.count_round(len(item.drafts), depth, result.accepted)
+    speculation.observe_round(depth, result.accepted)
     draft_compute = timing.compute_seconds if timing else 0.0
     stats.draft_seconds += draft_compute
     stats.draft_ahead_seconds += timing.ahead_seconds if timing else 0.0

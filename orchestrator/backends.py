@@ -31,7 +31,7 @@ class BackendError(Exception):
 
 
 @dataclass(frozen=True)
-class OpenTask:
+class OpenRequest:
     """What a request's first step item carries to the target."""
 
     prompt: Sequence[int]
@@ -40,8 +40,8 @@ class OpenTask:
 
 
 @dataclass(frozen=True)
-class StepTask:
-    """One request's item of a target step (target_server.runner.StepItem on the other side).
+class StepItem:
+    """One request's share of a target step: the wire's StepItem, target_server.items.StepItem on the other side.
 
     It computes the next num_tokens committed tokens from where the request's KV ends; one that reaches the last
     committed token also verifies its drafts and commits new tokens.
@@ -51,7 +51,7 @@ class StepTask:
     round: int  # the hidden rows this item commits are published under this round
     num_tokens: int
     drafts: DraftTree = field(default_factory=DraftTree)  # to verify after the last committed token
-    open: OpenTask | None = None  # on the request's first item
+    open: OpenRequest | None = None  # on the request's first item
     # With open, or with move: where the target's hidden rows go (None: nowhere, target-only). With move and
     # replay the target also resends every committed row, for a replica that starts the request from scratch.
     replica: str | None = None
@@ -65,18 +65,18 @@ class StepTask:
 
 
 @dataclass(frozen=True)
-class StepDone:
+class StepResult:
     request_id: str
     failure: BackendError | None  # INVALID: the item is wrong; EXHAUSTED: no KV room now (nothing changed)
     accepted: int = 0
     new_tokens: list[int] = field(default_factory=list)  # empty for a prompt chunk
     streaming: bool = False  # hidden rows go to the request's replica
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token when the task asked
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token when the item asked
 
 
 @dataclass(frozen=True)
 class StepOutcome:
-    results: list[StepDone]  # one per task, in order
+    results: list[StepResult]  # one per item, in order
     compute_seconds: float
 
 
@@ -99,14 +99,14 @@ class ProposedBatch:
     # Requests the replica had no KV room for: it dropped their state, so the target must replay their rows.
     exhausted: dict[str, str]  # request id -> why
     compute_seconds: float
-    # Draft compute for these requests done before the call (drafted ahead, StepTask.draft_ahead); compute_seconds
+    # Draft compute for these requests done before the call (drafted ahead, StepItem.draft_ahead); compute_seconds
     # is what the call still waited for.
     ahead_seconds: float = 0.0
 
 
 class TargetBackend(Protocol):
-    async def step(self, tasks: Sequence[StepTask], preempt: Sequence[str]) -> StepOutcome:
-        """Frees the KV of `preempt` (the target keeps their tokens), then runs the tasks in one forward pass."""
+    async def step(self, items: Sequence[StepItem], preempt: Sequence[str]) -> StepOutcome:
+        """Frees the KV of `preempt` (the target keeps their tokens), then runs the items in one forward pass."""
         ...
 
     async def release(self, request_ids: Sequence[str]) -> None: ...

@@ -115,7 +115,7 @@ class ActiveRequest:
 
 
 @dataclass(frozen=True)
-class Scheduled:
+class PlannedItem:
     request: ActiveRequest
     num_tokens: int  # committed tokens to compute
     max_drafts: int  # room reserved for drafts (decoding requests only)
@@ -124,12 +124,12 @@ class Scheduled:
 
 @dataclass
 class StepPlan:
-    decode: list[Scheduled] = field(default_factory=list)  # oldest first
-    chunks: list[Scheduled] = field(default_factory=list)  # running prefills, then admitted requests
+    decode: list[PlannedItem] = field(default_factory=list)  # oldest first
+    chunks: list[PlannedItem] = field(default_factory=list)  # running prefills, then admitted requests
     admitted: list[ActiveRequest] = field(default_factory=list)  # taken from the waiting queue
     preempted: list[ActiveRequest] = field(default_factory=list)
 
-    def entries(self) -> list[Scheduled]:
+    def entries(self) -> list[PlannedItem]:
         """Every item of the step, in the order the target gets them: decoding requests, then prompt chunks."""
         return [*self.decode, *self.chunks]
 
@@ -203,7 +203,7 @@ def _plan_decodes(
         if request in plan.preempted:
             break
         budget.take(need, rows)
-        plan.decode.append(Scheduled(request, 1, drafts))
+        plan.decode.append(PlannedItem(request, 1, drafts))
 
 
 def _plan_prefills(plan: StepPlan, running: Sequence[ActiveRequest], budget: _Budget) -> None:
@@ -228,7 +228,7 @@ def _plan_prefills(plan: StepPlan, running: Sequence[ActiveRequest], budget: _Bu
             continue
         budget.take(need, chunk)
         scheduled.add(id(request))
-        plan.chunks.append(Scheduled(request, chunk, 0))
+        plan.chunks.append(PlannedItem(request, chunk, 0))
 
 
 def _plan_admissions(
@@ -245,7 +245,7 @@ def _plan_admissions(
             break  # arrival order: no later request overtakes this one
         budget.take(need, chunk)
         plan.admitted.append(request)
-        plan.chunks.append(Scheduled(request, chunk, 0))
+        plan.chunks.append(PlannedItem(request, chunk, 0))
 
 
 def draft_rows(max_drafts: int, settings: SchedulerSettings) -> int:
@@ -256,7 +256,7 @@ def draft_rows(max_drafts: int, settings: SchedulerSettings) -> int:
     return max(max_drafts, settings.max_tree_drafts)
 
 
-def _multi_step(decode: list[Scheduled], pool: KVPool, free: int, steps: int) -> list[Scheduled]:
+def _multi_step(decode: list[PlannedItem], pool: KVPool, free: int, steps: int) -> list[PlannedItem]:
     """Lets a step of decoding requests without drafts run several forward passes (each request at most to its
     max_new_tokens) when the pool holds all of their tokens; `decode` unchanged otherwise.
 
@@ -283,6 +283,6 @@ def _multi_step(decode: list[Scheduled], pool: KVPool, free: int, steps: int) ->
     if need > free:
         return decode
     return [
-        Scheduled(entry.request, entry.num_tokens, 0, max(1, planned[id(entry)])) if id(entry) in planned else entry
+        PlannedItem(entry.request, entry.num_tokens, 0, max(1, planned[id(entry)])) if id(entry) in planned else entry
         for entry in decode
     ]

@@ -13,9 +13,9 @@ from orchestrator.backends import (
     FailureKind,
     ProposedBatch,
     ProposeTask,
-    StepDone,
+    StepItem,
     StepOutcome,
-    StepTask,
+    StepResult,
 )
 from tandem.grpc_util import STATUS_CODES
 from tandem.leases import session_metadata
@@ -146,11 +146,11 @@ class GrpcTarget:
             lambda: stub.StepStream(metadata=self.metadata), "target step", timeout_s
         )
 
-    async def step(self, tasks: Sequence[StepTask], preempt: Sequence[str]) -> StepOutcome:
-        request = target_pb2.StepRequest(items=[_step_item(task) for task in tasks], preempt=preempt)
+    async def step(self, items: Sequence[StepItem], preempt: Sequence[str]) -> StepOutcome:
+        request = target_pb2.StepRequest(items=[_step_item(item) for item in items], preempt=preempt)
         response = await self._step.call(request, self.timeout_s)
         results = [
-            StepDone(
+            StepResult(
                 result.request_id,
                 _item_failure("target", result.error) if result.HasField("error") else None,
                 result.accepted,
@@ -171,25 +171,25 @@ class GrpcTarget:
             raise _backend_error(error, "target release") from None
 
 
-def _step_item(task: StepTask) -> target_pb2.StepItem:
-    item = target_pb2.StepItem(
-        request_id=task.request_id,
-        round=task.round,
-        num_tokens=task.num_tokens,
-        drafts=tree_to_proto(task.drafts),
-        draft_replica=task.replica or "",
-        set_replica=task.move,
-        replay=task.replay,
-        logprobs=task.top_logprobs is not None,
-        top_logprobs=task.top_logprobs or 0,
-        decode_steps=task.decode_steps,
-        draft_ahead=task.draft_ahead,
+def _step_item(item: StepItem) -> target_pb2.StepItem:
+    message = target_pb2.StepItem(
+        request_id=item.request_id,
+        round=item.round,
+        num_tokens=item.num_tokens,
+        drafts=tree_to_proto(item.drafts),
+        draft_replica=item.replica or "",
+        set_replica=item.move,
+        replay=item.replay,
+        logprobs=item.top_logprobs is not None,
+        top_logprobs=item.top_logprobs or 0,
+        decode_steps=item.decode_steps,
+        draft_ahead=item.draft_ahead,
     )
-    if task.open is not None:
-        sampling = task.open.sampling
-        item.open.CopyFrom(
+    if item.open is not None:
+        sampling = item.open.sampling
+        message.open.CopyFrom(
             target_pb2.OpenRequest(
-                prompt=task.open.prompt,
+                prompt=item.open.prompt,
                 sampling=common_pb2.SamplingParams(
                     temperature=sampling.temperature,
                     top_p=sampling.top_p,
@@ -198,10 +198,10 @@ def _step_item(task: StepTask) -> target_pb2.StepItem:
                     min_tokens=sampling.min_tokens,
                     stop_token_ids=sampling.stop_token_ids,
                 ),
-                end_token_ids=sorted(task.open.end_token_ids),
+                end_token_ids=sorted(item.open.end_token_ids),
             )
         )
-    return item
+    return message
 
 
 class GrpcDraft:

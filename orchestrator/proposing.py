@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from orchestrator.backends import ProposedBatch, ProposeTask
-from orchestrator.batching import ActiveRequest, Drafting, Scheduled
+from orchestrator.batching import ActiveRequest, Drafting, PlannedItem
 from orchestrator.placement import Placement
 from orchestrator.speculation import SpeculationPolicy
 from tandem.sampling.draft_tree import DraftTree
@@ -43,7 +43,7 @@ class Proposer:
         # Called with (replica id, seconds) after every Propose call that answered (orchestrator.metrics).
         self.listeners: list[Callable[[str, float], None]] = []
 
-    async def propose(self, decode: Sequence[Scheduled]) -> tuple[Drafts, dict[str, ReplicaTiming]]:
+    async def propose(self, decode: Sequence[PlannedItem]) -> tuple[Drafts, dict[str, ReplicaTiming]]:
         """The drafts of the step's decoding requests that have room for some, by request id, and each replica's
         timing."""
         requests: dict[str, ActiveRequest] = {}

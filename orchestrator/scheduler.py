@@ -29,8 +29,16 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from orchestrator.accounting import StepTimes, count_round, observe_target_cost
-from orchestrator.backends import BackendError, FailureKind, OpenTask, StepDone, StepOutcome, StepTask, TargetBackend
-from orchestrator.batching import ActiveRequest, Drafting, KVPool, Scheduled, StepPlan, plan_step
+from orchestrator.backends import (
+    BackendError,
+    FailureKind,
+    OpenRequest,
+    StepItem,
+    StepOutcome,
+    StepResult,
+    TargetBackend,
+)
+from orchestrator.batching import ActiveRequest, Drafting, KVPool, PlannedItem, StepPlan, plan_step
 from orchestrator.output import RequestFailed, RequestOutput
 from orchestrator.placement import Placement
 from orchestrator.proposing import Drafts, Proposer
@@ -149,30 +157,30 @@ class Scheduler:
         if plan is None:
             return
         drafts, timings = await self.proposer.propose(plan.decode)
-        tasks = self._tasks(plan, drafts, judged)
+        items = self._items(plan, drafts, judged)
         step_started = time.perf_counter()
-        outcome = await self._run_target(plan, tasks)
+        outcome = await self._run_target(plan, items)
         if outcome is None:
             return
         times = StepTimes(started, step_started - started, time.perf_counter() - step_started)
-        observe_target_cost(self.speculation, tasks, outcome, bool(plan.chunks), times.target_seconds)
+        observe_target_cost(self.speculation, items, outcome, bool(plan.chunks), times.target_seconds)
         decoding = {entry.request.request_id for entry in plan.decode}
         # The replica each request had when its item was built: a replica failing while the results are read moves
         # requests, and what the target said about the old replica must not be held against the new one.
         sent_to = {entry.request.request_id: entry.request.replica for entry in plan.entries()}
-        for task, done in zip(tasks, outcome.results, strict=True):
-            request = self.running[task.request_id]
-            if not self._applied(request, task, done, sent_to[task.request_id]):
+        for item, result in zip(items, outcome.results, strict=True):
+            request = self.running[item.request_id]
+            if not self._applied(request, item, result, sent_to[item.request_id]):
                 continue
-            if task.request_id in decoding:
+            if item.request_id in decoding:
                 timing = timings.get(request.replica or "")
-                count_round(self.speculation, request, task, done, timing, outcome, times)
-            if done.new_tokens:
+                count_round(self.speculation, request, item, result, timing, outcome, times)
+            if result.new_tokens:
                 request.round += 1
                 if not request.cancelled:
-                    request.output.emit(done.new_tokens, self.eos_token_ids, done.logprobs)
+                    request.output.emit(result.new_tokens, self.eos_token_ids, result.logprobs)
         self.speculation.observe_scheduling(times.scheduling_seconds())
-        self._release_finished([task.request_id for task in tasks])
+        self._release_finished([item.request_id for item in items])
 
     def _choose_k(self) -> int:
         """Sets the step's k (pausing speculation first where adaptive k settled at 0); returns the batch size k was
@@ -202,10 +210,10 @@ class Scheduler:
             await asyncio.sleep(0.01)
         return None
 
-    async def _run_target(self, plan: StepPlan, tasks: list[StepTask]) -> StepOutcome | None:
+    async def _run_target(self, plan: StepPlan, items: list[StepItem]) -> StepOutcome | None:
         """The target's step; None when the call failed, which fails every request of the step."""
         try:
-            outcome = await self.target.step(tasks, [request.request_id for request in plan.preempted])
+            outcome = await self.target.step(items, [request.request_id for request in plan.preempted])
         except BackendError as error:
             scheduled = [entry.request for entry in plan.entries()]
             if error.kind is FailureKind.UNAVAILABLE:
@@ -219,26 +227,26 @@ class Scheduler:
         self.target_failure = None
         return outcome
 
-    def _applied(self, request: ActiveRequest, task: StepTask, done: StepDone, sent_to: str | None) -> bool:
+    def _applied(self, request: ActiveRequest, item: StepItem, result: StepResult, sent_to: str | None) -> bool:
         """Takes what the target did with the request's item into its state; False when the item failed or waits
         for KV room."""
-        if done.failure is not None:
-            if done.failure.kind == FailureKind.EXHAUSTED:
-                LOG.info("request %s waits for KV room: %s", request.request_id, done.failure)
+        if result.failure is not None:
+            if result.failure.kind == FailureKind.EXHAUSTED:
+                LOG.info("request %s waits for KV room: %s", request.request_id, result.failure)
             else:
-                self._fail([request], RequestFailed(done.failure.kind, str(done.failure)))
+                self._fail([request], RequestFailed(result.failure.kind, str(result.failure)))
             return False
         request.opened = True
-        if task.move and request.replica == sent_to:
+        if item.move and request.replica == sent_to:
             request.needs_move = False
         # The target keeps KV for the computed tokens, the accepted drafts and, after a multi-token decode, every new
         # token but the last (1 + accepted new tokens after a verification, n after n forward passes).
-        request.kv_length += task.num_tokens + max(done.accepted, len(done.new_tokens) - 1)
-        if task.replica is not None and not done.streaming:  # the replica the rows went to has no stream
-            self.placement.replica_failed(task.replica, "not subscribed to the target")
+        request.kv_length += item.num_tokens + max(result.accepted, len(result.new_tokens) - 1)
+        if item.replica is not None and not result.streaming:  # the replica the rows went to has no stream
+            self.placement.replica_failed(item.replica, "not subscribed to the target")
         return True
 
-    def _tasks(self, plan: StepPlan, drafts: Drafts, judged: int) -> list[StepTask]:
+    def _items(self, plan: StepPlan, drafts: Drafts, judged: int) -> list[StepItem]:
         drafting = sum(1 for entry in plan.entries() if self._drafts_next(entry))
         # What a replica drafts ahead is for the round after this one, which drafts the settled k, not an
         # exploration's (a paused batch's probe drafted ahead 5 steps for a round of k = 0); nothing when the step
@@ -249,19 +257,19 @@ class Scheduler:
 
     def _task(
         self,
-        entry: Scheduled,
+        entry: PlannedItem,
         drafts: DraftTree,
         ahead_k: int,  # at most this many drafts ahead for the next round (0: none this step)
-    ) -> StepTask:
+    ) -> StepItem:
         request = entry.request
         params = request.params
         rows_to = self._hidden_rows_to(request.replica)
-        return StepTask(
+        return StepItem(
             request_id=request.request_id,
             round=request.round + 1,
             num_tokens=entry.num_tokens,
             drafts=drafts,
-            open=None if request.opened else OpenTask(params.input_ids, params.sampling, self._end_tokens(params)),
+            open=None if request.opened else OpenRequest(params.input_ids, params.sampling, self._end_tokens(params)),
             replica=rows_to,
             move=request.needs_move,
             replay=request.needs_move and rows_to is not None,
@@ -270,7 +278,7 @@ class Scheduler:
             draft_ahead=self._draft_ahead(entry, rows_to, ahead_k),
         )
 
-    def _draft_ahead(self, entry: Scheduled, rows_to: str | None, ahead_k: int) -> int:
+    def _draft_ahead(self, entry: PlannedItem, rows_to: str | None, ahead_k: int) -> int:
         """Steps the request's replica may draft for its next round once this step's rows reach it: `ahead_k`,
         within what the request may still generate after at least one more token; 0 when it is not drafting
         (target-only, a move, its last round)."""
@@ -279,7 +287,7 @@ class Scheduler:
             return 0
         return max(0, min(ahead_k, request.output.remaining - 2))
 
-    def _drafts_next(self, entry: Scheduled) -> bool:
+    def _drafts_next(self, entry: PlannedItem) -> bool:
         """Whether the request drafts in its round after this step: it verifies drafts in this one, or this is the
         last chunk of its prompt (the step commits its first token) and it has a replica to draft with. That replica
         then ingests the prompt's rows and drafts the first round when they arrive, in one batch with the step's
@@ -338,18 +346,18 @@ class Scheduler:
 
     def _release_finished(self, request_ids: Sequence[str]) -> None:
         """Drops finished requests from the running set and starts their releases on target and replicas."""
-        done = [self.running[i] for i in request_ids if i in self.running and self.running[i].finished]
-        for request in done:
+        finished = [self.running[i] for i in request_ids if i in self.running and self.running[i].finished]
+        for request in finished:
             del self.running[request.request_id]
-        if not done:
+        if not finished:
             return
         # A finished request stops counting against its replica now, not once the releases are answered. The KV
         # mirror counts the blocks free now; should a step reach the target before its release, an item without
         # room waits a step.
-        for request in done:
+        for request in finished:
             if request.replica is not None:
                 self.replicas.release(request.replica)
-        self.releases.release(done)
+        self.releases.release(finished)
 
     def unhealthy(self, now: float) -> str | None:
         """Why the orchestrator cannot serve now (grpc.health.v1 reports NOT_SERVING), or None when it can: the

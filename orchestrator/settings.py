@@ -115,7 +115,7 @@ class SchedulerSettings:
         ),
     )
     # In steps with at most this many drafting requests, ask their replicas to draft the next round as soon as the
-    # target's rows arrive, while the target's answer and the next Propose travel (StepTask.draft_ahead); 0: never.
+    # target's rows arrive, while the target's answer and the next Propose travel (StepItem.draft_ahead); 0: never.
     # Larger batches lost on 2 cores: the batch drafted ahead competed with the orchestrator's work on their outputs.
     draft_ahead: int = field(
         default=8,

@@ -12,18 +12,18 @@ from dataclasses import dataclass, field
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
 from tandem.sampling.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling.verify import VerifyOutcome, make_generator
-from target_server.items import MAX_DRAFT_TOKENS, RequestError, StepItem, TargetRequest
+from target_server.items import MAX_DRAFT_TOKENS, TARGET_ONLY, RequestError, RowStream, StepItem, TargetRequest
 
 
 @dataclass
-class Planned:
+class AdmittedItem:
     """An item admitted to the forward pass: where its rows are and what it reserved."""
 
     item: StepItem
     request: TargetRequest
     start_length: int  # kv.length before the step
     opened: bool
-    previous_stream: tuple[tuple[int, ...], bool]  # the request's (capture, tokens_only) before the item
+    previous_stream: RowStream  # the request's before the item
     scratch: SequenceKV | None  # the replay's sequence
     rows: slice = field(default_factory=lambda: slice(0))  # the item's rows in the packed batch
     scratch_rows: slice = field(default_factory=lambda: slice(0))  # the replay's rows
@@ -49,7 +49,7 @@ class Admission:
         self.max_context = max_context
         self.vocab_size = vocab_size
 
-    def admit(self, item: StepItem) -> Planned:
+    def admit(self, item: StepItem) -> AdmittedItem:
         """Checks an item and reserves its KV blocks; raises RequestError or OutOfKVBlocks (changing nothing) when it
         cannot run."""
         opened = item.open is not None
@@ -57,7 +57,7 @@ class Admission:
         start = request.kv.length
         self._check_item(item, request)
         drafts = len(item.drafts)
-        replay = item.replay and bool(item.capture) and start > 0
+        replay = item.replay and item.stream is not None and bool(item.stream.capture) and start > 0
         scratch = SequenceKV() if replay else None
         needed = self.cache.blocks_needed(request.kv, start + item.num_tokens + drafts)
         needed += self.cache.blocks_needed(scratch, start) if scratch is not None else 0
@@ -70,16 +70,16 @@ class Admission:
             self.cache.reserve(scratch, start)
         if opened:
             self.requests[item.request_id] = request
-        previous_stream = (request.capture, request.tokens_only)
-        if item.capture is not None:
-            request.capture, request.tokens_only = item.capture, item.tokens_only
-        return Planned(item, request, start, opened, previous_stream, scratch)
+        previous_stream = request.stream
+        if item.stream is not None:
+            request.stream = item.stream
+        return AdmittedItem(item, request, start, opened, previous_stream, scratch)
 
-    def undo(self, entry: Planned) -> None:
+    def undo(self, entry: AdmittedItem) -> None:
         """Returns what an item reserved: its KV back to the start length (an item that opened the request: all)."""
         if entry.scratch is not None:
             self.cache.release(entry.scratch)
-        entry.request.capture, entry.request.tokens_only = entry.previous_stream
+        entry.request.stream = entry.previous_stream
         if entry.opened:
             self.requests.pop(entry.item.request_id, None)
             self.cache.release(entry.request.kv)
@@ -102,7 +102,7 @@ class Admission:
             prompt,
             sampling,
             make_generator(sampling),
-            (),
+            TARGET_ONLY,
             prompt_length=len(prompt),
             end_token_ids=item.open.end_token_ids,
         )

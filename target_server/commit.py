@@ -14,11 +14,11 @@ import torch
 from tandem.models.stack import TargetOutput
 from tandem.sampling.batched import verify_items
 from tandem.sampling.scored_rows import mask_stop_tokens
-from target_server.admission import Planned
-from target_server.items import CapturedRows, ItemResult, StepItem
+from target_server.admission import AdmittedItem
+from target_server.items import CapturedRows, StepItem, StepResult
 
 
-def verify_batched(planned: Sequence[Planned], logits: torch.Tensor) -> None:  # logits [scored rows, vocab]
+def verify_batched(planned: Sequence[AdmittedItem], logits: torch.Tensor) -> None:  # logits [scored rows, vocab]
     """Decides, in one batch on the logits' device (tandem.sampling.batched), every item that needs no request's own
     generator: greedy ones and sampled ones without a seed. Seeded ones keep their CPU generator (the runner's
     commit), so that a seed gives the same tokens on every device."""
@@ -43,18 +43,18 @@ def verify_batched(planned: Sequence[Planned], logits: torch.Tensor) -> None:  #
 
 
 def captured_rows(
-    entry: Planned, output: TargetOutput, end: int, device: torch.device, rows: Sequence[int] | None = None
+    entry: AdmittedItem, output: TargetOutput, end: int, device: torch.device, rows: Sequence[int] | None = None
 ) -> CapturedRows | None:
     """Rows of positions [first, end) for the request's draft: the replayed ones, then the committed ones (`rows` of
     the packed batch after a tree; None: the item's first end - start rows)."""
     request = entry.request
     start = entry.start_length
-    if request.tokens_only:
+    if request.stream.tokens_only:
         # A token-only draft needs x[0] too: rows from scratch start at position -1, which pairs with x[0].
         first = -1 if start == 0 or entry.item.replay else start
         empty = torch.empty((end - first, 0), device=device)  # [end - first, 0]
         return CapturedRows(request.request_id, first, request.tokens[first + 1 : end + 1], empty)
-    if not request.capture:
+    if not request.stream.capture:
         return None
     parts: list[slice | torch.Tensor] = [entry.scratch_rows] if entry.scratch is not None else []
     if rows is None:
@@ -62,13 +62,13 @@ def captured_rows(
     else:
         parts.append(torch.tensor(rows, dtype=torch.long, device=device))
     features = torch.cat(
-        [torch.cat([output.captured[index][part] for index in request.capture], dim=-1) for part in parts]
+        [torch.cat([output.captured[index][part] for index in request.stream.capture], dim=-1) for part in parts]
     )  # [end - first, len(capture) * hidden]
     first = 0 if entry.scratch is not None else start
     return CapturedRows(request.request_id, first, request.tokens[first + 1 : end + 1], features)
 
 
-def joined(first: ItemResult, then: ItemResult) -> ItemResult:
+def joined(first: StepResult, then: StepResult) -> StepResult:
     """One result for two consecutive forward passes of a decoding request (no drafts, so nothing accepted)."""
     captured = first.captured
     if captured is not None and then.captured is not None:

@@ -1,6 +1,6 @@
 """What a target step is made of: the items the runner takes, their results, and the request state it keeps.
 
-`StepItem` is one request's share of a step (the orchestrator's StepTask, the wire's StepItem); `ItemResult` what
+`StepItem` is one request's share of a step (the orchestrator's StepItem, the wire's StepItem); `StepResult` what
 the step did with it.
 """
 
@@ -32,16 +32,31 @@ class ItemStatus(enum.Enum):
     EXHAUSTED = "exhausted"  # the KV pool cannot hold the item now; nothing changed
 
 
+@dataclass(frozen=True)
+class RowStream:
+    """What a request's draft gets of each committed position: the rows of these capture indices, or (tokens_only,
+    a standalone draft model) the committed tokens with zero-width features. The default sends nothing: target-only."""
+
+    capture: tuple[int, ...] = ()
+    tokens_only: bool = False
+
+    @property
+    def streams(self) -> bool:
+        return bool(self.capture) or self.tokens_only
+
+
+TARGET_ONLY = RowStream()
+
+
 @dataclass
 class TargetRequest:
     request_id: str
     tokens: list[int]
     sampling: SamplingParams
     generator: torch.Generator
-    capture: tuple[int, ...]  # capture indices streamed to the request's draft; () for target-only
+    stream: RowStream  # what goes to the request's draft
     kv: SequenceKV = field(default_factory=SequenceKV)
     prompt_length: int = 0  # tokens[prompt_length:] are the request's new tokens
-    tokens_only: bool = False  # the draft takes committed tokens only (rows with zero-width features)
     end_token_ids: frozenset[int] = frozenset()  # a multi-token decode stops after one of these
 
 
@@ -72,8 +87,7 @@ class StepItem:
     # verified with a tree mask and tandem.sampling.tree_verify.
     drafts: DraftTree = field(default_factory=DraftTree)
     open: OpenRequest | None = None  # on the request's first item
-    capture: tuple[int, ...] | None = None  # a new capture set (open, or a move to another draft); None: unchanged
-    tokens_only: bool = False  # with a new capture set (then ()): the draft takes committed tokens only
+    stream: RowStream | None = None  # a new stream (open, or a move to another draft); None: unchanged
     # Recompute the aux rows of every position the request's KV holds, for a draft that starts from scratch; the
     # request's own KV is not rewritten (a recomputed KV could differ in the last bits, and with it the outputs).
     replay: bool = False
@@ -84,7 +98,7 @@ class StepItem:
 
 
 @dataclass(frozen=True)
-class ItemResult:
+class StepResult:
     request_id: str
     status: ItemStatus
     message: str = ""  # why, when not OK

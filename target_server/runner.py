@@ -44,14 +44,15 @@ from tandem.sampling.scored_rows import mask_stop_tokens, token_logprobs
 from tandem.sampling.tree_verify import mask_tree_stop_tokens, verify_tree
 from tandem.sampling.verify import verify
 from tandem.settings import KVCacheSettings
-from target_server.admission import Admission, Planned
+from target_server.admission import Admission, AdmittedItem
 from target_server.commit import captured_rows, joined, tree_of, verify_batched
 from target_server.items import (
-    ItemResult,
     ItemStatus,
     OpenRequest,
     RequestError,
+    RowStream,
     StepItem,
+    StepResult,
     TargetRequest,
 )
 from target_server.ranks import RankDriver, build_cache
@@ -91,7 +92,7 @@ class TargetRunner:
         return self.cache.device
 
     @torch.inference_mode()
-    def step(self, items: Sequence[StepItem], preempt: Sequence[str] = ()) -> list[ItemResult]:
+    def step(self, items: Sequence[StepItem], preempt: Sequence[str] = ()) -> list[StepResult]:
         """Frees the KV of `preempt` (tokens kept), then runs the items in one forward pass, one result per item;
         items with decode_steps > 1 then go on decoding, one more forward pass of all of them per token.
 
@@ -117,7 +118,7 @@ class TargetRunner:
                     del going[index]
         return results
 
-    def _decodes_on(self, item: StepItem, result: ItemResult, done_steps: int) -> bool:
+    def _decodes_on(self, item: StepItem, result: StepResult, done_steps: int) -> bool:
         """Whether a multi-token decode item takes another token after `done_steps` forward passes."""
         if result.status is not ItemStatus.OK or item.drafts.tokens or done_steps >= item.decode_steps:
             return False
@@ -129,10 +130,10 @@ class TargetRunner:
             and len(request.tokens) < self.max_context
         )
 
-    def _forward_items(self, items: Sequence[StepItem]) -> list[ItemResult]:
+    def _forward_items(self, items: Sequence[StepItem]) -> list[StepResult]:
         """Runs the items in one forward pass, one result per item; an item that cannot run fails alone."""
-        results: dict[int, ItemResult] = {}
-        planned: list[tuple[int, Planned]] = []
+        results: dict[int, StepResult] = {}
+        planned: list[tuple[int, AdmittedItem]] = []
         seen: set[str] = set()
         for index, item in enumerate(items):
             try:
@@ -141,9 +142,9 @@ class TargetRunner:
                 seen.add(item.request_id)
                 planned.append((index, self.admission.admit(item)))
             except RequestError as error:
-                results[index] = ItemResult(item.request_id, ItemStatus.INVALID, str(error))
+                results[index] = StepResult(item.request_id, ItemStatus.INVALID, str(error))
             except OutOfKVBlocks as error:
-                results[index] = ItemResult(item.request_id, ItemStatus.EXHAUSTED, str(error))
+                results[index] = StepResult(item.request_id, ItemStatus.EXHAUSTED, str(error))
         working = [entry for _, entry in planned if entry.has_work]
         try:
             output, logits = self._forward(working) if working else (None, None)
@@ -156,19 +157,19 @@ class TargetRunner:
         for index, entry in planned:
             if output is None or logits is None or not entry.has_work:
                 # Nothing to compute: the item only changed where the request's rows go (a move to no draft).
-                results[index] = ItemResult(entry.item.request_id, ItemStatus.OK)
+                results[index] = StepResult(entry.item.request_id, ItemStatus.OK)
             else:
                 results[index] = self._commit(entry, output, logits)
         return [results[index] for index in range(len(items))]
 
     def prefill(
         self, request_id: str, prompt: Sequence[int], sampling: SamplingParams, capture: tuple[int, ...] = ()
-    ) -> ItemResult:
+    ) -> StepResult:
         """Opens a request and computes its whole prompt in one step; raises RequestError unless it succeeds."""
-        item = StepItem(request_id, len(prompt), open=OpenRequest(prompt, sampling), capture=capture)
+        item = StepItem(request_id, len(prompt), open=OpenRequest(prompt, sampling), stream=RowStream(capture))
         return self._only(item)
 
-    def verify(self, request_id: str, draft_tokens: Sequence[int] = ()) -> ItemResult:
+    def verify(self, request_id: str, draft_tokens: Sequence[int] = ()) -> StepResult:
         """Verifies drafts after the last committed token (none: plain decoding); raises unless it succeeds."""
         return self._only(StepItem(request_id, 1, DraftTree.chain(draft_tokens)))
 
@@ -187,13 +188,13 @@ class TargetRunner:
             if request is not None:
                 self.cache.release(request.kv)
 
-    def _only(self, item: StepItem) -> ItemResult:
+    def _only(self, item: StepItem) -> StepResult:
         (result,) = self.step([item])
         if result.status is not ItemStatus.OK:
             raise RequestError(result.message)
         return result
 
-    def _forward(self, planned: Sequence[Planned]) -> tuple[TargetOutput, torch.Tensor]:
+    def _forward(self, planned: Sequence[AdmittedItem]) -> tuple[TargetOutput, torch.Tensor]:
         """One packed forward over every admitted item (replays as spans of their own); fills in the row slices."""
         sequences: list[tuple[SequenceKV, int]] = []
         trees: list[list[int] | None] = []
@@ -216,7 +217,7 @@ class TargetRunner:
                 entry.logit_start = len(logit_rows)
                 logit_rows += range(entry.rows.stop - 1 - len(item.drafts), entry.rows.stop)
         table = self.cache.plan_table(sequences, parents=trees)
-        capture = tuple(sorted({index for entry in planned for index in entry.request.capture}))
+        capture = tuple(sorted({index for entry in planned for index in entry.request.stream.capture}))
         input_ids = torch.tensor(inputs, dtype=torch.long, device=self.device)
         graphed = self._graphed(table, input_ids, capture) if len(logit_rows) == len(inputs) else None
         if graphed is not None:
@@ -253,7 +254,7 @@ class TargetRunner:
         captured = {index: outputs[f"captured.{index}"] for index in capture}
         return TargetOutput(outputs["normed"], captured), outputs["logits"]
 
-    def _commit(self, entry: Planned, output: TargetOutput, logits: torch.Tensor) -> ItemResult:
+    def _commit(self, entry: AdmittedItem, output: TargetOutput, logits: torch.Tensor) -> StepResult:
         """Acceptance and KV commit of one item after the forward pass; a failure here undoes this item only."""
         request, item = entry.request, entry.item
         if not item.drafts.is_chain:
@@ -271,16 +272,16 @@ class TargetRunner:
                     logprobs = token_logprobs(scored, new_tokens, item.top_logprobs)
         except (ValueError, RuntimeError) as error:
             self.admission.undo(entry)
-            return ItemResult(item.request_id, ItemStatus.INVALID, f"sampling: {error}")
+            return StepResult(item.request_id, ItemStatus.INVALID, f"sampling: {error}")
         start = entry.start_length
         computed = item.num_tokens + accepted
         # Keep KV for the computed tokens and the accepted drafts; drop rows of rejected drafts.
         self.cache.truncate(request.kv, start + computed)
         request.tokens.extend(new_tokens)
         captured = captured_rows(entry, output, start + computed, self.device)
-        return ItemResult(item.request_id, ItemStatus.OK, "", accepted, new_tokens, captured, logprobs)
+        return StepResult(item.request_id, ItemStatus.OK, "", accepted, new_tokens, captured, logprobs)
 
-    def _commit_tree(self, entry: Planned, output: TargetOutput, logits: torch.Tensor) -> ItemResult:
+    def _commit_tree(self, entry: AdmittedItem, output: TargetOutput, logits: torch.Tensor) -> StepResult:
         """_commit for a tree of drafts: verify the tree, keep the accepted path's KV (moved down to consecutive
         positions) and free the rest; the draft gets the path's rows as a chain.
 
@@ -300,7 +301,7 @@ class TargetRunner:
                 logprobs = token_logprobs(scored[path_rows], outcome.tokens, item.top_logprobs)
         except (ValueError, RuntimeError) as error:
             self.admission.undo(entry)
-            return ItemResult(item.request_id, ItemStatus.INVALID, f"sampling: {error}")
+            return StepResult(item.request_id, ItemStatus.INVALID, f"sampling: {error}")
         start = entry.start_length
         root = start + item.num_tokens - 1  # the last committed token's position
         self.cache.keep(request.kv, [root, *(root + 1 + node for node in outcome.path)])
@@ -308,4 +309,4 @@ class TargetRunner:
         first_draft_row = entry.rows.start + item.num_tokens
         rows = [*range(entry.rows.start, first_draft_row), *(first_draft_row + node for node in outcome.path)]
         captured = captured_rows(entry, output, request.kv.length, self.device, rows)
-        return ItemResult(item.request_id, ItemStatus.OK, "", outcome.accepted, outcome.tokens, captured, logprobs)
+        return StepResult(item.request_id, ItemStatus.OK, "", outcome.accepted, outcome.tokens, captured, logprobs)

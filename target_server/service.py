@@ -23,7 +23,16 @@ from tandem.wire import common_pb2, target_pb2, target_pb2_grpc
 from tandem.wire.codec import DEFAULT_CHUNK_BYTES, ShardOf, iter_weight_chunks, tensor_to_proto
 from tandem.wire.drafts import tree_from_proto
 from tandem.wire.logprobs import logprobs_to_proto
-from target_server.items import MAX_DRAFT_TOKENS, CapturedRows, ItemResult, ItemStatus, OpenRequest, StepItem
+from target_server.items import (
+    MAX_DRAFT_TOKENS,
+    TARGET_ONLY,
+    CapturedRows,
+    ItemStatus,
+    OpenRequest,
+    RowStream,
+    StepItem,
+    StepResult,
+)
 from target_server.ranks import SHARED_TABLES
 from target_server.runner import TargetRunner
 
@@ -40,8 +49,7 @@ STATUS_OF_ITEM = {
 class Subscriber:
     """A draft replica's hidden-state stream."""
 
-    capture: tuple[int, ...]
-    tokens_only: bool  # a token-only draft: rows carry the committed tokens and no features
+    stream: RowStream
     queue: asyncio.Queue[target_pb2.HiddenBatch | None] = field(default_factory=asyncio.Queue)
 
 
@@ -166,9 +174,8 @@ class TargetService(target_pb2_grpc.TargetServicer):
             message.num_tokens,
             tree_from_proto(message.drafts),
             open_request,
-            (subscriber.capture if subscriber is not None else ()) if sets_replica else None,
+            (subscriber.stream if subscriber is not None else TARGET_ONLY) if sets_replica else None,
             replay=message.replay,
-            tokens_only=subscriber is not None and subscriber.tokens_only,
             top_logprobs=message.top_logprobs if message.logprobs else None,
             decode_steps=message.decode_steps,
         )
@@ -177,7 +184,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
         self,
         message: target_pb2.StepItem,
         item: StepItem,
-        result: ItemResult,
+        result: StepResult,
         outbox: dict[str, list[target_pb2.HiddenStates]],
     ) -> target_pb2.StepResult:
         """Answers for an item, and adds its rows to its replica's messages in `outbox` (replica id -> messages)."""
@@ -186,9 +193,9 @@ class TargetService(target_pb2_grpc.TargetServicer):
             return target_pb2.StepResult(
                 request_id=result.request_id, error=CallFailed(code, result.message).as_proto()
             )
-        if item.capture is not None:
+        if item.stream is not None:
             self.replica_of.pop(message.request_id, None)
-            if item.capture or item.tokens_only:
+            if item.stream.streams:
                 self.replica_of[message.request_id] = message.draft_replica
         replica = self.replica_of.get(message.request_id)
         subscriber = self.subscribers.get(replica) if replica else None
@@ -257,7 +264,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
                 )
         if request.replica_id in self.subscribers:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"replica_id: {request.replica_id!r} is subscribed")
-        subscriber = Subscriber(capture, request.tokens_only)
+        subscriber = Subscriber(RowStream(capture, request.tokens_only))
         self.subscribers[request.replica_id] = subscriber
         what = "tokens only" if request.tokens_only else f"capture indices {list(capture)}"
         LOG.info("draft replica %s subscribed, %s", request.replica_id, what)

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.backends import BackendError, FailureKind, OpenTask, StepTask
+from orchestrator.backends import BackendError, FailureKind, OpenRequest, StepItem
 from orchestrator.grpc_backends import GrpcTarget
 from tandem.grpc_util import channel_options
 from tandem.sampling.draft_tree import DraftTree
@@ -26,13 +26,13 @@ def test_step_stream_fails_items_alone_and_reports_a_dead_target(llama_target: P
             async with grpc.aio.insecure_channel(target.address, options=channel_options()) as channel:
                 stub = target_pb2_grpc.TargetStub(channel)
                 backend = GrpcTarget(stub, timeout_s=60.0)
-                opened = await backend.step([StepTask("a", 1, 3, open=OpenTask([5, 6, 7], SamplingParams()))], [])
+                opened = await backend.step([StepItem("a", 1, 3, open=OpenRequest([5, 6, 7], SamplingParams()))], [])
                 assert opened.results[0].failure is None and len(opened.results[0].new_tokens) == 1
                 stream = backend._step._stream
                 assert stream is not None
 
                 # A wrong item fails alone: the other item of the same step goes on.
-                mixed = await backend.step([StepTask("missing", 1, 1, DraftTree.chain([8])), StepTask("a", 2, 1)], [])
+                mixed = await backend.step([StepItem("missing", 1, 1, DraftTree.chain([8])), StepItem("a", 2, 1)], [])
                 failure = mixed.results[0].failure
                 assert failure is not None and failure.kind == FailureKind.INVALID
                 assert str(failure) == "target: INVALID_ARGUMENT: request_id: 'missing' is not running on the target"
@@ -42,7 +42,7 @@ def test_step_stream_fails_items_alone_and_reports_a_dead_target(llama_target: P
                 assert unary.results[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
                 # Same stream, next call: the request goes on from where it was.
-                third = await backend.step([StepTask("a", 3, 1)], [])
+                third = await backend.step([StepItem("a", 3, 1)], [])
                 assert backend._step._stream is stream
                 assert third.results[0].failure is None and len(third.results[0].new_tokens) == 1
 
@@ -51,14 +51,14 @@ def test_step_stream_fails_items_alone_and_reports_a_dead_target(llama_target: P
                 stream.cancel()
                 await asyncio.sleep(0.1)
                 assert stream.done()
-                fourth = await backend.step([StepTask("a", 4, 1)], [])
+                fourth = await backend.step([StepItem("a", 4, 1)], [])
                 assert fourth.results[0].failure is None and len(fourth.results[0].new_tokens) == 1
                 assert backend._step._stream is not stream
 
                 target.process.send_signal(signal.SIGKILL)
                 target.process.wait(timeout=30)
                 with pytest.raises(BackendError) as dead:
-                    await backend.step([StepTask("a", 5, 1)], [])
+                    await backend.step([StepItem("a", 5, 1)], [])
                 assert dead.value.kind == FailureKind.UNAVAILABLE
                 assert str(dead.value).startswith("target step: ")
 

@@ -15,7 +15,7 @@ from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, Ta
 from orchestrator.backends import ProposeTask
 from tandem.models.eagle3 import load_eagle3
 from tandem.settings import KVCacheSettings
-from target_server.items import CapturedRows
+from target_server.items import CapturedRows, RowStream
 from tests.helpers.checkpoints import TinyEagle3Spec, write_tiny_eagle3, write_tiny_target
 
 
@@ -34,7 +34,7 @@ def test_rows_of_rounds_without_drafts_are_joined_to_the_asked_round(tmp_path: P
     prompt, round_one, round_two = rows(0, 6, width, 1), rows(6, 1, width, 2), rows(7, 2, width, 3)
 
     async def colocated() -> list[int]:
-        draft = LocalDraft(DraftRunner(model, cache), (1, 2, 3), tokens_only=False)
+        draft = LocalDraft(DraftRunner(model, cache), RowStream((1, 2, 3)))
         draft.deliver(prompt, 1)
         await draft.propose([ProposeTask("a", 1, 3)])
         draft.deliver(round_one, 2)  # round 2 drafted nothing (k = 0): no Propose

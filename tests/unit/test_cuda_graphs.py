@@ -23,7 +23,7 @@ from tandem.models.registry import load_target
 from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
-from target_server.items import ItemResult, StepItem
+from target_server.items import StepItem, StepResult
 from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
 from tests.helpers.eager_recorder import EagerGraphs
@@ -99,7 +99,7 @@ def test_padding_does_not_change_the_real_rows(target_dir: Path) -> None:
         torch.testing.assert_close(again.captured[index][:6], plain.captured[index], rtol=1e-5, atol=1e-5)
 
 
-def run_rounds(runner: TargetRunner, drafts: dict[str, list[list[int]]]) -> list[list[ItemResult]]:
+def run_rounds(runner: TargetRunner, drafts: dict[str, list[list[int]]]) -> list[list[StepResult]]:
     """Prefills every prompt, then per round one step of all requests: a verification of the round's drafts (all
     of one length), then a 3-token decode."""
     steps = [[runner.prefill(request_id, prompt, SamplingParams(), CAPTURE) for request_id, prompt in PROMPTS.items()]]

@@ -24,6 +24,7 @@ from tandem.models.registry import load_target
 from tandem.settings import KVCacheSettings
 from tandem.wire import draft_pb2, target_pb2
 from tandem.wire.codec import tensor_to_proto
+from target_server.items import RowStream
 from target_server.main import target_info
 from target_server.runner import TargetRunner
 from target_server.service import Subscriber, TargetService
@@ -188,7 +189,7 @@ def test_a_request_released_while_drafted_ahead_keeps_no_kv(draft_dir: Path, tar
 def test_the_target_marks_the_step_end_and_the_rounds_that_may_be_drafted_ahead(target_dir: Path) -> None:
     runner = TargetRunner(load_target(target_dir), CACHE, 256)
     service = TargetService(runner, target_info(runner, "float32"), ModelThread("target-test", 1), 30.0)
-    service.subscribers["r0"] = Subscriber((1, 2, 3), tokens_only=False)
+    service.subscribers["r0"] = Subscriber(RowStream((1, 2, 3)))
 
     def item(request_id: str, num_tokens: int, prompt: Sequence[int] = (), ahead: int = 3) -> target_pb2.StepItem:
         message = target_pb2.StepItem(
@@ -312,7 +313,7 @@ def open_item(request_id: str, prompt: Sequence[int], ahead: int = 0) -> target_
 def test_a_request_the_target_frees_as_an_orphan_is_freed_on_its_replica_too(draft_dir: Path, target_dir: Path) -> None:
     runner = TargetRunner(load_target(target_dir), CACHE, 256)
     target = TargetService(runner, target_info(runner, "float32"), ModelThread("target-test", 1), 0.05)
-    subscriber = target.subscribers["r0"] = Subscriber((1, 2, 3), tokens_only=False)
+    subscriber = target.subscribers["r0"] = Subscriber(RowStream((1, 2, 3)))
 
     async def scenario() -> None:
         async with Replica(target_dir, draft_dir) as replica:

@@ -24,7 +24,7 @@ from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
-from target_server.items import ItemStatus, OpenRequest, StepItem
+from target_server.items import TARGET_ONLY, ItemStatus, OpenRequest, StepItem
 from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import (
     TinyEagle3Spec,
@@ -186,7 +186,7 @@ def test_batched_verify_matches_separate_requests(target: LlamaForCausalLM) -> N
     references = {request_id: greedy_from_scratch(target, prompt, 6) for request_id, prompt in prompts.items()}
     opened = runner.step(
         [
-            StepItem(request_id, len(prompt), open=OpenRequest(prompt, GREEDY), capture=())
+            StepItem(request_id, len(prompt), open=OpenRequest(prompt, GREEDY), stream=TARGET_ONLY)
             for request_id, prompt in prompts.items()
         ]
     )

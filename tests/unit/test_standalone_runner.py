@@ -25,12 +25,13 @@ from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
-from target_server.items import CapturedRows, OpenRequest, StepItem
+from target_server.items import TARGET_ONLY, CapturedRows, OpenRequest, RowStream, StepItem
 from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.helpers.tokenizer import write_tokenizer
 
 GREEDY = SamplingParams()
+TOKENS_ONLY = RowStream(tokens_only=True)
 BLOCK_SIZE = 4
 CACHE = KVCacheSettings(num_blocks=64, block_size=BLOCK_SIZE)
 PROMPT = [1, 40, 41, 42, 43, 44, 45]
@@ -84,7 +85,7 @@ def delivered(captured: CapturedRows | None) -> TargetRows:
 
 
 def open_tokens_only(runner: TargetRunner, request_id: str = "a") -> CapturedRows | None:
-    item = StepItem(request_id, len(PROMPT), open=OpenRequest(PROMPT, GREEDY), capture=(), tokens_only=True)
+    item = StepItem(request_id, len(PROMPT), open=OpenRequest(PROMPT, GREEDY), stream=TOKENS_ONLY)
     (result,) = runner.step([item])
     return result.captured
 
@@ -108,7 +109,7 @@ def test_target_streams_committed_tokens_from_position_minus_one(target: TargetM
 
     # A replay (a move to this draft) and a recompute after preemption start from scratch again.
     committed = list(runner.requests["a"].tokens)
-    (replayed,) = runner.step([StepItem("a", 1, capture=(), tokens_only=True, replay=True)])
+    (replayed,) = runner.step([StepItem("a", 1, stream=TOKENS_ONLY, replay=True)])
     assert replayed.captured is not None
     assert (replayed.captured.start_position, replayed.captured.next_tokens) == (-1, runner.requests["a"].tokens)
     runner.step([], preempt=["a"])
@@ -120,7 +121,7 @@ def test_target_streams_committed_tokens_from_position_minus_one(target: TargetM
 
 def test_target_only_requests_stream_nothing(target: TargetModel) -> None:
     runner = TargetRunner(target, CACHE, max_context=64)
-    (result,) = runner.step([StepItem("a", len(PROMPT), open=OpenRequest(PROMPT, GREEDY), capture=())])
+    (result,) = runner.step([StepItem("a", len(PROMPT), open=OpenRequest(PROMPT, GREEDY), stream=TARGET_ONLY)])
     assert result.captured is None
 
 

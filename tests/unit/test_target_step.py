@@ -13,7 +13,7 @@ from tandem.models.registry import load_target
 from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
-from target_server.items import MAX_DRAFT_TOKENS, ItemStatus, OpenRequest, StepItem
+from target_server.items import MAX_DRAFT_TOKENS, TARGET_ONLY, ItemStatus, OpenRequest, RowStream, StepItem
 from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.unit.test_runners import BLOCK_SIZE, CAPTURE, GREEDY, PROMPT, full_forward, greedy_from_scratch
@@ -33,7 +33,7 @@ def target(target_dir: Path) -> LlamaForCausalLM:
 
 
 def open_item(request_id: str, num_tokens: int, capture: tuple[int, ...] = CAPTURE) -> StepItem:
-    return StepItem(request_id, num_tokens, open=OpenRequest(PROMPT, GREEDY), capture=capture)
+    return StepItem(request_id, num_tokens, open=OpenRequest(PROMPT, GREEDY), stream=RowStream(capture))
 
 
 def test_chunked_prefill_gives_the_tokens_and_rows_of_a_whole_prefill(target: LlamaForCausalLM) -> None:
@@ -125,7 +125,7 @@ def test_a_failing_forward_returns_every_block(target: LlamaForCausalLM, monkeyp
 def test_tiny_temperatures_sample_the_argmax(target: LlamaForCausalLM, temperature: float) -> None:
     runner = TargetRunner(target, CACHE, max_context=64)
     sampling = SamplingParams(temperature=temperature, seed=3)
-    (result,) = runner.step([StepItem("a", len(PROMPT), open=OpenRequest(PROMPT, sampling), capture=())])
+    (result,) = runner.step([StepItem("a", len(PROMPT), open=OpenRequest(PROMPT, sampling), stream=TARGET_ONLY)])
     assert result.status is ItemStatus.OK
     assert result.new_tokens == [greedy_from_scratch(target, PROMPT, 1)[-1]]
 
