@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
+from bench.harness import round_seconds_of
 from draft_server.formats import ProposalRunner, prepare_draft, propose_what_fits
 from draft_server.runner import ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
@@ -29,14 +31,15 @@ from orchestrator.backends import (
     StepResult,
 )
 from orchestrator.batching import KVPool
+from orchestrator.generation import Generation
 from orchestrator.hybrid import with_hybrid
+from orchestrator.metrics import Metrics
 from orchestrator.ngram import add_ngram_replica
-from orchestrator.output import RequestFailed
 from orchestrator.replicas import ReplicaPool
 from orchestrator.scheduler import Scheduler, TargetFacts
 from orchestrator.service import response_message
 from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
-from orchestrator.validation import Limits, validate_request
+from orchestrator.validation import Limits
 from tandem.models.registry import load_target
 from tandem.models.tokenizer_digest import tokenizer_digest
 from tandem.parallel.vocab import assemble_shards
@@ -184,23 +187,24 @@ class ColocatedEngine:
         pool = KVPool(target_runner.cache.num_blocks, target_runner.cache.block_size)
         facts = TargetFacts(model.config.vocab_size, pool, MAX_DRAFT_TOKENS)
         self.scheduler = Scheduler(target, replicas, self.tokenizer, eos_ids, scheduler_settings, facts)
-        self.limits = Limits(model.config.vocab_size, max_context, settings.default_max_new_tokens)
+        self.metrics = Metrics(self.scheduler, REPLICA_ID)
+        limits = Limits(model.config.vocab_size, max_context, settings.default_max_new_tokens)
+        self.generation = Generation(self.scheduler, limits, self.metrics)
         self._loop_task: asyncio.Task[None] | None = None
 
     async def generate(
         self, request: orchestrator_pb2.GenerateRequest
     ) -> AsyncIterator[orchestrator_pb2.GenerateResponse]:
-        """The same messages Orchestrator.Generate streams, without gRPC."""
+        """The same messages Orchestrator.Generate streams (the same Generation path), without gRPC."""
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self.scheduler.run())
-        active = self.scheduler.submit(validate_request(request, self.tokenizer, self.limits))
-        while True:
-            output = await active.output.messages.get()
-            if isinstance(output, RequestFailed):
-                raise output
-            yield response_message(output)
-            if output.finish_reason:
-                return
+        async with aclosing(self.generation.stream(request, "bench")) as outputs:
+            async for output in outputs:
+                yield response_message(output)
+
+    def round_seconds(self) -> dict[str, float]:
+        """The engine's tandem:round_seconds counters by part, as the split stack's /metrics shows them."""
+        return round_seconds_of(self.metrics.render().decode())
 
     async def close(self) -> None:
         if self._loop_task is not None:

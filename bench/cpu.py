@@ -40,8 +40,8 @@ class CpuMeter:
 
 
 def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """CPU seconds by role between two samples (roles seen in the second; a process new since the first counts from
-    zero)."""
+    """Seconds by role (CPU, or a counter's parts) between two samples (roles seen in the second; one new since the
+    first counts from zero)."""
     return {role: max(0.0, seconds - before.get(role, 0.0)) for role, seconds in after.items()}
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from tandem.grpc_util import channel_options
@@ -23,13 +25,8 @@ class RequestResult:
     draft_tokens: int
     accepted_tokens: int
     accepted_per_position: tuple[int, ...]
-    draft_seconds: float
-    verify_seconds: float
-    wire_seconds: float
-    scheduling_seconds: float
     latency_seconds: float
     first_token_seconds: float
-    draft_ahead_seconds: float = 0.0  # draft compute done ahead of the Propose that took it (not in the four above)
 
 
 @dataclass(frozen=True)
@@ -42,6 +39,9 @@ class RunResult:
     kind: str = ""  # the draft kind of a speculative run measured beside others (bench/kinds.py); "" otherwise
     # CPU seconds the run cost, by process role (bench.cpu); empty where not measured (transformers)
     cpu_seconds: dict[str, float] = field(default_factory=dict)
+    # Where the run's rounds spent their time, by part (the orchestrator's tandem:round_seconds counters over the
+    # run: draft, verify, wire, scheduling, drafted_ahead); empty where not measured.
+    round_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def completion_tokens(self) -> int:
@@ -84,20 +84,41 @@ class RunResult:
         return [total / max(1, self.rounds) for total in totals]
 
     def per_round_milliseconds(self) -> dict[str, float]:
-        """Mean time per round by phase, averaged over requests' rounds."""
+        """Mean time per round by part, averaged over requests' rounds."""
         rounds = max(1, self.rounds)
         return {
-            "draft": 1000 * sum(r.draft_seconds for r in self.requests) / rounds,
-            "verify": 1000 * sum(r.verify_seconds for r in self.requests) / rounds,
-            "wire": 1000 * sum(r.wire_seconds for r in self.requests) / rounds,
-            "scheduling": 1000 * sum(r.scheduling_seconds for r in self.requests) / rounds,
-            "drafted_ahead": 1000 * sum(r.draft_ahead_seconds for r in self.requests) / rounds,
+            **{part: 1000 * seconds / rounds for part, seconds in self.round_seconds.items()},
             # Wall time of a round as the client saw it: from the first token (the prompt's step) to the last.
             "round": 1000 * sum(r.latency_seconds - r.first_token_seconds for r in self.requests) / rounds,
         }
 
 
 Generate = Callable[[orchestrator_pb2.GenerateRequest], AsyncIterator[orchestrator_pb2.GenerateResponse]]
+# Reads a stack's tandem:round_seconds counters now, by part (the run's share is the difference over the run).
+RoundSeconds = Callable[[], dict[str, float]]
+
+
+def round_seconds_of(exposition: str) -> dict[str, float]:
+    """The tandem:round_seconds counters by part in an orchestrator's /metrics text (summed over model names)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        if family.name != "tandem:round_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                part = sample.labels["part"]
+                totals[part] = totals.get(part, 0.0) + sample.value
+    return totals
+
+
+def scraped_round_seconds(metrics_url: str) -> RoundSeconds:
+    """Reads the counters from a running orchestrator's /metrics."""
+
+    def read() -> dict[str, float]:
+        with urllib.request.urlopen(metrics_url, timeout=10) as response:
+            return round_seconds_of(response.read().decode())
+
+    return read
 
 
 async def run_prompts(
@@ -151,13 +172,8 @@ async def _one(generate: Generate, request: orchestrator_pb2.GenerateRequest, pr
                 draft_tokens=stats.draft_tokens,
                 accepted_tokens=stats.accepted_tokens,
                 accepted_per_position=tuple(stats.accepted_per_position),
-                draft_seconds=stats.draft_seconds,
-                verify_seconds=stats.verify_seconds,
-                wire_seconds=stats.wire_seconds,
-                scheduling_seconds=stats.scheduling_seconds,
                 latency_seconds=time.perf_counter() - started,
                 first_token_seconds=first_token or 0.0,
-                draft_ahead_seconds=stats.draft_ahead_seconds,
             )
     raise RuntimeError("a stream ended without finish_reason")
 

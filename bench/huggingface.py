@@ -102,10 +102,6 @@ def _request_result(prompt_index: int, completion: tuple[int, ...], latency: flo
         draft_tokens=0,
         accepted_tokens=0,
         accepted_per_position=(),
-        draft_seconds=0.0,
-        verify_seconds=0.0,
-        wire_seconds=0.0,
-        scheduling_seconds=0.0,
         latency_seconds=latency,
         first_token_seconds=latency,
     )

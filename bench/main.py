@@ -13,7 +13,7 @@ import torch
 
 from bench.colocated import ColocatedEngine, ColocatedSettings
 from bench.cpu import CpuMeter, spent
-from bench.harness import Generate, GrpcGenerate, RunResult, run_prompts
+from bench.harness import Generate, GrpcGenerate, RoundSeconds, RunResult, run_prompts, scraped_round_seconds
 from bench.huggingface import Method, TransformersBaseline, TransformersSettings
 from bench.kinds import DraftKind, draft_kinds
 from bench.prompts import held_out_prompts
@@ -36,6 +36,7 @@ class Setup:
     kind: str  # the draft kind's name (bench/kinds.py), "" for the one configuration of --draft
     generate: Generate
     cpu: CpuMeter | None  # the processes that serve it; None: not measured (a stack someone else started)
+    round_seconds: RoundSeconds | None = None  # where its rounds spend their time; None: not measured
 
 
 async def _measure(
@@ -73,9 +74,12 @@ async def _measure(
                 for setup, speculates in order:
                     kind = setup.kind if speculates else ""
                     before = setup.cpu.sample() if setup.cpu else {}
+                    rounds_before = setup.round_seconds() if setup.round_seconds else {}
                     run = await run_prompts(setup.generate, prompts, concurrency, tokens, speculates, label, kind)
                     if setup.cpu is not None:
                         run = replace(run, cpu_seconds=spent(before, setup.cpu.sample()))
+                    if setup.round_seconds is not None:
+                        run = replace(run, round_seconds=spent(rounds_before, setup.round_seconds()))
                     runs.append(run)
             for model, method in transformers:
                 runs.append(model.run(prompts, settings.max_new_tokens, method))
@@ -132,14 +136,18 @@ async def _benchmark(settings: BenchSettings, kinds: Sequence[DraftKind], prompt
         meters: list[CpuMeter | None] = [CpuMeter(stack.process.pid, tree=True) for stack in stacks]
         if not meters:
             meters = [None] * len(clients)
+        observers: list[RoundSeconds | None] = [scraped_round_seconds(f"{stack.http_url}/metrics") for stack in stacks]
+        if not observers:
+            observers = [None] * len(clients)
         setups = [
-            Setup("split", kind.name, client, meter) for kind, client, meter in zip(kinds, clients, meters, strict=True)
+            Setup("split", kind.name, client, meter, observer)
+            for kind, client, meter, observer in zip(kinds, clients, meters, observers, strict=True)
         ]
         if settings.colocated:
             own = CpuMeter(os.getpid(), tree=False)
             for kind in kinds:
                 engines.append(_colocated(settings, kind))
-                setups.append(Setup("colocated", kind.name, engines[-1].generate, own))
+                setups.append(Setup("colocated", kind.name, engines[-1].generate, own, engines[-1].round_seconds))
         baseline = None
         if settings.transformers:
             baseline = TransformersBaseline(

@@ -106,7 +106,7 @@ def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
                     "mean_acceptance_length": round(speculative.mean_acceptance_length, 3),
                     "acceptance_per_position": [round(a, 3) for a in speculative.acceptance_per_position()],
                     "per_round_ms": per_round,
-                    "outside_compute_ms_per_round": round(outside_compute(per_round), 3),
+                    "outside_compute_ms_per_round": _rounded(outside_compute(per_round)),
                     "cpu": _cpu(speculative, target_only),
                 }
             )
@@ -128,7 +128,7 @@ def _cpu(speculative: RunResult, target_only: RunResult | None) -> dict[str, Any
     }
 
 
-def outside_compute(per_round: dict[str, float]) -> float:
+def outside_compute(per_round: dict[str, float]) -> float | None:
     """Milliseconds of a round in which neither target nor draft computed: transport, hand-offs, scheduling, and
     whatever else the stack did that the phases leave out (releasing a finished request, for one).
 
@@ -136,8 +136,10 @@ def outside_compute(per_round: dict[str, float]) -> float:
     draft compute done ahead, which ran after the target's compute and before the Propose arrived, so while the
     target's answer and the Propose travelled (inside the wire time). Example: a 20.3 ms round with 13.1 ms of
     verification, 4.5 ms of draft waited for and 1.7 ms drafted ahead spent 1.0 ms outside compute, where its wire
-    and scheduling add up to 2.6 ms.
+    and scheduling add up to 2.6 ms. None where the run's parts were not measured (a stack started elsewhere).
     """
+    if "verify" not in per_round:
+        return None
     compute = per_round["verify"] + per_round["draft"] + per_round.get("drafted_ahead", 0.0)
     return max(0.0, per_round["round"] - compute)
 
@@ -182,11 +184,21 @@ TABLE_HEADER = (
 )
 
 
+def _rounded(milliseconds: float | None) -> float | None:
+    return None if milliseconds is None else round(milliseconds, 3)
+
+
 def _per_round(timing: dict[str, float]) -> str:
     """Where a round's time went; draft compute done ahead (off the round's path) follows in brackets."""
+    if "verify" not in timing:
+        return "not measured"
     phases = " / ".join(f"{timing[phase]:.2f}" for phase in ("draft", "verify", "wire", "scheduling"))
     ahead = timing.get("drafted_ahead", 0.0)
     return f"{phases} (+ {ahead:.2f})" if ahead else phases
+
+
+def _milliseconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _drafts(settings: dict[str, Any]) -> str:
@@ -248,7 +260,7 @@ def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, An
             row["mean_acceptance_length"],
             " ".join(f"{a:.2f}" for a in row["acceptance_per_position"]),
             _per_round(timing),
-            f"{row['outside_compute_ms_per_round']:.2f}",
+            _milliseconds(row["outside_compute_ms_per_round"]),
             _cpu_cell(row.get("cpu")),
         ]
         lines.append(_table_row(cells))

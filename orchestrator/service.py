@@ -60,11 +60,6 @@ def response_message(output: Output) -> orchestrator_pb2.GenerateResponse:
                 prompt_tokens=output.prompt_tokens,
                 completion_tokens=output.completion_tokens,
                 accepted_per_position=stats.accepted_per_position,
-                draft_seconds=stats.draft_seconds,
-                verify_seconds=stats.verify_seconds,
-                wire_seconds=stats.wire_seconds,
-                scheduling_seconds=stats.scheduling_seconds,
-                draft_ahead_seconds=stats.draft_ahead_seconds,
             )
         )
     return response

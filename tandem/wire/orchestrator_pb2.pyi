@@ -84,30 +84,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., disable_speculation: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "prompt_tokens", "completion_tokens", "accepted_per_position", "draft_seconds", "verify_seconds", "wire_seconds", "scheduling_seconds", "draft_ahead_seconds")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "prompt_tokens", "completion_tokens", "accepted_per_position")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    WIRE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    SCHEDULING_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_AHEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
     prompt_tokens: int
     completion_tokens: int
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    draft_seconds: float
-    verify_seconds: float
-    wire_seconds: float
-    scheduling_seconds: float
-    draft_ahead_seconds: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., wire_seconds: _Optional[float] = ..., scheduling_seconds: _Optional[float] = ..., draft_ahead_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats", "logprobs")

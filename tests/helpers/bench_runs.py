@@ -10,6 +10,7 @@ from bench.harness import RequestResult, RunResult
 from bench.settings import BenchSettings
 
 ACCEPTED_PER_POSITION = (8, 6, 3)  # of 10 rounds: the acceptance per position is 0.8, 0.6, 0.3
+ROUND_SECONDS = {"draft": 0.1, "verify": 0.2, "wire": 0.01, "scheduling": 0.001}
 
 
 def _request(speculative: bool) -> RequestResult:
@@ -22,10 +23,6 @@ def _request(speculative: bool) -> RequestResult:
         draft_tokens=30 if speculative else 0,
         accepted_tokens=sum(accepted),
         accepted_per_position=accepted,
-        draft_seconds=0.1,
-        verify_seconds=0.2,
-        wire_seconds=0.01,
-        scheduling_seconds=0.001,
         latency_seconds=0.5,
         first_token_seconds=0.05,
     )
@@ -34,7 +31,9 @@ def _request(speculative: bool) -> RequestResult:
 def sample_runs() -> list[RunResult]:
     """Split and colocated at concurrency 1, each speculative and target-only, one request each."""
     return [
-        RunResult(label, speculative, 1, 0.5 if speculative else 1.0, (_request(speculative),))
+        RunResult(
+            label, speculative, 1, 0.5 if speculative else 1.0, (_request(speculative),), round_seconds=ROUND_SECONDS
+        )
         for label in ("split", "colocated")
         for speculative in (True, False)
     ]

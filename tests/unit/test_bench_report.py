@@ -25,7 +25,7 @@ def test_it_is_never_negative() -> None:
 
 def test_the_round_time_is_the_wall_time_after_the_first_token_over_the_rounds() -> None:
     def request(latency: float, first_token: float, rounds: int) -> RequestResult:
-        return RequestResult(0, (), 64, rounds, 0, 0, (), 0.0, 0.0, 0.0, 0.0, latency, first_token)
+        return RequestResult(0, (), 64, rounds, 0, 0, (), latency, first_token)
 
     run = RunResult("split", True, 2, 1.0, (request(0.35, 0.05, 15), request(0.40, 0.10, 15)))
     assert run.per_round_milliseconds()["round"] == pytest.approx(1000 * (0.30 + 0.30) / 30)
