@@ -53,6 +53,14 @@ class Drafting(enum.Enum):
     DRAFTING = "drafting"  # the replica drafted for it: a Propose ingests the rows of the last round only
 
 
+class OnTarget(enum.Enum):
+    """What the target holds of a request."""
+
+    NOTHING = "nothing"  # not opened yet: its next item carries `open`
+    OPEN = "open"  # its tokens (even while preempted), its rows going to `replica`
+    MOVING = "moving"  # its tokens, but its next item must point its rows at `replica` and resend every committed row
+
+
 @dataclass
 class ActiveRequest:
     request_id: str
@@ -61,10 +69,8 @@ class ActiveRequest:
     replica: str | None  # None: target-only decoding
     round: int = 0  # the draft proposes from the rows published under this round
     kv_length: int = 0  # tokens with KV on the target
-    opened: bool = False  # the target holds the request (its tokens), even while preempted
-    # The target must point the request's hidden rows at `replica` and resend every committed row, because the
-    # replica starts it from scratch (it is new to the request, or it dropped the request's state).
-    needs_move: bool = False
+    # MOVING when the replica starts the request from scratch (it is new to the request, or it dropped its state).
+    on_target: OnTarget = OnTarget.NOTHING
     cancelled: bool = False
     # Set from `replica` when the request is made; the adaptive k's cost model keeps a first Propose's ingest of
     # every row (JOINING) apart from a draft step's.
@@ -77,7 +83,8 @@ class ActiveRequest:
         """Points the request at `replica` (None: target-only), which holds none of its state: the target resends
         every committed row there (if it holds the request), and the replica's next Propose ingests them all."""
         self.replica = replica
-        self.needs_move = self.opened
+        if self.opened:
+            self.on_target = OnTarget.MOVING
         self.drafting = Drafting.TARGET_ONLY if replica is None else Drafting.JOINING
 
     def pause(self) -> None:
@@ -85,6 +92,19 @@ class ActiveRequest:
         with no hidden rows and several tokens a step, to its end."""
         self.start_over(None)  # the target stops capturing its rows
         self.drafting = Drafting.PAUSED
+
+    @property
+    def opened(self) -> bool:
+        return self.on_target is not OnTarget.NOTHING
+
+    @property
+    def needs_move(self) -> bool:
+        return self.on_target is OnTarget.MOVING
+
+    def held(self) -> None:
+        """The target holds the request now (a step opened it, or may have)."""
+        if self.on_target is OnTarget.NOTHING:
+            self.on_target = OnTarget.OPEN
 
     @property
     def finished(self) -> bool:

@@ -38,7 +38,7 @@ from orchestrator.backends import (
     StepResult,
     TargetBackend,
 )
-from orchestrator.batching import ActiveRequest, Drafting, KVPool, PlannedItem, StepPlan, plan_step
+from orchestrator.batching import ActiveRequest, Drafting, KVPool, OnTarget, PlannedItem, StepPlan, plan_step
 from orchestrator.output import RequestFailed, RequestOutput
 from orchestrator.placement import Placement
 from orchestrator.proposing import Drafts, Proposer
@@ -221,7 +221,7 @@ class Scheduler:
                 # The step may still run on the target once it answers again (a timed-out call): release every
                 # request of it there, opened or not (releasing an id the target does not hold does nothing).
                 for request in scheduled:
-                    request.opened = True
+                    request.held()
             self._fail(scheduled, RequestFailed(error.kind, str(error)))
             return None
         self.target_failure = None
@@ -236,9 +236,9 @@ class Scheduler:
             else:
                 self._fail([request], RequestFailed(result.failure.kind, str(result.failure)))
             return False
-        request.opened = True
+        request.held()
         if item.move and request.replica == sent_to:
-            request.needs_move = False
+            request.on_target = OnTarget.OPEN
         # The target keeps KV for the computed tokens, the accepted drafts and, after a multi-token decode, every new
         # token but the last (1 + accepted new tokens after a verification, n after n forward passes).
         request.kv_length += item.num_tokens + max(result.accepted, len(result.new_tokens) - 1)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from orchestrator.batching import ActiveRequest, KVPool, plan_step
+from orchestrator.batching import ActiveRequest, KVPool, OnTarget, plan_step
 from orchestrator.output import RequestOutput
 from orchestrator.settings import SchedulerSettings
 from orchestrator.text import IncrementalDetokenizer, StopStringMatcher
@@ -36,7 +36,9 @@ def request(
     params = ValidatedRequest(tuple(range(3, 3 + prompt)), 64, SamplingParams(), (), True, False)
     output = RequestOutput(prompt, 64, True, IncrementalDetokenizer(tokenizer, params.input_ids), StopStringMatcher(()))
     output.generated.extend([5] * generated)
-    active = ActiveRequest(name, params, output, replica, opened=generated > 0)
+    active = ActiveRequest(
+        name, params, output, replica, on_target=OnTarget.OPEN if generated > 0 else OnTarget.NOTHING
+    )
     active.kv_length = prompt + generated - 1 if generated else 0
     return active
 
@@ -120,7 +122,7 @@ def test_a_paused_batch_keeps_its_passes_beside_the_probes_drafts(tokenizer: Pre
     paused = [request(tokenizer, name, prompt=4, generated=2, replica=None) for name in ("P", "Q")]
     for each in paused:
         each.pause()
-        each.needs_move = False  # a step since told the target: their rows go nowhere
+        each.on_target = OnTarget.OPEN  # a step since told the target: their rows go nowhere
     probe = request(tokenizer, "D", prompt=4, generated=2)
     settings = SchedulerSettings(num_steps=3, max_num_batched_tokens=16, num_scheduler_steps=4)
     plan = plan_step([*paused, probe], deque(), KVPool(num_blocks=12, block_size=4), settings)
