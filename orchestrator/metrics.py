@@ -205,3 +205,22 @@ class SchedulerCollector(Collector):
         for replica in scheduler.replicas.all():
             outstanding.add_metric([name, replica.replica_id], replica.outstanding)
         yield outstanding
+        yield from self._adaptive_k(name)
+
+    def _adaptive_k(self, name: str) -> Iterator[Metric]:
+        """The k adaptive k settled on for each batch size it measured, and how often it changed."""
+        policy = self.scheduler.speculation
+        settled = GaugeMetricFamily(
+            "tandem:k_settled",
+            "The k adaptive k settled on for rounds of this many decoding requests (batch_size: the top of a bucket "
+            "1, 2, 4, 8, ...); the orchestrator's log has a line with the costs and acceptance behind each change",
+            labels=["model_name", "batch_size"],
+        )
+        changes = CounterMetricFamily(
+            "tandem:k_changes", "Changes of a batch size's settled k", labels=["model_name", "batch_size"]
+        )
+        for size, k in sorted(policy.current.items()):
+            settled.add_metric([name, str(size)], k)
+            changes.add_metric([name, str(size)], policy.changes.get(size, 0))
+        yield settled
+        yield changes

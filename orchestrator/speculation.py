@@ -31,16 +31,22 @@ against 1 in 5.25 ms for k = 0); at b = 32, where u_32 = 6 ms, k = 0 wins (32 to
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from statistics import median
+
+LOG = logging.getLogger(__name__)
 
 HYSTERESIS = 0.05  # another k must promise this much more throughput to replace the current one
 EXPLORE_EVERY = 32  # below max_k, one round in this many drafts max_k, so that acceptance and costs stay measured
 DECAY = 0.98  # weight of the past in the running means (acceptance, ingest, scheduling: about the last 50 count)
 MIN_STEPS = 8  # target steps seen before the target's cost line is trusted
-MIN_PROPOSES = 8  # Proposes seen at a batch size before its draft cost is trusted
 WINDOW = 16  # recent samples a cost is taken from (per draft step, per hop, per target step size)
+# Proposes seen at a batch size before its draft cost is trusted: a whole window, so that a fresh server's slow first
+# calls are a minority of the samples that the medians are taken over.
+MIN_PROPOSES = WINDOW
+MIN_ROUNDS = 12.0  # (decayed) rounds that drafted a first token before the acceptance is trusted
 SIZES = 64  # target step sizes (tokens) the cost line keeps, the most recently seen
 OWN_SAMPLES = 3  # samples at a step size from which its own median is its cost, not the line's value
 
@@ -113,10 +119,11 @@ class Recent:
 
 class DraftCost:
     """A replica's compute for a Propose: u seconds per draft step (the ingest of a round's rows counts as one) and
-    r per row of context it ingests for requests new to it, `seconds = u * (k + 1) + r * rows`, fitted by least
-    squares to the last WINDOW Proposes (a slow first call is forgotten after WINDOW more; with no new request among
-    them, r keeps its last value). Fitted, not split by which Proposes carried a new request: under steady arrivals
-    at a large batch nearly every one does."""
+    r per row of context it ingests for requests new to it, `seconds = u * (k + 1) + r * rows`, from the last WINDOW
+    Proposes. Where most of them ingested nothing, u is their median per step and r the median of what the others
+    took beyond their steps, per row: a fresh server's few slow first calls do not move a median. Under steady
+    arrivals at a large batch nearly every Propose ingests: then both come from a least-squares fit (with no new
+    request among the samples, r keeps its last value)."""
 
     def __init__(self) -> None:
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)  # (k + 1, rows ingested, seconds)
@@ -137,6 +144,14 @@ class DraftCost:
         return self.per_row * self.rows.value
 
     def _fit(self) -> tuple[float, float]:
+        steady = [seconds / steps for steps, rows, seconds in self.samples if rows == 0]
+        if 2 * len(steady) <= len(self.samples):
+            return self._least_squares()
+        per_step = median(steady)
+        ingests = [(seconds - per_step * steps) / rows for steps, rows, seconds in self.samples if rows > 0]
+        return per_step, max(0.0, median(ingests)) if ingests else self.per_row
+
+    def _least_squares(self) -> tuple[float, float]:
         kk = sum(k * k for k, _, _ in self.samples)
         kr = sum(k * r for k, r, _ in self.samples)
         rr = sum(r * r for _, r, _ in self.samples)
@@ -181,6 +196,7 @@ class SpeculationPolicy:
     drafted: list[float] = field(default_factory=list)  # decayed count of rounds that drafted position i
     accepted: list[float] = field(default_factory=list)  # decayed count of rounds that accepted position i
     current: dict[int, int] = field(default_factory=dict)  # by bucket(batch): the k in use
+    changes: dict[int, int] = field(default_factory=dict)  # by bucket(batch): how often its k changed (metrics)
     explored: dict[int, int] = field(default_factory=dict)  # by bucket(batch): rounds chosen below max_k
 
     def __post_init__(self) -> None:
@@ -194,19 +210,40 @@ class SpeculationPolicy:
         size = bucket(batch)
         draft = self.draft.get(size)
         current = self.settled(batch)
-        if self.target.count < MIN_STEPS or draft is None or draft.count < MIN_PROPOSES or self.drafted[0] == 0:
+        if self.target.count < MIN_STEPS or draft is None or draft.count < MIN_PROPOSES or self.drafted[0] < MIN_ROUNDS:
             return current
+        self.current.setdefault(size, current)  # measured from here on (metrics)
         hop = self.draft_hop[size].value + draft.ingest
         rates = {k: self.throughput(batch, k, draft.per_step, hop) for k in range(self.max_k + 1)}
         best = max(rates, key=lambda k: rates[k])
         if rates[best] > rates[current] * (1 + HYSTERESIS):
+            self._log_change(size, current, best, rates, draft, hop)
             self.current[size] = current = best
+            self.changes[size] = self.changes.get(size, 0) + 1
         if current == self.max_k:
             return current
         # Positions past k are not drafted, so their acceptance would never be measured again (nor would it be with
         # k = 0): a draft that got better, or a batch that got smaller, would never be asked for more.
         self.explored[size] = self.explored.get(size, 0) + 1
         return self.max_k if self.explored[size] % EXPLORE_EVERY == 0 else current
+
+    def _log_change(self, size: int, old: int, new: int, rates: dict[int, float], draft: DraftCost, hop: float) -> None:
+        """One INFO line with what decided a batch size's new k."""
+        LOG.info(
+            "adaptive k for batches of %s: %d -> %d; tokens/s by k %s; target step %.2f ms at k %d, %.2f ms at k %d; "
+            "draft %.2f ms a step + %.2f ms a Propose; acceptance by position %s",
+            f"{size // 2 + 1}-{size}" if size > 2 else size,
+            old,
+            new,
+            " ".join(f"{rate:.0f}" for rate in rates.values()),
+            1000 * self.target.predict(size * (old + 1)),
+            old,
+            1000 * self.target.predict(size * (new + 1)),
+            new,
+            1000 * draft.per_step,
+            1000 * hop,
+            " ".join(f"{self.acceptance(i):.2f}" for i in range(self.max_k)),
+        )
 
     def settled(self, batch: int) -> int:
         """The k that rounds of `batch` requests draft apart from exploration: the next round's, most likely."""

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 
+from orchestrator.metrics import SchedulerCollector
 from orchestrator.speculation import (
     EXPLORE_EVERY,
     MIN_PROPOSES,
@@ -232,7 +236,7 @@ def test_ingests_at_a_large_batch_still_pause_it() -> None:
         observe_acceptance(policy)
         if ingest:
             policy.observe_propose(32, 5, 0.400, 0.400, new_rows=32 * 110)
-        for _ in range(2 * MIN_PROPOSES):
+        for _ in range(MIN_PROPOSES):
             policy.observe_propose(32, 5, 0.018, 0.018)  # 3 ms a step
         return policy
 
@@ -270,3 +274,69 @@ def test_a_fresh_servers_slow_first_calls_do_not_set_the_costs() -> None:
         assert policy.choose(1) == 5
         policy.observe_propose(1, 5, 0.0068, 0.0066)
     assert policy.draft[1].per_step == pytest.approx(0.0011)
+
+
+def quickstart_target_seconds(tokens: int) -> float:
+    """The demo target's steps at one request in the quickstart's log: 8.4 ms for one token, 12.7 ms for six."""
+    return 0.0075 + 0.00087 * tokens
+
+
+def cold_start(policy: SpeculationPolicy, rounds: int) -> list[int]:
+    """A fresh server as the quickstart meets it: a target-only warm-up (8 single-token passes), then one request
+    whose first calls are slow (one-time kernel selection, allocator growth, first-touch pages: its first five
+    verifications 2-3x, its first six Proposes 3-12x the steady cost, the first one ingesting a 30-row prompt) and
+    whose first rounds happen to accept little (1, 0, 2, 1, 0, 1, 1, 0 tokens), then the demo pair's steady costs and
+    acceptance. Returns the k of every round."""
+    for _ in range(8):
+        policy.observe_target(1, quickstart_target_seconds(1))
+    slow_verifications = [0.040, 0.040, 0.030, 0.030, 0.020]
+    slow_proposes = [0.080, 0.060, 0.040, 0.030, 0.025, 0.020]
+    unlucky = [1, 0, 2, 1, 0, 1, 1, 0]
+    chosen = []
+    for round_number in range(rounds):
+        k = policy.choose(1)
+        chosen.append(k)
+        if k > 0:
+            compute = slow_proposes.pop(0) if slow_proposes else draft_step_seconds(1) * (k + 1)
+            policy.observe_propose(1, k, compute + HOP_SECONDS, compute, new_rows=30 if round_number == 0 else 0)
+        policy.observe_target(
+            k + 1, slow_verifications.pop(0) if slow_verifications else quickstart_target_seconds(k + 1)
+        )
+        draw = (round_number * 37) % 100
+        steady = sum(1 for rate in ACCEPTANCE[:k] if draw < rate * 100)
+        policy.observe_round(k, min(k, unlucky[round_number] if round_number < len(unlucky) else steady))
+    return chosen
+
+
+def test_a_cold_start_does_not_settle_a_lone_request_below_full_k() -> None:
+    """The sequence that, decided on after eight Proposes with a least-squares draft cost, settled k at 0 for the
+    rest of the request (issue 34: one quickstart in three). Decided on a window of Proposes with median costs, the
+    lone request drafts at full k from its first round to its last."""
+    policy = SpeculationPolicy(5)
+    chosen = cold_start(policy, 96)
+    assert chosen == [5] * 96
+    assert policy.current == {1: 5} and not policy.changes and not policy.paused(1)
+
+
+def test_a_change_of_k_is_logged_with_what_decided_it(caplog: pytest.LogCaptureFixture) -> None:
+    policy = warmed()
+    caplog.set_level(logging.INFO, logger="orchestrator.speculation")
+    assert policy.choose(32) == 0
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert line.startswith("adaptive k for batches of 17-32: 5 -> 0; tokens/s by k ")
+    # The costs are the ones fed in (target_seconds, draft_step_seconds, HOP_SECONDS), the acceptance as measured.
+    assert "; target step 129.40 ms at k 5, 25.40 ms at k 0; draft 5.65 ms a step + 1.00 ms a Propose;" in line
+    assert line.endswith("; acceptance by position 0.81 0.69 0.59 0.53 0.48")
+    assert policy.current[32] == 0 and policy.changes == {32: 1}
+    caplog.clear()
+    assert policy.choose(32) == 0  # no change, no line
+    assert not caplog.records
+
+
+def test_metrics_show_each_measured_batch_sizes_settled_k_and_its_changes() -> None:
+    policy = warmed()
+    assert (policy.choose(1), policy.choose(32)) == (5, 0)
+    collector = SchedulerCollector(SimpleNamespace(speculation=policy), SimpleNamespace(model_name="m"))  # type: ignore[arg-type]
+    settled, changes = collector._adaptive_k("m")
+    assert [(s.labels["batch_size"], s.value) for s in settled.samples] == [("1", 5), ("32", 0)]
+    assert [(s.labels["batch_size"], s.value) for s in changes.samples] == [("1", 0), ("32", 1)]
