@@ -1,9 +1,12 @@
 """Multi-head attention with grouped KV heads over the paged KV cache, through the step's attention backend
 (tandem.layers.attention_backend).
 
-Options used by some families: a softmax scale other than head_dim ** -0.5 (Gemma's query_pre_attn_scalar), and a
+Options used by some families: a softmax scale other than head_dim ** -0.5 (Gemma's query_pre_attn_scalar), a
 sliding window, with which a query at position p sees only the keys at positions (p - sliding_window, p], itself
-included (the Hugging Face rule). Example with sliding_window 3: the query at position 5 sees positions 3, 4 and 5.
+included (the Hugging Face rule; example with sliding_window 3: the query at position 5 sees positions 3, 4 and 5),
+and a head-wise output gate (Step-3.5's g_proj): one more projection of the input gives one value per query head,
+and each head's attention output is multiplied by sigmoid(that value) before o_proj. The gate is a fourth part of
+the packed q/k/v projection ("g", num_heads rows), split across ranks with its heads.
 
 Tensor parallel: each rank holds num_heads / tp query heads and num_kv_heads / tp KV heads (the q/k/v projection is
 column parallel, so a rank's query heads and the KV heads they share stay together), attends over its own KV-cache
@@ -41,6 +44,7 @@ class Attention(nn.Module):
         scaling: float | None = None,  # softmax scale; None means head_dim ** -0.5
         sliding_window: int | None = None,  # None: every earlier position is visible
         group: ParallelGroup = SINGLE_PROCESS,
+        output_gate: bool = False,  # the head-wise sigmoid gate above
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
@@ -50,7 +54,9 @@ class Attention(nn.Module):
         self.scaling = scaling
         self.sliding_window = sliding_window
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = PackedLinear(input_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias, group)
+        parts = {"q": q_size, "k": kv_size, "v": kv_size} | ({"g": num_heads} if output_gate else {})
+        self.qkv_proj = PackedLinear(input_size, parts, qkv_bias, group)
+        self.output_gate = output_gate
         self.o_proj = RowParallelLinear(q_size, output_size, o_bias, group)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, qk_norm_unit_offset) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, qk_norm_unit_offset) if qk_norm_eps is not None else None
@@ -64,8 +70,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # -> [num_tokens, output_size]
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        packed = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
-        value = packed[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        packed = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size (+ num_heads with the gate)]
+        value_end = q_size + 2 * kv_size
+        value = packed[:, q_size + kv_size : value_end].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             query = self.q_norm(packed[:, :q_size].view(num_tokens, self.num_heads, self.head_dim))
             key = self.k_norm(packed[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
@@ -84,4 +91,6 @@ class Attention(nn.Module):
             self.scaling,
             self.sliding_window,
         )
+        if self.output_gate:
+            attended = attended * packed[:, value_end:, None].sigmoid()  # gate: [num_tokens, num_heads, 1]
         return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))

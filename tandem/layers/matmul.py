@@ -110,9 +110,11 @@ class Modules(Protocol):
 
 class Linear(nn.Linear):
     """nn.Linear through `linear`; the same parameters and checkpoint names. `prepacked` is oneDNN's blocked copy of
-    the weight once `prepack` made it (not a parameter or buffer: it is not saved, loaded or moved)."""
+    the weight once `prepack` made it (not a parameter or buffer: it is not saved, loaded or moved). A Linear that is
+    never multiplied as a whole (`prepackable` False: stacked experts, run one expert's rows at a time) gets none."""
 
     prepacked: torch.Tensor | None = None
+    prepackable: bool = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.prepacked)
@@ -130,7 +132,7 @@ def prepack(model: Modules) -> int:
     packed = 0
     with torch.no_grad():
         for module in model.modules():
-            weight = module.weight if isinstance(module, Linear) else None
+            weight = module.weight if isinstance(module, Linear) and module.prepackable else None
             if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
                 continue
             module.prepacked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)

@@ -1,5 +1,8 @@
 """Gated MLP (SwiGLU, or GeGLU for Gemma) with gate and up projections packed into one matmul.
 
+Optional clamp (Step-3.5's `swiglu_limits`): with limit L the activated gate is capped at L from above and the up
+projection clipped to [-L, L] before they multiply: down(min(act(gate), L) * clip(up, -L, L)).
+
 Tensor parallel: gate/up is column parallel (each rank computes intermediate_size / tp units) and down_proj row
 parallel (its all-reduce sums the ranks' contributions).
 """
@@ -31,6 +34,7 @@ class GatedMLP(nn.Module):
         intermediate_size: int,
         activation: str = "silu",
         group: ParallelGroup = SINGLE_PROCESS,
+        limit: float | None = None,  # the clamp above; None: none
     ) -> None:
         super().__init__()
         group.split(intermediate_size, "intermediate_size")  # refuses an uneven split, naming the config field
@@ -38,7 +42,19 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = PackedLinear(hidden_size, parts, bias=False, group=group)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, group=group)
         self.activation = ACTIVATIONS[activation]
+        self.limit = limit
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
         gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(self.activation(gate) * up)
+        return self.down_proj(gated_product(self.activation(gate), up, self.limit))
+
+
+def gated_product(
+    activated: torch.Tensor,  # [num_tokens, units] act(gate)
+    up: torch.Tensor,  # [num_tokens, units]
+    limit: float | None,
+) -> torch.Tensor:  # -> [num_tokens, units]
+    """act(gate) * up, clamped by `limit` as the module docstring says."""
+    if limit is None:
+        return activated * up
+    return activated.clamp(max=limit) * up.clamp(min=-limit, max=limit)

@@ -1,4 +1,4 @@
-"""Rotary position embedding with the default, linear, llama3 and YaRN frequency rules.
+"""Rotary position embedding with the default, linear, llama3, YaRN and proportional frequency rules.
 
 Two layouts of the rotated dimensions, as transformers has them:
 - rotate-half (Llama): dimension i is paired with dimension i + head_dim / 2;
@@ -37,6 +37,12 @@ def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:  # -> 
         return torch.where(is_medium, smoothed, scaled).float()
     if rope.rope_type == "yarn":
         return _yarn_inverse_frequencies(inv_freq, head_dim, rope).float()
+    if rope.rope_type == "proportional":
+        # Gemma 4's full layers: only the first int(factor * head_dim / 2) pairs turn, with the exponents of the whole
+        # head; the other pairs get frequency 0, a rotation by 0. Example: head_dim 8, factor 0.5 -> pairs 0 and 1
+        # turn at theta^0 and theta^(-2/8), pairs 2 and 3 stand still.
+        turning = int(rope.partial_rotary_factor * head_dim // 2)
+        return (torch.cat((inv_freq[:turning], torch.zeros_like(inv_freq[turning:]))) / rope.factor).float()
     return inv_freq.float()
 
 
@@ -118,7 +124,14 @@ class RotaryEmbedding(nn.Module):
         heads: torch.Tensor,  # [num_tokens, any number of heads, head_dim]
     ) -> torch.Tensor:  # -> the same shape
         """Rotates every head of each token by its position. Queries and keys that sit side by side in one tensor
-        (the q/k part of a packed projection) go through one call, which is fewer operations than two."""
+        (the q/k part of a packed projection) go through one call, which is fewer operations than two.
+
+        Heads wider than this embedding's dimensions (partial rotary: built with head_dim * partial_rotary_factor,
+        Step-3.5) have their first dimensions rotated and the rest passed through unchanged."""
+        rotary_dim = 2 * self.inv_freq.shape[0]
+        if heads.shape[-1] > rotary_dim:
+            rotated = self.rotate(positions, heads[..., :rotary_dim])
+            return torch.cat((rotated, heads[..., rotary_dim:]), dim=-1)
         cos, sin = self._cos_sin(positions)
         if self.interleaved:
             return _rotate_interleaved(heads, cos, sin)

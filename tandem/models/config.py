@@ -22,7 +22,7 @@ class ConfigError(StartupError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"  # "default", "linear", "llama3" or "yarn"
+    rope_type: str = "default"  # "default", "linear", "llama3", "yarn" or "proportional"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -34,6 +34,9 @@ class RopeConfig:
     mscale_all_dim: float = 0.0
     attention_factor: float | None = None  # explicit cos/sin scale; None derives it from factor and the mscales
     truncate: bool = True
+    # Proportional only (Gemma 4 full layers): the share of the head whose pairs turn; the other pairs get
+    # frequency 0 (rotation by 0), and the exponents still count over the whole head.
+    partial_rotary_factor: float = 1.0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
@@ -42,8 +45,10 @@ class RopeConfig:
         params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = str(params.get("rope_type", params.get("type", "default")))
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
-            raise ConfigError(f"rope_scaling.rope_type: {rope_type!r} is not supported (default, linear, llama3, yarn)")
+        if rope_type not in ("default", "linear", "llama3", "yarn", "proportional"):
+            raise ConfigError(
+                f"rope_scaling.rope_type: {rope_type!r} is not supported (default, linear, llama3, yarn, proportional)"
+            )
         if rope_type == "yarn" and "factor" not in params:
             raise ConfigError("rope_scaling.factor: missing for yarn rope scaling")
         attention_factor = params.get("attention_factor")
@@ -61,6 +66,9 @@ class RopeConfig:
             mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
             attention_factor=None if attention_factor is None else float(attention_factor),
             truncate=bool(params.get("truncate", True)),
+            partial_rotary_factor=float(
+                1.0 if params.get("partial_rotary_factor") is None else params["partial_rotary_factor"]
+            ),
         )
 
 

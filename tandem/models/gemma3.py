@@ -41,9 +41,17 @@ from tandem.models.config import (
 )
 from tandem.models.stack import Backbone, CausalLM, DecoderLayer
 from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
+from tandem.weights.loader import NameMap
 
-# transformers' Gemma3TextConfig defaults, for keys that a config.json leaves out.
+# transformers' Gemma3TextConfig defaults, for keys that a config.json leaves out (the text_config of the multimodal
+# releases leaves out most of them).
 HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
     "head_dim": 256,
     "hidden_activation": "gelu_pytorch_tanh",
     "max_position_embeddings": 131_072,
@@ -59,6 +67,51 @@ HF_DEFAULTS: dict[str, Any] = {
 }
 SLIDING, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer type names
 
+# Multimodal checkpoints served as text targets (Gemma3ForConditionalGeneration, Gemma4ForConditionalGeneration):
+# their language model's tensors, under the prefix each ships (the Gemma 3 hub files and transformers' save of
+# either: language_model.model.*; Gemma 4 and Gemma 3 saved from transformers' in-memory layout:
+# model.language_model.*), map onto the text model's names; the vision and audio towers and their projectors are
+# not read.
+MULTIMODAL_NAMES = NameMap(
+    renames=(
+        ("language_model.model.", "model."),
+        ("model.language_model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    )
+)
+MULTIMODAL_TOWERS = (
+    "vision_tower.",  # Gemma 3, as shipped and as transformers saves it
+    "multi_modal_projector.",
+    "model.vision_tower.",  # Gemma 4; Gemma 3 in transformers' in-memory layout
+    "model.multi_modal_projector.",
+    "model.embed_vision.",  # Gemma 4's projections of the towers' outputs, and its audio tower
+    "model.embed_audio.",
+    "model.audio_tower.",
+)
+
+
+def language_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's `text_config` as a text target's config: its architecture, its end tokens together with
+    the top-level ones (generation_config.json's among them, tandem.models.config.read_target_config), and the
+    top-level tie_word_embeddings, which is what ties transformers' multimodal head."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"text_config: missing from the config.json of {architecture_of(hf)}")
+    language_model: dict[str, Any] = {**text, "architectures": [architecture_of(hf)]}
+    ends = list(dict.fromkeys([*eos_token_ids(text), *eos_token_ids(hf)]))
+    if ends:
+        language_model["eos_token_id"] = ends
+    if "tie_word_embeddings" in hf:
+        language_model["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return language_model
+
+
+def multimodal_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma3ForConditionalGeneration's language model as transformers 5.24 runs it: like language_model_config,
+    but with no final logit softcap, which its head does not apply (the text model's Gemma3ForCausalLM does). The
+    Gemma 3 releases set none; a cap would not change a greedy choice either, only the probabilities."""
+    return language_model_config(hf) | {"final_logit_softcapping": None}
+
 
 @dataclass(frozen=True)
 class Gemma3Config(GroupedQueryConfig):
@@ -73,7 +126,6 @@ class Gemma3Config(GroupedQueryConfig):
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> Gemma3Config:
-        architecture = architecture_of(hf)
         hf = HF_DEFAULTS | hf
         if hf.get("attn_logit_softcapping") is not None:
             raise ConfigError(
@@ -90,24 +142,9 @@ class Gemma3Config(GroupedQueryConfig):
         if any(sliding_layers) and (window is None or int(window) < 1):
             raise ConfigError(f"sliding_window: {window}, but some layers are sliding-window layers (needs >= 1)")
         global_rope, local_rope = _ropes(hf)
-        num_heads = require_int(hf, "num_attention_heads")
         softcap = hf.get("final_logit_softcapping")
         return cls(
-            architecture=architecture,
-            vocab_size=require_int(hf, "vocab_size"),
-            hidden_size=require_int(hf, "hidden_size"),
-            intermediate_size=require_int(hf, "intermediate_size"),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf["head_dim"]),
-            rms_norm_eps=float(hf["rms_norm_eps"]),
-            max_position_embeddings=int(hf["max_position_embeddings"]),
-            tie_word_embeddings=bool(hf["tie_word_embeddings"]),
-            eos_token_ids=eos_token_ids(hf),
-            torch_dtype=checkpoint_dtype(hf),
-            hidden_activation=str(hf["hidden_activation"]),
-            attention_bias=bool(hf["attention_bias"]),
+            **gemma_fields(hf, num_layers),
             query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
             sliding_window=None if window is None else int(window),
             sliding_layers=sliding_layers,
@@ -115,6 +152,28 @@ class Gemma3Config(GroupedQueryConfig):
             local_rope=local_rope,
             final_logit_softcapping=None if softcap is None else float(softcap),
         )
+
+
+def gemma_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The config fields Gemma 3 and Gemma 4 read alike, from a config with its defaults merged."""
+    num_heads = require_int(hf, "num_attention_heads")
+    return {
+        "architecture": architecture_of(hf),
+        "vocab_size": require_int(hf, "vocab_size"),
+        "hidden_size": require_int(hf, "hidden_size"),
+        "intermediate_size": require_int(hf, "intermediate_size"),
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": int(hf.get("num_key_value_heads") or num_heads),
+        "head_dim": int(hf["head_dim"]),
+        "rms_norm_eps": float(hf["rms_norm_eps"]),
+        "max_position_embeddings": int(hf["max_position_embeddings"]),
+        "tie_word_embeddings": bool(hf["tie_word_embeddings"]),
+        "eos_token_ids": eos_token_ids(hf),
+        "torch_dtype": checkpoint_dtype(hf),
+        "hidden_activation": str(hf["hidden_activation"]),
+        "attention_bias": bool(hf["attention_bias"]),
+    }
 
 
 def _sliding_layers(hf: dict[str, Any], num_layers: int) -> tuple[bool, ...]:

@@ -35,9 +35,14 @@ from tandem.models.config import (
 )
 from tandem.models.deepseek_v3 import CHECKPOINT_NAMES as DEEPSEEK_V3_NAMES
 from tandem.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from tandem.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from tandem.models.gemma3 import MULTIMODAL_NAMES, MULTIMODAL_TOWERS, Gemma3Config, Gemma3ForCausalLM
+from tandem.models.gemma4 import Gemma4ForCausalLM
+from tandem.models.gemma4_config import Gemma4Config
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.stack import TargetOutput
+from tandem.models.step3p5 import CHECKPOINT_NAMES as STEP3P5_NAMES
+from tandem.models.step3p5 import Step3p5ForCausalLM
+from tandem.models.step3p5_config import Step3p5Config
 from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
 from tandem.weights.loader import NameMap, iter_tensors, load_weights
 
@@ -102,6 +107,9 @@ class TargetArchitecture:
     skips_layers_after_last: bool = False
     # Buffer name suffixes kept in float32 at any serving dtype, as transformers keeps them.
     float32_buffers: tuple[str, ...] = ()
+    # Checkpoint name prefixes of other models in the same files (a multimodal checkpoint's vision tower and
+    # projector): the target does not read them, and they are not reported as unused.
+    skipped_prefixes: tuple[str, ...] = ()
 
 
 def _build_llama(hf: dict[str, Any], group: ParallelGroup) -> LlamaForCausalLM:
@@ -112,14 +120,52 @@ def _build_gemma3(hf: dict[str, Any], group: ParallelGroup) -> Gemma3ForCausalLM
     return Gemma3ForCausalLM(Gemma3Config.from_hf(hf), group)
 
 
+def _build_gemma4(hf: dict[str, Any], group: ParallelGroup) -> Gemma4ForCausalLM:
+    return Gemma4ForCausalLM(Gemma4Config.from_hf(hf), group)
+
+
+def _build_gemma3_language_model(hf: dict[str, Any], group: ParallelGroup) -> Gemma3ForCausalLM:
+    return Gemma3ForCausalLM(Gemma3Config.from_hf(gemma3.multimodal_text_config(hf)), group)
+
+
+def _build_gemma4_language_model(hf: dict[str, Any], group: ParallelGroup) -> Gemma4ForCausalLM:
+    return Gemma4ForCausalLM(Gemma4Config.from_hf(gemma3.language_model_config(hf)), group)
+
+
+def _language_model(build: Callable[[dict[str, Any], ParallelGroup], TargetModel]) -> TargetArchitecture:
+    """A multimodal Gemma checkpoint served as a text target: its language model, not its towers."""
+    return TargetArchitecture(
+        build, MULTIMODAL_NAMES, gemma3.default_capture_indices, skipped_prefixes=MULTIMODAL_TOWERS
+    )
+
+
 def _build_deepseek_v3(hf: dict[str, Any], group: ParallelGroup) -> DeepseekV3ForCausalLM:
     return DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(hf), group)
+
+
+def _build_step3p5(hf: dict[str, Any], group: ParallelGroup) -> Step3p5ForCausalLM:
+    return Step3p5ForCausalLM(Step3p5Config.from_hf(hf), group)
+
+
+def _step3p5_family(skipped_prefixes: tuple[str, ...] = ()) -> TargetArchitecture:
+    return TargetArchitecture(
+        _build_step3p5,
+        STEP3P5_NAMES,
+        aux_layers.default_capture_indices,
+        skips_layers_after_last=True,  # the MTP layers
+        # As DeepSeek-V3's: the router's bias decides which experts run, by amounts below bfloat16's resolution.
+        float32_buffers=("router_bias",),
+        skipped_prefixes=skipped_prefixes,
+    )
 
 
 _LLAMA_FAMILY = TargetArchitecture(_build_llama, NameMap(), aux_layers.default_capture_indices)
 TARGET_ARCHITECTURES: dict[str, TargetArchitecture] = {
     **dict.fromkeys(TARGET_FAMILIES, _LLAMA_FAMILY),
     "Gemma3ForCausalLM": TargetArchitecture(_build_gemma3, NameMap(), gemma3.default_capture_indices),
+    "Gemma4ForCausalLM": TargetArchitecture(_build_gemma4, NameMap(), gemma3.default_capture_indices),
+    "Gemma3ForConditionalGeneration": _language_model(_build_gemma3_language_model),
+    "Gemma4ForConditionalGeneration": _language_model(_build_gemma4_language_model),
     "DeepseekV3ForCausalLM": TargetArchitecture(
         _build_deepseek_v3,
         DEEPSEEK_V3_NAMES,
@@ -129,6 +175,8 @@ TARGET_ARCHITECTURES: dict[str, TargetArchitecture] = {
         # and it decides which experts run.
         float32_buffers=("e_score_correction_bias",),
     ),
+    "Step3p5ForCausalLM": _step3p5_family(),
+    "Step3p7ForConditionalGeneration": _step3p5_family(skipped_prefixes=("vision_model.", "vit_large_projector.")),
 }
 
 
@@ -174,6 +222,10 @@ def load_target(
             "%s: not reading model.layers.{>= %d}.* (draft layers after the last target layer)", model_dir, num_layers
         )
         skip = partial(_is_after_last_layer, num_layers)
+    if architecture.skipped_prefixes:
+        skipped = "*, ".join(architecture.skipped_prefixes)
+        LOG.info("%s: not reading %s* (not part of the text model)", model_dir, skipped)
+        skip = partial(_is_skipped, architecture.skipped_prefixes, skip)
     unused = load_weights(model, iter_tensors(model_dir, skip), architecture.name_map, source=str(model_dir))
     tied_head = ["lm_head.weight"] if tied else []
     unexpected = [name for name in unused if name not in tied_head and not name.endswith(_IGNORED_SUFFIXES)]
@@ -193,6 +245,10 @@ def keep_float32(model: nn.Module, suffixes: tuple[str, ...]) -> None:
         if name.endswith(suffixes):
             owner, _, leaf = name.rpartition(".")
             model.get_submodule(owner).register_buffer(leaf, buffer.float())
+
+
+def _is_skipped(prefixes: tuple[str, ...], other: Callable[[str], bool] | None, name: str) -> bool:
+    return name.startswith(prefixes) or (other is not None and other(name))
 
 
 def _is_after_last_layer(num_layers: int, name: str) -> bool:

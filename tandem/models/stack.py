@@ -8,7 +8,7 @@ tables) and hands them to these blocks; its variants are the blocks' flags (`san
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -30,7 +30,7 @@ class TargetOutput:
 
 def run_layers(
     hidden: torch.Tensor,  # [num_tokens, hidden] the embedded input
-    layers: Iterable[nn.Module],
+    layers: Iterable[Callable[[torch.Tensor, AttentionMetadata, PagedKVCache], torch.Tensor]],  # modules, or calls
     norm: nn.Module,
     metadata: AttentionMetadata,
     cache: PagedKVCache,

@@ -171,5 +171,5 @@ def test_registry_dispatches_per_architecture() -> None:
     # Each family's default EAGLE3 capture set, for a draft that names no layers (REFERENCE.md).
     assert target_architecture("Gemma3ForCausalLM").default_capture_indices(26) == (2, 13, 24)
     assert target_architecture("LlamaForCausalLM").default_capture_indices(32) == (2, 16, 29)
-    with pytest.raises(ConfigError, match=r"'Gemma3ForConditionalGeneration' is not a supported target \(.*Gemma3"):
-        target_architecture("Gemma3ForConditionalGeneration")
+    with pytest.raises(ConfigError, match=r"'PaliGemmaForConditionalGeneration' is not a supported target \(.*Gemma3"):
+        target_architecture("PaliGemmaForConditionalGeneration")

@@ -1,0 +1,223 @@
+"""Tiny random Gemma 4 checkpoints written with transformers' own classes and save_pretrained: the text model
+(Gemma4ForCausalLM) and the multimodal wrappers of Gemma 3 and Gemma 4 (Gemma3ForConditionalGeneration,
+Gemma4ForConditionalGeneration) with small vision (and audio) towers, plus the test tokenizer.
+
+Every weight is redrawn (norm weights around 1, or around 0 for Gemma 3's (1 + w) norms), and so are the buffers
+transformers initialises to 1 (each layer's layer_scalar) and the router's scales, so that a weight or a scalar
+applied in the wrong place shows. The sliding window (8) is shorter than the test sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
+    Gemma4Config,
+    Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
+    Gemma4TextConfig,
+    PreTrainedModel,
+)
+
+from tests.helpers.checkpoints import redraw_parameters
+from tests.helpers.gemma3_checkpoints import GLOBAL, LOCAL, WINDOW
+from tests.helpers.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, write_tokenizer
+
+VOCAB = 320
+LAYER_TYPES = (LOCAL, LOCAL, GLOBAL, LOCAL, LOCAL, GLOBAL)
+
+
+@dataclass(frozen=True)
+class TinyGemma4Spec:
+    layer_types: tuple[str, ...] = LAYER_TYPES
+    num_key_value_heads: int = 2
+    global_head_dim: int = 32  # the sliding layers' head_dim is 16
+    num_global_key_value_heads: int | None = 2
+    attention_k_eq_v: bool = True
+    partial_rotary_factor: float = 0.5
+    per_layer_input_size: int = 8  # 0: none
+    num_kv_shared_layers: int = 2
+    use_double_wide_mlp: bool = True
+    enable_moe_block: bool = False
+    final_logit_softcapping: float | None = 3.0
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+
+SPECS = {
+    # Per-layer inputs, the last two layers KV-shared (one of each type) with double-wide MLPs, full layers with
+    # their own head dim and K=V heads, a strong softcap.
+    "dense": TinyGemma4Spec(),
+    # Routed experts beside the dense MLPs, full layers with v_proj and two KV heads, an untied head with biases.
+    "moe": TinyGemma4Spec(
+        num_global_key_value_heads=2,
+        attention_k_eq_v=False,
+        per_layer_input_size=0,
+        num_kv_shared_layers=0,
+        use_double_wide_mlp=False,
+        enable_moe_block=True,
+        final_logit_softcapping=None,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        seed=1,
+    ),
+}
+
+
+def gemma4_text_config(spec: TinyGemma4Spec) -> Gemma4TextConfig:
+    # The hub's spelling of the full layers' shapes; transformers saves them as per_layer_config.
+    full_layers: dict[str, Any] = {
+        "global_head_dim": spec.global_head_dim,
+        "num_global_key_value_heads": spec.num_global_key_value_heads,
+    }
+    moe: dict[str, Any] = (
+        {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 24} if spec.enable_moe_block else {}
+    )
+    return Gemma4TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=len(spec.layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=16,
+        attention_k_eq_v=spec.attention_k_eq_v,
+        max_position_embeddings=512,
+        sliding_window=WINDOW,
+        layer_types=list(spec.layer_types),
+        rope_parameters={
+            GLOBAL: {
+                "rope_type": "proportional",
+                "partial_rotary_factor": spec.partial_rotary_factor,
+                "rope_theta": 50_000.0,
+            },
+            LOCAL: {"rope_type": "default", "rope_theta": 1_000.0},
+        },
+        hidden_size_per_layer_input=spec.per_layer_input_size,
+        vocab_size_per_layer_input=VOCAB,
+        num_kv_shared_layers=spec.num_kv_shared_layers,
+        use_double_wide_mlp=spec.use_double_wide_mlp,
+        enable_moe_block=spec.enable_moe_block,
+        final_logit_softcapping=spec.final_logit_softcapping,
+        attention_bias=spec.attention_bias,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        pad_token_id=SPECIAL_TOKENS.index(PAD_TOKEN),
+        bos_token_id=SPECIAL_TOKENS.index(BOS_TOKEN),
+        eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN),
+        dtype="float32",
+        **full_layers,
+        **moe,
+        **spec.extra,
+    )
+
+
+def redraw_gemma4(model: PreTrainedModel, seed: int) -> None:
+    """Redraws every weight, each layer's layer_scalar and the routers' scales (module docstring)."""
+    generator = torch.Generator().manual_seed(seed)
+    redraw_parameters(model, generator, norm_center=1.0)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("layer_scalar"):  # below 1, as in the releases, which keeps the streams small
+                tensor.copy_(0.3 + 0.5 * torch.rand(tensor.shape, generator=generator))
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                # The softmax scale is 1 and q, k are normed to length sqrt(head_dim): halved q/k norm weights keep
+                # the scores within a few units, where float32 rounding is not amplified past the tolerance.
+                tensor.mul_(0.5)
+            elif name.endswith(("router.scale", "router.per_expert_scale")):
+                tensor.copy_(0.5 + torch.rand(tensor.shape, generator=generator))
+
+
+def write_tiny_gemma4(directory: Path, spec: TinyGemma4Spec) -> Path:
+    """A random Gemma4ForCausalLM saved with transformers' save_pretrained, plus the test tokenizer."""
+    with torch.random.fork_rng(devices=[]):
+        model = Gemma4ForCausalLM(gemma4_text_config(spec))
+    redraw_gemma4(model, spec.seed)
+    model.save_pretrained(directory, safe_serialization=True)
+    write_tokenizer(directory, VOCAB)
+    return directory
+
+
+def write_tiny_gemma4_multimodal(directory: Path, spec: TinyGemma4Spec) -> Path:
+    """A random Gemma4ForConditionalGeneration (vision and audio towers) saved by transformers, plus the tokenizer."""
+    config = Gemma4Config(
+        text_config=gemma4_text_config(spec),
+        vision_config={
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+        },
+        audio_config={
+            "hidden_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "output_proj_dims": 16,
+            "subsampling_conv_channels": [4, 4],
+            "conv_kernel_size": 3,
+        },
+    )
+    with torch.random.fork_rng(devices=[]):
+        model = Gemma4ForConditionalGeneration(config)
+    redraw_gemma4(model, spec.seed)
+    model.save_pretrained(directory, safe_serialization=True)
+    write_tokenizer(directory, VOCAB)
+    return directory
+
+
+def write_tiny_gemma3_multimodal(directory: Path, seed: int = 0) -> Path:
+    """A random Gemma3ForConditionalGeneration (a small SigLIP tower) saved by transformers, plus the tokenizer.
+
+    Its text model is the Gemma 3 test one (tests.helpers.gemma3_checkpoints): local, local, global, local layers,
+    a window of 8, both rope bases changed and the global one linearly scaled, an untied head with a softcap.
+    """
+    text = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        query_pre_attn_scalar=24,
+        sliding_window=WINDOW,
+        layer_types=[LOCAL, LOCAL, GLOBAL, LOCAL],
+        rope_parameters={
+            GLOBAL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 50_000.0},
+            LOCAL: {"rope_type": "default", "rope_theta": 1_000.0},
+        },
+        final_logit_softcapping=2.0,
+        pad_token_id=SPECIAL_TOKENS.index(PAD_TOKEN),
+        bos_token_id=SPECIAL_TOKENS.index(BOS_TOKEN),
+        eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN),
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config={
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+        mm_tokens_per_image=4,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        model = Gemma3ForConditionalGeneration(config)
+    # Gemma 3's norms scale by (1 + weight): weights near 0.
+    redraw_parameters(model, torch.Generator().manual_seed(seed), norm_center=0.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    write_tokenizer(directory, VOCAB)
+    return directory
