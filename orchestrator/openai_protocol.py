@@ -140,6 +140,9 @@ def _messages(messages: Any) -> tuple[Mapping[str, str], ...]:
     return tuple(parsed)
 
 
+MEDIA_PARTS = ("image_url", "input_audio", "video_url", "file")  # content part types that carry media
+
+
 def _content(content: Any, where: str) -> str:
     """A message's text: a string, or a list of text parts (joined)."""
     if isinstance(content, str):
@@ -148,7 +151,15 @@ def _content(content: Any, where: str) -> str:
         texts = []
         for index, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_field(f"{where}[{index}]", 'only text parts {"type": "text", "text": ...} are supported')
+                kind = part.get("type") if isinstance(part, dict) else None
+                media = (
+                    f"{kind!r} parts are not served (of a multimodal checkpoint Tandem serves the text model); "
+                    if kind in MEDIA_PARTS
+                    else ""
+                )
+                raise bad_field(
+                    f"{where}[{index}]", f'{media}only text parts {{"type": "text", "text": ...}} are supported'
+                )
             texts.append(part["text"])
         return "".join(texts)
     raise bad_field(where, "must be a string or a list of text parts")

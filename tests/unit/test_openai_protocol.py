@@ -117,7 +117,11 @@ def test_chat_messages_and_their_refusals() -> None:
     assert refused(parse_chat, {"messages": []}).param == "messages"
     assert refused(parse_chat, {"messages": [{"content": "x"}]}).param == "messages[0].role"
     image = [{"type": "image_url", "image_url": {"url": "x"}}]
-    assert refused(parse_chat, {"messages": [{"role": "user", "content": image}]}).param == "messages[0].content[0]"
+    error = refused(parse_chat, {"messages": [{"role": "user", "content": image}]})
+    assert error.param == "messages[0].content[0]"
+    assert error.message.startswith(
+        "messages[0].content[0]: 'image_url' parts are not served (of a multimodal checkpoint"
+    )
     user = [{"role": "user", "content": "x"}]
     assert refused(parse_chat, {"messages": user, "logprobs": 1}).param == "logprobs"
     assert refused(parse_chat, {"messages": user, "top_logprobs": 2}).param == "top_logprobs"
