@@ -273,9 +273,15 @@ class ServeProcess:
     killer or by SIGKILL leaves no stack behind.
     """
 
-    def __init__(self, arguments: Sequence[str], ready_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        command = [sys.executable, "-m", "launch.cli", "serve", *arguments]
-        self.process = start_child(command, pipe_output=True)
+    def __init__(
+        self,
+        arguments: Sequence[str],
+        ready_timeout_s: float = STARTUP_TIMEOUT_S,
+        module: str = "launch.cli",  # the CLI module (another tree's, with `env`, for an A/B of two trees)
+        env: Mapping[str, str] | None = None,  # the whole environment; None: this process's
+    ) -> None:
+        command = [sys.executable, "-m", module, "serve", *arguments]
+        self.process = start_child(command, pipe_output=True, env=env)
         self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
         self.address = self._wait_ready(ready_timeout_s)
