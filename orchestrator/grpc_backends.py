@@ -22,6 +22,7 @@ from tandem.leases import session_metadata
 from tandem.wire import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire.drafts import tree_from_proto, tree_to_proto
 from tandem.wire.logprobs import logprobs_from_proto
+from tandem.wire.sampling import sampling_to_proto
 
 _KINDS = {
     grpc.StatusCode.INVALID_ARGUMENT: FailureKind.INVALID,
@@ -190,14 +191,7 @@ def _step_item(item: StepItem) -> target_pb2.StepItem:
         message.open.CopyFrom(
             target_pb2.OpenRequest(
                 prompt=item.open.prompt,
-                sampling=common_pb2.SamplingParams(
-                    temperature=sampling.temperature,
-                    top_p=sampling.top_p,
-                    top_k=sampling.top_k,
-                    seed=sampling.seed,  # None leaves the optional field unset
-                    min_tokens=sampling.min_tokens,
-                    stop_token_ids=sampling.stop_token_ids,
-                ),
+                sampling=sampling_to_proto(sampling),
                 end_token_ids=sorted(item.open.end_token_ids),
             )
         )

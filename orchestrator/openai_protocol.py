@@ -2,7 +2,7 @@
 
 A request body becomes the public GenerateRequest that gRPC clients send (orchestrator.generation runs both alike),
 and outputs become OpenAI's JSON objects and streamed chunks. Every field the server cannot honour is refused with
-400 naming it rather than ignored: n > 1, penalties, logit_bias, echo, suffix, tools, best_of.
+400 naming it rather than ignored: n > 1, echo, suffix, tools, best_of.
 Fields that do not change the output (user, metadata, ...) are accepted and ignored, as vLLM does.
 
 Defaults follow OpenAI, not the gRPC API: temperature 1.0 (gRPC: 0, greedy). max_tokens unset means the server's
@@ -31,10 +31,6 @@ UNSUPPORTED_UNLESS = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
     "tools": (None, []),
@@ -210,7 +206,31 @@ def _common(body: Mapping[str, Any], model_name: str, max_tokens_field: str) -> 
     if min_tokens is not None:
         generate.min_tokens = min(min_tokens, 2**31 - 1)
     generate.disable_speculation = _boolean(body, "disable_speculation")
+    _penalties(body, generate)
     return generate
+
+
+def _penalties(body: Mapping[str, Any], generate: orchestrator_pb2.GenerateRequest) -> None:
+    """presence_penalty, frequency_penalty and logit_bias as OpenAI defines them, repetition_penalty as vLLM takes
+    it; the ranges are checked with the gRPC request's (orchestrator.validation)."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = _number(body, name, signed=True)
+        if value is not None:
+            setattr(generate, name, value)
+    if generate.repetition_penalty == 0.0 and body.get("repetition_penalty") is not None:
+        raise bad_field("repetition_penalty", "must be above 0 (1: none), got 0")
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise bad_field("logit_bias", f"must be an object of token ids to biases, got {_shown(bias)}")
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < 2**31:
+            raise bad_field("logit_bias", f"{key!r} is not a token id")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad_field(f"logit_bias[{key}]", f"must be a finite number, got {_shown(value)}")
+        generate.logit_bias[token] = float(value)
 
 
 def _top_count(body: Mapping[str, Any], name: str) -> int | None:
@@ -257,13 +277,13 @@ def _integer(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
     return int(value)
 
 
-def _number(body: Mapping[str, Any], name: str) -> float | None:
+def _number(body: Mapping[str, Any], name: str, signed: bool = False) -> float | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise bad_field(name, f"must be a finite number, got {_shown(value)}")
-    if value < 0:
+    if value < 0 and not signed:
         raise bad_field(name, f"must be at least 0, got {value}")
     return float(value)
 

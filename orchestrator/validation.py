@@ -18,6 +18,9 @@ from tandem.sampling.params import SamplingParams
 from tandem.wire import orchestrator_pb2
 
 MAX_CLIENT_REQUEST_ID = 128  # characters of a client's request id
+MAX_PENALTY = 2.0  # OpenAI's bound on presence and frequency penalties
+MAX_REPETITION_PENALTY = 100.0  # far beyond any useful value; a bound keeps the logits finite
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit bias
 
 
 class InvalidRequest(ValueError):
@@ -98,6 +101,13 @@ def validate_request(
             raise InvalidRequest(
                 f"stop_token_ids[{index}]: {token_id} is outside the vocabulary of {limits.vocab_size} tokens"
             )
+    for token_id, bias in sorted(request.logit_bias.items()):
+        if not 0 <= token_id < limits.vocab_size:
+            raise InvalidRequest(f"logit_bias: {token_id} is outside the vocabulary of {limits.vocab_size} tokens")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidRequest(
+                f"logit_bias[{token_id}]: must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias}"
+            )
     input_ids = _prompt_ids(request, tokenizer, limits.vocab_size)
     prompt_length = len(input_ids)
     if prompt_length >= limits.max_context:
@@ -172,12 +182,26 @@ def _validate_sampling(request: orchestrator_pb2.GenerateRequest) -> SamplingPar
         raise InvalidRequest(f"top_p: must be in (0, 1] (0 means 1), got {request.top_p}")
     if request.top_k < 0:
         raise InvalidRequest(f"top_k: must be >= 0 (0 disables it), got {request.top_k}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(request, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidRequest(f"{name}: must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+    repetition = 1.0 if request.repetition_penalty == 0.0 else request.repetition_penalty
+    if not 0.0 < repetition <= MAX_REPETITION_PENALTY:
+        raise InvalidRequest(
+            f"repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY}] (1 or 0: none), "
+            f"got {request.repetition_penalty}"
+        )
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,
         top_k=request.top_k,
         seed=request.seed if request.HasField("seed") else None,
         min_tokens=max(0, request.min_tokens),
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=repetition,
+        logit_bias=tuple(sorted(request.logit_bias.items())),
     )
 
 

@@ -97,6 +97,7 @@ class Admission:
         self._check_ids("prompt", prompt)
         sampling = item.open.sampling
         self._check_ids("sampling.stop_token_ids", sampling.stop_token_ids)
+        self._check_ids("sampling.logit_bias", [token for token, _ in sampling.logit_bias])
         return TargetRequest(
             item.request_id,
             prompt,

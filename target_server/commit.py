@@ -13,7 +13,7 @@ import torch
 
 from tandem.models.stack import TargetOutput
 from tandem.sampling.batched import verify_items
-from tandem.sampling.scored_rows import mask_stop_tokens
+from tandem.sampling.processing import process_rows
 from target_server.admission import AdmittedItem
 from target_server.items import CapturedRows, StepItem, StepResult
 
@@ -34,8 +34,8 @@ def verify_batched(planned: Sequence[AdmittedItem], logits: torch.Tensor) -> Non
     scored = []
     for entry in chosen:
         rows = logits[entry.logit_start : entry.logit_start + 1 + len(entry.item.drafts)]  # [1 + k, vocab]
-        generated = len(entry.request.tokens) - entry.request.prompt_length
-        scored.append(mask_stop_tokens(rows, entry.request.sampling, generated))
+        request = entry.request
+        scored.append(process_rows(rows, entry.item.drafts, request.sampling, request.tokens, request.prompt_length))
     drafts = [list(entry.item.drafts.tokens) for entry in chosen]
     outcomes = verify_items(scored, drafts, [entry.request.sampling for entry in chosen])
     for entry, outcome in zip(chosen, outcomes, strict=True):

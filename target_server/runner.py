@@ -40,8 +40,9 @@ from tandem.models.stack import TargetOutput
 from tandem.parallel.group import SINGLE_PROCESS
 from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
-from tandem.sampling.scored_rows import mask_stop_tokens, token_logprobs
-from tandem.sampling.tree_verify import mask_tree_stop_tokens, verify_tree
+from tandem.sampling.processing import process_rows
+from tandem.sampling.scored_rows import token_logprobs
+from tandem.sampling.tree_verify import verify_tree
 from tandem.sampling.verify import verify
 from tandem.settings import KVCacheSettings
 from target_server.admission import Admission, AdmittedItem
@@ -264,8 +265,7 @@ class TargetRunner:
             if entry.reaches_end:
                 drafts = list(item.drafts.tokens)
                 scored = logits[entry.logit_start : entry.logit_start + 1 + len(drafts)]  # [1 + k, vocab]
-                generated = len(request.tokens) - request.prompt_length
-                masked = mask_stop_tokens(scored, request.sampling, generated)
+                masked = process_rows(scored, item.drafts, request.sampling, request.tokens, request.prompt_length)
                 outcome = entry.outcome or verify(masked, drafts, request.sampling, request.generator)
                 accepted, new_tokens = outcome.accepted, outcome.tokens
                 if item.top_logprobs is not None:
@@ -292,8 +292,7 @@ class TargetRunner:
         tree = item.drafts
         try:
             scored = logits[entry.logit_start : entry.logit_start + 1 + len(tree)]  # [1 + n, vocab]
-            generated = len(request.tokens) - request.prompt_length
-            masked = mask_tree_stop_tokens(scored, tree, request.sampling, generated)
+            masked = process_rows(scored, tree, request.sampling, request.tokens, request.prompt_length)
             outcome = verify_tree(masked, tree, request.sampling, request.generator)
             path_rows = [0, *(1 + node for node in outcome.path)]  # the scored rows that chose the new tokens
             logprobs = []

@@ -18,11 +18,11 @@ import grpc
 from tandem.grpc_util import CallFailed, on_call_end
 from tandem.leases import Leases, leased_call, leased_stream
 from tandem.model_thread import ModelThread
-from tandem.sampling.params import SamplingParams
-from tandem.wire import common_pb2, target_pb2, target_pb2_grpc
+from tandem.wire import target_pb2, target_pb2_grpc
 from tandem.wire.codec import DEFAULT_CHUNK_BYTES, ShardOf, iter_weight_chunks, tensor_to_proto
 from tandem.wire.drafts import tree_from_proto
 from tandem.wire.logprobs import logprobs_to_proto
+from tandem.wire.sampling import sampling_from_proto
 from target_server.items import (
     MAX_DRAFT_TOKENS,
     TARGET_ONLY,
@@ -51,17 +51,6 @@ class Subscriber:
 
     stream: RowStream
     queue: asyncio.Queue[target_pb2.HiddenBatch | None] = field(default_factory=asyncio.Queue)
-
-
-def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=message.temperature,
-        top_p=message.top_p or 1.0,
-        top_k=message.top_k,
-        seed=message.seed if message.HasField("seed") else None,
-        min_tokens=message.min_tokens,
-        stop_token_ids=tuple(message.stop_token_ids),
-    )
 
 
 class TargetService(target_pb2_grpc.TargetServicer):

@@ -55,6 +55,14 @@ class DraftTree:
         """How many drafts a round can accept at most: a chain's length, a tree's depth."""
         return max(self.depths(), default=0)
 
+    def paths(self) -> list[tuple[int, ...]]:
+        """The tokens before each scored row's choice: () for the root's row, then node i's path from the root down
+        to it, itself included (its row decides the token after it)."""
+        paths: list[tuple[int, ...]] = [()]
+        for token, parent in zip(self.tokens, self.parents, strict=True):
+            paths.append((*paths[parent + 1], token))
+        return paths
+
     def children(self) -> list[list[int]]:
         """children[0] are the root's children, children[1 + i] node i's, each in index order."""
         children: list[list[int]] = [[] for _ in range(len(self.parents) + 1)]

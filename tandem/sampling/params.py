@@ -20,6 +20,13 @@ class SamplingParams:
     # masked out of every distribution the target samples or verifies from, greedy included.
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    # Applied to every row the target samples or verifies from, before temperature, each row counting the tokens of
+    # its own path (tandem.sampling.processing): OpenAI's presence and frequency penalties over the new tokens,
+    # transformers' repetition penalty over prompt and new tokens, and OpenAI's logit_bias (token id, bias) pairs.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1.0 => none
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0.0:
@@ -30,6 +37,14 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+
+    @property
+    def processes_rows(self) -> bool:
+        """Whether rows need more than the min_tokens mask: penalties or a bias."""
+        penalized = self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return penalized or bool(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:

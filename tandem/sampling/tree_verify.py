@@ -44,24 +44,6 @@ class TreeOutcome:
     path: list[int]  # the accepted nodes from the root down, increasing indices
 
 
-def mask_tree_stop_tokens(
-    logits: torch.Tensor,  # [1 + n, vocab], row 0 the root's
-    tree: DraftTree,  # n nodes
-    params: SamplingParams,
-    generated: int,  # new tokens the request has before the root's row decides the next one
-) -> torch.Tensor:  # [1 + n, vocab]
-    """tandem.sampling.scored_rows.mask_stop_tokens for a tree: the row of a node at depth d decides generated token
-    number generated + d, so it is masked while that is below min_tokens."""
-    if not params.stop_token_ids or params.min_tokens <= generated:
-        return logits
-    depths = torch.tensor([0, *tree.depths()], device=logits.device)  # [1 + n]
-    rows = depths < params.min_tokens - generated
-    ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=logits.device)
-    masked = logits.clone()
-    masked[rows.nonzero().flatten().unsqueeze(1), ids] = float("-inf")
-    return masked
-
-
 def verify_tree(
     target_logits: torch.Tensor,  # [1 + n, vocab]
     tree: DraftTree,  # n nodes

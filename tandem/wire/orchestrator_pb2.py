@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from tandem.wire import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/v1/orchestrator.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"&\n\x0cScaleRequest\x12\x16\n\x0e\x64raft_replicas\x18\x01 \x01(\x05\"\x0f\n\rScaleResponse\"$\n\x11\x41\x64\x64ReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"*\n\x14RemoveReplicaRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x15\n\x13ListReplicasRequest\"X\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0boutstanding\x18\x04 \x01(\x05\"B\n\x14ListReplicasResponse\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.tandem.v1.ReplicaStatus\"\xae\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1b\n\x13\x64isable_speculation\x18\n \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x42\x07\n\x05_seed\"\xfb\x01\n\rGenerateStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\x03J\x04\x08\x07\x10\x0cR\rdraft_secondsR\x0everify_secondsR\x0cwire_secondsR\x12scheduling_secondsR\x13\x64raft_ahead_seconds\"\x9e\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\'\n\x05stats\x18\x04 \x01(\x0b\x32\x18.tandem.v1.GenerateStats\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob2U\n\x0cOrchestrator\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x32\xb9\x02\n\x11OrchestratorAdmin\x12\x44\n\nAddReplica\x12\x1c.tandem.v1.AddReplicaRequest\x1a\x18.tandem.v1.ReplicaStatus\x12J\n\rRemoveReplica\x12\x1f.tandem.v1.RemoveReplicaRequest\x1a\x18.tandem.v1.ReplicaStatus\x12O\n\x0cListReplicas\x12\x1e.tandem.v1.ListReplicasRequest\x1a\x1f.tandem.v1.ListReplicasResponse\x12\x41\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x1f.tandem.v1.ListReplicasResponse2D\n\x06Scaler\x12:\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x18.tandem.v1.ScaleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/v1/orchestrator.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"&\n\x0cScaleRequest\x12\x16\n\x0e\x64raft_replicas\x18\x01 \x01(\x05\"\x0f\n\rScaleResponse\"$\n\x11\x41\x64\x64ReplicaRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"*\n\x14RemoveReplicaRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x15\n\x13ListReplicasRequest\"X\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0boutstanding\x18\x04 \x01(\x05\"B\n\x14ListReplicasResponse\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.tandem.v1.ReplicaStatus\"\xf0\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1b\n\x13\x64isable_speculation\x18\n \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\x18\n\x10presence_penalty\x18\x0f \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x11 \x01(\x02\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).tandem.v1.GenerateRequest.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xfb\x01\n\rGenerateStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\x03J\x04\x08\x07\x10\x0cR\rdraft_secondsR\x0everify_secondsR\x0cwire_secondsR\x12scheduling_secondsR\x13\x64raft_ahead_seconds\"\x9e\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\'\n\x05stats\x18\x04 \x01(\x0b\x32\x18.tandem.v1.GenerateStats\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob2U\n\x0cOrchestrator\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x32\xb9\x02\n\x11OrchestratorAdmin\x12\x44\n\nAddReplica\x12\x1c.tandem.v1.AddReplicaRequest\x1a\x18.tandem.v1.ReplicaStatus\x12J\n\rRemoveReplica\x12\x1f.tandem.v1.RemoveReplicaRequest\x1a\x18.tandem.v1.ReplicaStatus\x12O\n\x0cListReplicas\x12\x1e.tandem.v1.ListReplicasRequest\x1a\x1f.tandem.v1.ListReplicasResponse\x12\x41\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x1f.tandem.v1.ListReplicasResponse2D\n\x06Scaler\x12:\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x18.tandem.v1.ScaleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SCALEREQUEST']._serialized_start=67
   _globals['_SCALEREQUEST']._serialized_end=105
   _globals['_SCALERESPONSE']._serialized_start=107
@@ -47,15 +49,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTREPLICASRESPONSE']._serialized_start=319
   _globals['_LISTREPLICASRESPONSE']._serialized_end=385
   _globals['_GENERATEREQUEST']._serialized_start=388
-  _globals['_GENERATEREQUEST']._serialized_end=690
-  _globals['_GENERATESTATS']._serialized_start=693
-  _globals['_GENERATESTATS']._serialized_end=944
-  _globals['_GENERATERESPONSE']._serialized_start=947
-  _globals['_GENERATERESPONSE']._serialized_end=1105
-  _globals['_ORCHESTRATOR']._serialized_start=1107
-  _globals['_ORCHESTRATOR']._serialized_end=1192
-  _globals['_ORCHESTRATORADMIN']._serialized_start=1195
-  _globals['_ORCHESTRATORADMIN']._serialized_end=1508
-  _globals['_SCALER']._serialized_start=1510
-  _globals['_SCALER']._serialized_end=1578
+  _globals['_GENERATEREQUEST']._serialized_end=884
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=827
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=875
+  _globals['_GENERATESTATS']._serialized_start=887
+  _globals['_GENERATESTATS']._serialized_end=1138
+  _globals['_GENERATERESPONSE']._serialized_start=1141
+  _globals['_GENERATERESPONSE']._serialized_end=1299
+  _globals['_ORCHESTRATOR']._serialized_start=1301
+  _globals['_ORCHESTRATOR']._serialized_end=1386
+  _globals['_ORCHESTRATORADMIN']._serialized_start=1389
+  _globals['_ORCHESTRATORADMIN']._serialized_end=1702
+  _globals['_SCALER']._serialized_start=1704
+  _globals['_SCALER']._serialized_end=1772
 # @@protoc_insertion_point(module_scope)

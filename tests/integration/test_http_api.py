@@ -12,8 +12,9 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.settings import DEMO_CHAT_TEMPLATE, DEMO_DRAFT, DEMO_TARGET
 from tests.integration.stack import Stack, generate, serve
@@ -364,3 +365,69 @@ def test_after_a_stop_string_token_ids_end_with_the_last_token_before_it(stack: 
     assert over_http.choices[0].text == stopped.text
     assert over_http.choices[0].finish_reason == "stop"
     assert over_http.usage is not None and over_http.usage.completion_tokens == len(kept)
+
+
+PENALIZED = [
+    {"presence_penalty": 1.0, "frequency_penalty": 0.8},
+    {"frequency_penalty": -1.5},
+    {"repetition_penalty": 1.4},  # vLLM's extra parameter (extra_body for the openai client)
+]
+
+
+@pytest.mark.parametrize("options", PENALIZED)
+def test_penalties_change_greedy_output_and_speculation_does_not(client: openai.OpenAI, options: dict) -> None:
+    """Each verified row counts its own draft path (tandem.sampling.processing), so the drafts the EAGLE3 head
+    proposes (chains of 5) cannot change what greedy decoding with penalties gives."""
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 48, "temperature": 0}
+    plain = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
+    speculative = client.completions.create(**base, extra_body={"ignore_eos": True, **options}).choices[0].text
+    target_only = (
+        client.completions.create(**base, extra_body={"ignore_eos": True, "disable_speculation": True, **options})
+        .choices[0]
+        .text
+    )
+    assert speculative == target_only != plain
+
+
+def test_logit_bias_bans_the_favourite_tokens_with_and_without_speculation(stack: Stack, client: openai.OpenAI) -> None:
+    first = generate(stack.address, prompt=PROMPT, max_new_tokens=24, ignore_eos=True).token_ids
+    banned = {str(token): -100 for token in set(first[:6])}
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "logit_bias": banned}
+    speculative = client.completions.create(**base, extra_body={"ignore_eos": True})
+    target_only = client.completions.create(**base, extra_body={"ignore_eos": True, "disable_speculation": True})
+    assert speculative.choices[0].text == target_only.choices[0].text
+    banned_ids = generate(
+        stack.address, prompt=PROMPT, max_new_tokens=24, ignore_eos=True, logit_bias={int(t): -100 for t in banned}
+    ).token_ids
+    assert not set(banned_ids) & set(first[:6])
+
+
+def test_repetition_penalty_is_transformers_generate(stack: Stack) -> None:
+    completion = generate(stack.address, prompt=PROMPT, max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3)
+    tokenizer = AutoTokenizer.from_pretrained(str(DEMO_TARGET))
+    model = AutoModelForCausalLM.from_pretrained(str(DEMO_TARGET), dtype=torch.float32).eval()
+    prompt_ids = torch.tensor([tokenizer(PROMPT).input_ids])
+    with torch.no_grad():
+        output = model.generate(
+            prompt_ids,
+            attention_mask=torch.ones_like(prompt_ids),
+            do_sample=False,
+            max_new_tokens=40,
+            min_new_tokens=40,
+            eos_token_id=None,
+            pad_token_id=tokenizer.pad_token_id,
+            repetition_penalty=1.3,
+        )
+    assert completion.token_ids == output[0, prompt_ids.shape[1] :].tolist()
+    assert completion.stats.accepted_tokens > 0  # the drafts were verified under the penalty, not skipped
+
+
+def test_penalty_and_bias_values_out_of_range_are_400(client: openai.OpenAI) -> None:
+    for options, param in (
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"extra_body": {"repetition_penalty": -2}}, "repetition_penalty"),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **options)
+        assert caught.value.body["param"] == param, caught.value.body  # type: ignore[index]

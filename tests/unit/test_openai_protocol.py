@@ -90,7 +90,11 @@ def test_unset_fields_take_openai_defaults() -> None:
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "logprobs": True}, "logprobs"),
         ({"prompt": "x", "echo": True}, "echo"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "presence_penalty": "high"}, "presence_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "logit_bias": [1]}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"the": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": "up"}}, "logit_bias[5]"),
         ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
@@ -223,3 +227,17 @@ def test_bearer_check_answers_401_without_the_key() -> None:
             check(make_mocked_request("GET", "/v1/models", headers=headers))
         assert caught.value.status == 401
         assert "secret" not in caught.value.message
+
+
+def test_penalties_and_logit_bias_reach_the_request() -> None:
+    body = {
+        "prompt": "x",
+        "presence_penalty": -0.5,
+        "frequency_penalty": 1.5,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"7": -100, "11": 2.5},
+    }
+    generate = parse_completion(body, MODEL).generate
+    assert (generate.presence_penalty, generate.frequency_penalty) == (-0.5, 1.5)
+    assert generate.repetition_penalty == pytest.approx(1.2)
+    assert dict(generate.logit_bias) == {7: -100.0, 11: 2.5}

@@ -10,7 +10,7 @@ from tandem.models.llama import LlamaForCausalLM
 from tandem.models.registry import load_target
 from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
-from tandem.sampling.scored_rows import mask_stop_tokens, token_logprobs
+from tandem.sampling.scored_rows import token_logprobs
 from target_server.items import ItemStatus, OpenRequest, StepItem
 from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
@@ -20,18 +20,6 @@ from tests.unit.test_runners import CACHE, PROMPT, full_forward, greedy_from_scr
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
     return load_target(write_tiny_target(tmp_path_factory.mktemp("target"), TinyTargetSpec()))
-
-
-def test_rows_before_min_tokens_lose_the_stop_ids() -> None:
-    logits = torch.arange(18, dtype=torch.float32).reshape(3, 6)  # [3 rows, vocab 6]
-    params = SamplingParams(min_tokens=3, stop_token_ids=(2, 5))
-    masked = mask_stop_tokens(logits, params, generated=1)  # rows 0 and 1 decide tokens 1 and 2 of 3
-    assert masked[:2, [2, 5]].isneginf().all()
-    assert torch.equal(masked[:2, [0, 1, 3, 4]], logits[:2, [0, 1, 3, 4]])
-    assert torch.equal(masked[2], logits[2])
-    assert torch.equal(logits, torch.arange(18, dtype=torch.float32).reshape(3, 6))  # the input is left alone
-    assert mask_stop_tokens(logits, params, generated=3) is logits
-    assert mask_stop_tokens(logits, SamplingParams(min_tokens=3), generated=0) is logits
 
 
 def test_logprobs_are_the_raw_log_softmax_of_each_row() -> None:

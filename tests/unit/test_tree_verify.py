@@ -11,7 +11,7 @@ import torch
 
 from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
-from tandem.sampling.tree_verify import TreeOutcome, mask_tree_stop_tokens, verify_tree
+from tandem.sampling.tree_verify import TreeOutcome, verify_tree
 from tandem.sampling.verify import target_probs
 from tests.unit.test_sampling_lossless import (
     NUM_CONTROL_TRIALS,
@@ -67,14 +67,6 @@ def test_bad_trees_are_refused_naming_the_entry() -> None:
         verify_tree(logits_with_argmax([0, 0, 0]), tree([1, 2], [-1, 1]), GREEDY, torch.Generator())
     with pytest.raises(ValueError, match=r"target_logits must be \[num_drafts \+ 1, vocab\]"):
         verify_tree(logits_with_argmax([0, 0]), tree([1, 2], [-1, 0]), GREEDY, torch.Generator())
-
-
-def test_stop_tokens_are_masked_by_depth() -> None:
-    params = SamplingParams(min_tokens=2, stop_token_ids=(3,))
-    masked = mask_tree_stop_tokens(torch.zeros((6, VOCAB)), tree([0] * 5), params, generated=0)
-    # Rows of depth 0 (root) and 1 (nodes 0, 1) decide tokens 1 and 2; deeper rows are past min_tokens.
-    assert [bool(row[3] == float("-inf")) for row in masked] == [True, True, True, False, False, False]
-    assert tree([0] * 5).depths() == [1, 1, 2, 2, 2]
 
 
 # Sampled trees. The rows of the target follow the depth: row 0 (root) is TARGET_LOGITS[start], node i's row is

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -209,3 +210,29 @@ def test_client_request_ids() -> None:
     for bad in ("", "has space", "x" * 129, "caf\u00e9", "line\nbreak"):
         with pytest.raises(InvalidRequest, match=r"^x-request-id: "):
             client_request_id(bad)
+
+
+def test_penalties_and_logit_bias_are_carried_over(tokenizer: PreTrainedTokenizerBase) -> None:
+    request = GenerateRequest(
+        input_ids=[5], presence_penalty=1.5, frequency_penalty=-2.0, repetition_penalty=1.25, logit_bias={9: -100, 3: 4}
+    )
+    sampling = validate(tokenizer, request).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (1.5, -2.0, 1.25)
+    assert sampling.logit_bias == ((3, 4.0), (9, -100.0))
+    assert validate(tokenizer, GenerateRequest(input_ids=[5])).sampling.repetition_penalty == 1.0  # 0: unset
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty: must be in [-2.0, 2.0], got 2.5"),
+        ({"frequency_penalty": math.nan}, "frequency_penalty: must be in [-2.0, 2.0]"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty: must be in (0, 100.0]"),
+        ({"logit_bias": {320: 1.0}}, "logit_bias: 320 is outside the vocabulary of 320 tokens"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias[5]: must be in [-100.0, 100.0], got 101.0"),
+    ],
+)
+def test_penalties_and_biases_out_of_range_are_refused(
+    tokenizer: PreTrainedTokenizerBase, fields: dict[str, Any], message: str
+) -> None:
+    assert_refused(tokenizer, GenerateRequest(input_ids=[5], **fields), message)
