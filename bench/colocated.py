@@ -43,6 +43,7 @@ from orchestrator.validation import Limits
 from tandem.models.registry import load_target
 from tandem.models.tokenizer_digest import tokenizer_digest
 from tandem.parallel.vocab import assemble_shards
+from tandem.sampling.grammar import Grammars
 from tandem.settings import KVCacheSettings, TreeShape
 from tandem.wire import orchestrator_pb2
 from target_server import items as target_items
@@ -152,7 +153,8 @@ class ColocatedEngine:
     def __init__(self, settings: ColocatedSettings) -> None:
         model = load_target(settings.target_dir, dtype=getattr(torch, settings.dtype))
         max_context = model.config.max_position_embeddings
-        target_runner = TargetRunner(model, settings.cache, max_context)
+        grammars = Grammars(settings.target_dir, model.config.vocab_size)
+        target_runner = TargetRunner(model, settings.cache, max_context, grammars=grammars)
         replicas = ReplicaPool()
         scheduler_settings = SchedulerSettings(
             num_steps=settings.num_steps, tree=settings.tree, adaptive_k=settings.adaptive_k, hybrid=settings.hybrid

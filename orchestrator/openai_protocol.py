@@ -2,7 +2,7 @@
 
 A request body becomes the public GenerateRequest that gRPC clients send (orchestrator.generation runs both alike),
 and outputs become OpenAI's JSON objects and streamed chunks. Every field the server cannot honour is refused with
-400 naming it rather than ignored: n > 1, echo, suffix, tools, best_of.
+400 naming it rather than ignored: n > 1, echo, suffix, tools, best_of. Structured output: orchestrator/structured.py.
 Fields that do not change the output (user, metadata, ...) are accepted and ignored, as vLLM does.
 
 Defaults follow OpenAI, not the gRPC API: temperature 1.0 (gRPC: 0, greedy). max_tokens unset means the server's
@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.structured import from_openai
 from orchestrator.validation import InvalidRequest
 from tandem.sampling.logprobs import MAX_TOP_LOGPROBS
 from tandem.wire import orchestrator_pb2
@@ -65,7 +66,13 @@ def from_invalid(error: InvalidRequest, prompt_field: str) -> ApiError:
     the chat's messages)."""
     field = error.field
     base, bracket, rest = field.partition("[")
-    renamed = {"max_new_tokens": "max_tokens", "prompt": prompt_field, "input_ids": prompt_field}.get(base, base)
+    renamed = {
+        "max_new_tokens": "max_tokens",
+        "prompt": prompt_field,
+        "input_ids": prompt_field,
+        "json_schema": "response_format",
+        "json_object": "response_format",
+    }.get(base, base)
     param = renamed + bracket + rest
     return bad_field(param, str(error)[len(field) + 1 :].strip())
 
@@ -115,9 +122,6 @@ def parse_chat(body: Mapping[str, Any], model_name: str) -> ParsedRequest:
         if not generate.logprobs:
             raise bad_field("top_logprobs", "needs logprobs: true")
         generate.top_logprobs = top
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise bad_field("response_format", 'only {"type": "text"} is supported')
     return ParsedRequest(generate, *_stream_options(body), chat=True, messages=_messages(body.get("messages")))
 
 
@@ -207,6 +211,11 @@ def _common(body: Mapping[str, Any], model_name: str, max_tokens_field: str) -> 
         generate.min_tokens = min(min_tokens, 2**31 - 1)
     generate.disable_speculation = _boolean(body, "disable_speculation")
     _penalties(body, generate)
+    try:
+        from_openai(body, generate)
+    except ValueError as error:
+        field, _, reason = str(error).partition(": ")
+        raise bad_field(field, reason) from None
     return generate
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
+from orchestrator.structured import grammar_of
 from tandem.sampling.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling.params import SamplingParams
 from tandem.wire import orchestrator_pb2
@@ -202,7 +203,15 @@ def _validate_sampling(request: orchestrator_pb2.GenerateRequest) -> SamplingPar
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=repetition,
         logit_bias=tuple(sorted(request.logit_bias.items())),
+        grammar=_grammar(request),
     )
+
+
+def _grammar(request: orchestrator_pb2.GenerateRequest) -> str:
+    try:
+        return grammar_of(request)
+    except ValueError as error:
+        raise InvalidRequest(str(error)) from None
 
 
 def _prompt_ids(

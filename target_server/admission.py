@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
+from tandem.sampling.grammar import Grammars, GrammarState
 from tandem.sampling.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling.verify import VerifyOutcome, make_generator
 from target_server.items import MAX_DRAFT_TOKENS, TARGET_ONLY, RequestError, RowStream, StepItem, TargetRequest
@@ -42,12 +43,18 @@ class AdmittedItem:
 
 class Admission:
     def __init__(
-        self, cache: PagedKVCache, requests: dict[str, TargetRequest], max_context: int, vocab_size: int
+        self,
+        cache: PagedKVCache,
+        requests: dict[str, TargetRequest],
+        max_context: int,
+        vocab_size: int,
+        grammars: Grammars | None = None,  # None: structured output is refused
     ) -> None:
         self.cache = cache
         self.requests = requests  # the runner's: an item that opens a request adds it
         self.max_context = max_context
         self.vocab_size = vocab_size
+        self.grammars = grammars
 
     def admit(self, item: StepItem) -> AdmittedItem:
         """Checks an item and reserves its KV blocks; raises RequestError or OutOfKVBlocks (changing nothing) when it
@@ -106,7 +113,18 @@ class Admission:
             TARGET_ONLY,
             prompt_length=len(prompt),
             end_token_ids=item.open.end_token_ids,
+            grammar=self._grammar(sampling.grammar),
         )
+
+    def _grammar(self, grammar: str) -> GrammarState | None:
+        if not grammar:
+            return None
+        if self.grammars is None:
+            raise RequestError("sampling.grammar: this target serves no structured output (no tokenizer)")
+        try:
+            return self.grammars.state(grammar)
+        except ValueError as error:
+            raise RequestError(str(error)) from None
 
     def _running(self, request_id: str) -> TargetRequest:
         found = self.requests.get(request_id)

@@ -13,7 +13,6 @@ import torch
 
 from tandem.models.stack import TargetOutput
 from tandem.sampling.batched import verify_items
-from tandem.sampling.processing import process_rows
 from target_server.admission import AdmittedItem
 from target_server.items import CapturedRows, StepItem, StepResult
 
@@ -34,8 +33,7 @@ def verify_batched(planned: Sequence[AdmittedItem], logits: torch.Tensor) -> Non
     scored = []
     for entry in chosen:
         rows = logits[entry.logit_start : entry.logit_start + 1 + len(entry.item.drafts)]  # [1 + k, vocab]
-        request = entry.request
-        scored.append(process_rows(rows, entry.item.drafts, request.sampling, request.tokens, request.prompt_length))
+        scored.append(entry.request.processed(rows, entry.item.drafts))
     drafts = [list(entry.item.drafts.tokens) for entry in chosen]
     outcomes = verify_items(scored, drafts, [entry.request.sampling for entry in chosen])
     for entry, outcome in zip(chosen, outcomes, strict=True):

@@ -14,8 +14,10 @@ import torch
 
 from tandem.layers.kv_cache import SequenceKV
 from tandem.sampling.draft_tree import DraftTree
+from tandem.sampling.grammar import GrammarState
 from tandem.sampling.logprobs import TokenLogprob
 from tandem.sampling.params import SamplingParams
+from tandem.sampling.processing import process_rows
 
 # Draft tokens one item may carry: far above any useful chain, low enough that a faulty draft cannot make one
 # request's verification the size of a prefill.
@@ -58,6 +60,19 @@ class TargetRequest:
     kv: SequenceKV = field(default_factory=SequenceKV)
     prompt_length: int = 0  # tokens[prompt_length:] are the request's new tokens
     end_token_ids: frozenset[int] = frozenset()  # a multi-token decode stops after one of these
+    grammar: GrammarState | None = None  # structured output: the matcher at the committed tokens
+
+    def processed(self, logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:  # [1 + len(tree), vocab] both
+        """An item's scored rows as the request's options make them, each row with its own path (bias, penalties,
+        min_tokens and the grammar's mask; tandem.sampling.processing)."""
+        allowed = None if self.grammar is None else self.grammar.allowed(tree, logits.shape[0], logits.device)
+        return process_rows(logits, tree, self.sampling, self.tokens, self.prompt_length, allowed)
+
+    def commit(self, new_tokens: Sequence[int]) -> None:
+        """Appends tokens the step decided (the grammar advances past them)."""
+        self.tokens.extend(new_tokens)
+        if self.grammar is not None:
+            self.grammar.commit(new_tokens)
 
 
 @dataclass(frozen=True)

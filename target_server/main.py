@@ -18,6 +18,7 @@ from tandem.leases import sweep_interval
 from tandem.model_thread import ModelThread
 from tandem.models.registry import check_tensor_parallel, load_target
 from tandem.models.tokenizer_digest import tokenizer_digest
+from tandem.sampling.grammar import Grammars
 from tandem.service_metrics import ServiceMetrics, model_service_metrics, serve_metrics
 from tandem.serving import ListenSettings, run_server
 from tandem.wire import target_pb2, target_pb2_grpc
@@ -74,7 +75,8 @@ def start_target(settings: TargetSettings) -> TargetRunner:
         settings.tp,
         time.perf_counter() - started,
     )
-    return TargetRunner(model, settings.cache, max_context, ranks)
+    grammars = Grammars(settings.model_dir, config.vocab_size)  # its tokenizer is read when a grammar first comes
+    return TargetRunner(model, settings.cache, max_context, ranks, grammars=grammars)
 
 
 async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None:

@@ -39,8 +39,8 @@ from tandem.models.registry import TargetModel
 from tandem.models.stack import TargetOutput
 from tandem.parallel.group import SINGLE_PROCESS
 from tandem.sampling.draft_tree import DraftTree
+from tandem.sampling.grammar import Grammars
 from tandem.sampling.params import SamplingParams
-from tandem.sampling.processing import process_rows
 from tandem.sampling.scored_rows import token_logprobs
 from tandem.sampling.tree_verify import verify_tree
 from tandem.sampling.verify import verify
@@ -73,6 +73,7 @@ class TargetRunner:
         batched_verify: bool | None = None,  # None: on CUDA (commit.verify_batched); the CPU verifies item by item
         # How decode-shaped steps are replayed when `cache.cuda_graphs` asks for it.
         graphs: GraphsFactory = recorded_graphs,
+        grammars: Grammars | None = None,  # structured output's matchers; None: refused
     ) -> None:
         self.model = model
         prepack(model)
@@ -80,7 +81,7 @@ class TargetRunner:
         self.ranks = ranks if ranks is not None else RankDriver(SINGLE_PROCESS)
         self.cache = build_cache(model, cache)
         self.requests: dict[str, TargetRequest] = {}
-        self.admission = Admission(self.cache, self.requests, max_context, model.config.vocab_size)
+        self.admission = Admission(self.cache, self.requests, max_context, model.config.vocab_size, grammars)
         self.batched_verify = self.device.type == "cuda" if batched_verify is None else batched_verify
         self.graphs: GraphedForward | None = None
         if cache.cuda_graphs:
@@ -265,7 +266,7 @@ class TargetRunner:
             if entry.reaches_end:
                 drafts = list(item.drafts.tokens)
                 scored = logits[entry.logit_start : entry.logit_start + 1 + len(drafts)]  # [1 + k, vocab]
-                masked = process_rows(scored, item.drafts, request.sampling, request.tokens, request.prompt_length)
+                masked = request.processed(scored, item.drafts)
                 outcome = entry.outcome or verify(masked, drafts, request.sampling, request.generator)
                 accepted, new_tokens = outcome.accepted, outcome.tokens
                 if item.top_logprobs is not None:
@@ -277,7 +278,7 @@ class TargetRunner:
         computed = item.num_tokens + accepted
         # Keep KV for the computed tokens and the accepted drafts; drop rows of rejected drafts.
         self.cache.truncate(request.kv, start + computed)
-        request.tokens.extend(new_tokens)
+        request.commit(new_tokens)
         captured = captured_rows(entry, output, start + computed, self.device)
         return StepResult(item.request_id, ItemStatus.OK, "", accepted, new_tokens, captured, logprobs)
 
@@ -292,7 +293,7 @@ class TargetRunner:
         tree = item.drafts
         try:
             scored = logits[entry.logit_start : entry.logit_start + 1 + len(tree)]  # [1 + n, vocab]
-            masked = process_rows(scored, tree, request.sampling, request.tokens, request.prompt_length)
+            masked = request.processed(scored, tree)
             outcome = verify_tree(masked, tree, request.sampling, request.generator)
             path_rows = [0, *(1 + node for node in outcome.path)]  # the scored rows that chose the new tokens
             logprobs = []
@@ -304,7 +305,7 @@ class TargetRunner:
         start = entry.start_length
         root = start + item.num_tokens - 1  # the last committed token's position
         self.cache.keep(request.kv, [root, *(root + 1 + node for node in outcome.path)])
-        request.tokens.extend(outcome.tokens)
+        request.commit(outcome.tokens)
         first_draft_row = entry.rows.start + item.num_tokens
         rows = [*range(entry.rows.start, first_draft_row), *(first_draft_row + node for node in outcome.path)]
         captured = captured_rows(entry, output, request.kv.length, self.device, rows)

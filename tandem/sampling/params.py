@@ -27,6 +27,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1.0 => none
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Structured output: llguidance's grammar text ("" : none); the target masks each row by it (sampling/grammar.py).
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         if self.temperature < 0.0:

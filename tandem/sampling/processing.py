@@ -10,7 +10,8 @@ drafts or was committed a token at a time: speculation cannot change the output.
    or the path has its logit divided by p if positive, multiplied by p if not;
 3. frequency and presence penalties (OpenAI): logit -= frequency * count + presence * (count > 0), count being the
    token's occurrences among the new tokens and the path;
-4. min_tokens: the stop ids get -inf in every row that decides a token before min_tokens.
+4. min_tokens: the stop ids get -inf in every row that decides a token before min_tokens;
+5. structured output: the tokens a row's grammar state does not allow get -inf (`allowed`, tandem.sampling.grammar).
 
 Example: new tokens [5, 5], a chain of drafts [7, 5], frequency_penalty 0.5: rows 0, 1, 2 see counts of token 5 of 2,
 2 and 3, so its logit drops by 1.0, 1.0 and 1.5.
@@ -32,11 +33,12 @@ def process_rows(
     params: SamplingParams,
     tokens: Sequence[int],  # the request's committed tokens: prompt, then new ones
     prompt_length: int,
+    allowed: torch.Tensor | None = None,  # [1 + len(tree), vocab] bool: each row's grammar mask; None: no grammar
 ) -> torch.Tensor:  # [1 + len(tree), vocab]
     """The rows as the request's options make them (the module docstring); `logits` itself when none apply."""
     generated = len(tokens) - prompt_length
     stops = params.min_tokens > generated and bool(params.stop_token_ids)
-    if not params.processes_rows and not stops:
+    if not params.processes_rows and not stops and allowed is None:
         return logits
     paths = tree.paths()[: logits.shape[0]]
     rows = logits.clone()
@@ -56,6 +58,8 @@ def process_rows(
         early = torch.tensor([len(path) < params.min_tokens - generated for path in paths], device=rows.device)
         ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=rows.device)
         rows[early.nonzero().flatten().unsqueeze(1), ids] = float("-inf")
+    if allowed is not None:
+        rows = rows.masked_fill(~allowed[: rows.shape[0]], float("-inf"))
     return rows
 
 

@@ -22,6 +22,7 @@ def sampling_to_proto(sampling: SamplingParams) -> common_pb2.SamplingParams:
         frequency_penalty=sampling.frequency_penalty,
         repetition_penalty=sampling.repetition_penalty,
         logit_bias=dict(sampling.logit_bias),
+        grammar=sampling.grammar,
     )
 
 
@@ -37,4 +38,5 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         frequency_penalty=message.frequency_penalty,
         repetition_penalty=message.repetition_penalty or 1.0,
         logit_bias=tuple(sorted(message.logit_bias.items())),
+        grammar=message.grammar,
     )

@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -431,3 +432,72 @@ def test_penalty_and_bias_values_out_of_range_are_400(client: openai.OpenAI) -> 
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **options)
         assert caught.value.body["param"] == param, caught.value.body  # type: ignore[index]
+
+
+BOUNDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["parser", "lexer", "other"]},
+    },
+    "required": ["name", "count", "ok", "kind"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_validates_and_speculation_does_not_change_it(client: openai.OpenAI) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "tool", "schema": BOUNDED_SCHEMA, "strict": True}}
+    texts = []
+    for disable in (False, True):
+        completion = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Describe parse() as JSON."}],
+            max_tokens=96,
+            temperature=0,
+            response_format=response_format,  # type: ignore[arg-type]
+            extra_body={"disable_speculation": disable},
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice
+        texts.append(choice.message.content or "")
+    assert texts[0] == texts[1]
+    jsonschema.validate(json.loads(texts[0]), BOUNDED_SCHEMA)
+
+
+@pytest.mark.parametrize(
+    ("extra", "check"),
+    [
+        ({"guided_choice": ["yes", "no", "maybe not"]}, lambda text: text in ("yes", "no", "maybe not")),
+        ({"guided_regex": "[a-z]{3,8}\\([a-z]{0,5}\\)"}, lambda text: re.fullmatch(r"[a-z]{3,8}\([a-z]{0,5}\)", text)),
+        ({"response_format": {"type": "json_object"}}, lambda text: isinstance(json.loads(text), dict)),
+    ],
+)
+def test_raw_completions_follow_vllms_structured_fields(client: openai.OpenAI, extra: dict, check: object) -> None:
+    texts = []
+    for disable in (False, True):
+        completion = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=64,
+            temperature=0,
+            extra_body={**extra, "disable_speculation": disable},
+        )
+        texts.append((completion.choices[0].text, completion.choices[0].finish_reason))
+    assert texts[0] == texts[1]
+    text, finish_reason = texts[0]
+    if finish_reason == "stop" or "response_format" not in extra:  # an object may still be open at max_tokens
+        assert check(text), text  # type: ignore[operator]
+
+
+def test_a_schema_that_does_not_compile_is_400_naming_response_format(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},  # type: ignore[arg-type]
+        )
+    body = caught.value.body
+    assert body["param"] == "response_format" and "nonsense" in body["message"], body  # type: ignore[index]
