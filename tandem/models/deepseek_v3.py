@@ -9,7 +9,10 @@ What differs from the Llama family:
 - the checkpoint carries the NextN / MTP draft layers after the last layer (model.layers.{num_hidden_layers + i}):
   the target does not read them (see `skips_layers_after_last` in the registry).
 Kimi-K2 checkpoints use this architecture name with model_type "kimi_k2"; the architecture name alone selects this
-family, so the alias needs nothing else.
+family, so the alias needs nothing else. Kimi-K2.5 (KimiK25ForConditionalGeneration on the hub,
+Kimi_K25ForConditionalGeneration in transformers) is this text model inside a multimodal checkpoint: its
+`text_config` and the `language_model.` names (`kimi_k25_text_config`, KIMI_K25_NAMES); its vision tower is not read.
+Quantized weights (block-wise fp8, compressed-tensors INT4) are dequantized by the loader (tandem.weights.quantized).
 
 The EAGLE3 MLA head (Eagle3DeepseekV2ForCausalLM, tandem.models.eagle3) is one layer of this family read from the same
 kind of config.json (`DeepseekV3DraftLayerConfig`): the same decoder layer with a 2*hidden attention input, a fused
@@ -37,10 +40,18 @@ from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import MixtureOfExperts, MoEConfig
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, yarn_softmax_mscale
-from tandem.models.config import ConfigError, RopeConfig, checkpoint_dtype, eos_token_ids, require_int
+from tandem.models.config import (
+    ConfigError,
+    RopeConfig,
+    architecture_of,
+    checkpoint_dtype,
+    eos_token_ids,
+    require_int,
+)
 from tandem.models.stack import Backbone, CausalLM, DecoderLayer
 from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup, ParallelismError
 from tandem.weights.loader import PACKED_PARTS, NameMap
+from tandem.weights.quantized import QuantizationError, quantization_of
 
 # transformers' DeepseekV3Config defaults, for keys that a config.json leaves out. Shapes have no default: they
 # are read with require_int.
@@ -67,6 +78,36 @@ HF_DEFAULTS: dict[str, Any] = {
 # Only the MLPs' gate/up pairs are packed. MLA's q_proj (q_lora_rank null) is a plain projection here, not the q
 # part of a q/k/v pack as in the default map.
 CHECKPOINT_NAMES = NameMap(packed={name: PACKED_PARTS[name] for name in ("gate_proj", "up_proj")})
+
+# Kimi-K2.5's language model. The release names it `language_model.model.layers.*` and `language_model.lm_head.*`;
+# transformers 5.24 saves `language_model.model.blocks.*` (saving reverts its vision tower's `blocks` -> `layers`
+# rename on every name) and loads `model.language_model.*` in memory.
+KIMI_K25_NAMES = NameMap(
+    renames=(
+        ("language_model.model.blocks.", "model.layers."),
+        ("language_model.model.", "model."),
+        ("model.language_model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ),
+    packed=CHECKPOINT_NAMES.packed,
+)
+# Kimi-K2.5's vision tower and projector, in the release's names and in transformers' own.
+KIMI_K25_TOWERS = ("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector.")
+
+
+def kimi_k25_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """Kimi-K2.5's `text_config` as a target config: the top-level architecture, end tokens and tie_word_embeddings.
+    The head is tied as transformers' Kimi_K25ForConditionalGeneration ties it: by the top-level flag, true when
+    absent (Kimi_K25Config's default); the release sets it false."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"text_config: missing from the config.json of {architecture_of(hf)}")
+    ends = list(dict.fromkeys([*eos_token_ids(text), *eos_token_ids(hf)]))
+    return text | {
+        "architectures": [architecture_of(hf)],
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        **({"eos_token_id": ends} if ends else {}),
+    }
 
 
 @dataclass(frozen=True)
@@ -220,12 +261,11 @@ def _check_supported(hf: dict[str, Any]) -> None:
 def _check_weights_and_activation(hf: dict[str, Any]) -> None:
     if hf["hidden_act"] != "silu":
         raise ConfigError(f"hidden_act: {hf['hidden_act']!r} is not supported (silu)")
-    quantization = hf.get("quantization_config")
-    if quantization is not None:
-        # The official DeepSeek-V3 and Kimi-K2 files are block-wise fp8 with weight_scale_inv tensors; loading their
-        # weights without the scales would give a model that runs and answers garbage.
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-        raise ConfigError(f"quantization_config: {method!r} checkpoints are not supported (dequantize to bf16 first)")
+    try:
+        # The loader dequantizes what this accepts; refused here, a quantization is named before any weight is read.
+        quantization_of(hf)
+    except QuantizationError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _check_router(moe: MoEConfig) -> None:

@@ -34,7 +34,13 @@ from tandem.models.config import (
     read_target_config,
 )
 from tandem.models.deepseek_v3 import CHECKPOINT_NAMES as DEEPSEEK_V3_NAMES
-from tandem.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from tandem.models.deepseek_v3 import (
+    KIMI_K25_NAMES,
+    KIMI_K25_TOWERS,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    kimi_k25_text_config,
+)
 from tandem.models.gemma3 import MULTIMODAL_NAMES, MULTIMODAL_TOWERS, Gemma3Config, Gemma3ForCausalLM
 from tandem.models.gemma4 import Gemma4ForCausalLM
 from tandem.models.gemma4_config import Gemma4Config
@@ -143,6 +149,22 @@ def _build_deepseek_v3(hf: dict[str, Any], group: ParallelGroup) -> DeepseekV3Fo
     return DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(hf), group)
 
 
+def _build_kimi_k25(hf: dict[str, Any], group: ParallelGroup) -> DeepseekV3ForCausalLM:
+    return DeepseekV3ForCausalLM(DeepseekV3Config.from_hf(kimi_k25_text_config(hf)), group)
+
+
+def _kimi_k25_family() -> TargetArchitecture:
+    """Kimi-K2.5's language model (DeepSeek-V3). EAGLE3 drafts name its layers by the generic rule: its EAGLE3-MLA
+    heads' ids [2, 30, 58] are read as layer inputs (first id not 1), SGLang's capture points for them."""
+    return TargetArchitecture(
+        _build_kimi_k25,
+        KIMI_K25_NAMES,
+        aux_layers.default_capture_indices,
+        float32_buffers=("e_score_correction_bias",),  # as DeepSeek-V3's
+        skipped_prefixes=KIMI_K25_TOWERS,
+    )
+
+
 def _build_step3p5(hf: dict[str, Any], group: ParallelGroup) -> Step3p5ForCausalLM:
     return Step3p5ForCausalLM(Step3p5Config.from_hf(hf), group)
 
@@ -175,6 +197,8 @@ TARGET_ARCHITECTURES: dict[str, TargetArchitecture] = {
         # and it decides which experts run.
         float32_buffers=("e_score_correction_bias",),
     ),
+    "KimiK25ForConditionalGeneration": _kimi_k25_family(),  # the release's name
+    "Kimi_K25ForConditionalGeneration": _kimi_k25_family(),  # transformers'
     "Step3p5ForCausalLM": _step3p5_family(),
     "Step3p7ForConditionalGeneration": _step3p5_family(skipped_prefixes=("vision_model.", "vit_large_projector.")),
 }
@@ -226,7 +250,7 @@ def load_target(
         skipped = "*, ".join(architecture.skipped_prefixes)
         LOG.info("%s: not reading %s* (not part of the text model)", model_dir, skipped)
         skip = partial(_is_skipped, architecture.skipped_prefixes, skip)
-    unused = load_weights(model, iter_tensors(model_dir, skip), architecture.name_map, source=str(model_dir))
+    unused = load_weights(model, iter_tensors(model_dir, skip, dtype), architecture.name_map, source=str(model_dir))
     tied_head = ["lm_head.weight"] if tied else []
     unexpected = [name for name in unused if name not in tied_head and not name.endswith(_IGNORED_SUFFIXES)]
     if unexpected:

@@ -6,6 +6,9 @@ parameter. Every parameter must be covered, or loading fails naming the missing 
 
 Tensor parallel: a module that holds one rank's slice of a tensor (tandem.parallel.layers.ShardedModule) says which
 slice per parameter (`ShardSpec`), and only that slice is read from the file; each rank reads its own.
+
+Quantized checkpoints (config.json's quantization_config) are dequantized here, before any name map sees them
+(tandem.weights.quantized): a quantized module's stored parts become one float `X.weight`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Collection, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ from torch import nn
 from tandem.errors import StartupError
 from tandem.layers.linear import PackedLinear
 from tandem.parallel.layers import ShardedModule, ShardSpec
+from tandem.weights.quantized import Stored, dequantized, quantization_of
 
 LOG = logging.getLogger(__name__)
 
@@ -101,7 +106,9 @@ class StoredTensor:
     def __init__(self, handle: Any, name: str) -> None:  # handle: an open safetensors file
         self._handle = handle
         self._name = name
-        self.shape: tuple[int, ...] = tuple(handle.get_slice(name).get_shape())
+        stored = handle.get_slice(name)
+        self.shape: tuple[int, ...] = tuple(stored.get_shape())
+        self.dtype: str = stored.get_dtype()  # safetensors' name, e.g. "BF16", "F8_E4M3"
 
     def read(self, spec: ShardSpec | None = None) -> torch.Tensor:
         if spec is None or spec.size is None:
@@ -111,18 +118,29 @@ class StoredTensor:
         return self._handle.get_slice(self._name)[tuple(index)]
 
 
-def iter_tensors(model_dir: Path, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, StoredTensor]]:
-    """Every tensor of the checkpoint, except those whose name `skip` accepts; none is read before it is used."""
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as handle:
+def iter_tensors(
+    model_dir: Path, skip: Callable[[str], bool] | None = None, dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[str, Stored]]:
+    """Every tensor of the checkpoint, except those whose name `skip` accepts; none is read before it is used.
+
+    Quantized weights come dequantized, in `dtype` (the serving dtype); every file stays open until the iteration
+    ends, since a weight and its scales may lie in different files.
+    """
+    config = model_dir / "config.json"
+    quantization = quantization_of(json.loads(config.read_text())) if config.is_file() else None
+    with ExitStack() as files:
+        stored: list[tuple[str, Stored]] = []
+        for path in checkpoint_files(model_dir):
+            handle = files.enter_context(safe_open(str(path), framework="pt"))
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 if skip is None or not skip(name):
-                    yield name, StoredTensor(handle, name)
+                    stored.append((name, StoredTensor(handle, name)))
+        yield from dequantized(stored, quantization, str(model_dir), dtype)
 
 
 def load_weights(
     module: nn.Module,
-    tensors: Iterator[tuple[str, StoredTensor]],
+    tensors: Iterator[tuple[str, Stored]],
     name_map: NameMap,
     source: str,
     optional: frozenset[str] = frozenset(),

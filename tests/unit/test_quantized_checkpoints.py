@@ -1,0 +1,261 @@
+"""Quantized checkpoints dequantized at load (tandem.weights.quantized): block-wise fp8 as DeepSeek-V3 and Kimi-K2
+ship, compressed-tensors pack-quantized INT4 as Kimi-K2.5 ships its routed experts.
+
+Small tensors against the formats' definitions (and fixed words of compressed-tensors' packing); tiny DeepSeek-V3 and
+Kimi-K2.5 checkpoints quantized by the formats' rules (tests.helpers.quantized_checkpoints), whose loaded weights must
+equal the reference dequantization exactly and whose greedy output must equal transformers' on that dequantization;
+refusals of what is not supported, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Kimi_K25ForConditionalGeneration
+
+from tandem.models.config import ConfigError
+from tandem.models.deepseek_v3 import DeepseekV3Config
+from tandem.models.registry import load_target
+from tandem.parallel.layers import ShardSpec
+from tandem.weights.quantized import (
+    QuantizationError,
+    dequantize_block_fp8,
+    dequantize_packed_int4,
+    quantization_of,
+    unpack_int4,
+)
+from tests.helpers.deepseek_checkpoints import TinyDeepseekSpec, write_tiny_deepseek
+from tests.helpers.kimi_checkpoints import write_tiny_kimi_k25
+from tests.helpers.parity import token_ids
+from tests.helpers.quantized_checkpoints import (
+    dequantize_block_fp8_reference,
+    fp8_config,
+    int4_config,
+    pack_int4,
+    quantize_block_fp8,
+    quantize_int4,
+    write_fp8,
+    write_int4_experts,
+)
+from tests.unit.test_gemma4 import NEW_TOKENS, served_greedy, transformers_greedy
+
+SPEC = TinyDeepseekSpec(num_layers=3)
+# Smaller than the releases' (128 x 128 blocks, groups of 32) so that the tiny weights span several blocks and groups,
+# with partial edge blocks: kv_a_proj_with_mqa is [40, 64], q_b_proj [96, 32], o_proj [64, 64].
+FP8_BLOCK = (16, 24)
+INT4_GROUP = 16
+
+
+def test_int4_packing_matches_compressed_tensors_words() -> None:
+    # Words produced by compressed-tensors' pack_to_int32 (0.20.0) for these values: nibble k of word w holds column
+    # 8 * w + k, as q + 8, least significant first; unused nibbles of the last word are 0.
+    ramp = torch.arange(-8, 8, dtype=torch.int8)[None]  # [1, 16]
+    assert pack_int4(ramp).tolist() == [[0x76543210, 0xFEDCBA98 - (1 << 32)]]
+    assert torch.equal(unpack_int4(torch.tensor([[0x76543210, 0xFEDCBA98 - (1 << 32)]], dtype=torch.int32), 16), ramp)
+    odd = torch.tensor([[1, 7, -8, 0, 3, -1, 2, -5, 6, 4, -3]], dtype=torch.int8)
+    assert pack_int4(odd).tolist() == [[981172473, 1486]]
+    assert torch.equal(unpack_int4(torch.tensor([[981172473, 1486]], dtype=torch.int32), 11), odd)
+
+
+def test_int4_dequantization_follows_the_format() -> None:
+    weight = torch.randn((6, 45), generator=torch.Generator().manual_seed(0))
+    q, scale = quantize_int4(weight, INT4_GROUP)  # 45 columns: 3 groups, the last one partial
+    packed = pack_int4(q)
+    assert torch.equal(unpack_int4(packed, 45), q)
+    ours = dequantize_packed_int4(packed, scale, (6, 45), INT4_GROUP)
+    expected = torch.stack([q[:, c].float() * scale[:, c // INT4_GROUP].float() for c in range(45)], dim=1)
+    assert torch.equal(ours, expected)
+    # At the scales' dtype this is compressed-tensors' decompression: q in the scale's dtype times the scale.
+    columns = slice(0, 2 * INT4_GROUP)
+    assert torch.equal(
+        ours[:, columns].bfloat16(), q[:, columns].bfloat16() * scale.repeat_interleave(INT4_GROUP, 1)[:, columns]
+    )
+
+
+def test_fp8_dequantization_follows_the_format_at_partial_edge_blocks() -> None:
+    weight = torch.randn((40, 70), generator=torch.Generator().manual_seed(1))
+    fp8, scale_inv = quantize_block_fp8(weight, FP8_BLOCK)
+    assert scale_inv.shape == (3, 3)
+    ours = dequantize_block_fp8(fp8, scale_inv, FP8_BLOCK)
+    assert torch.equal(ours, dequantize_block_fp8_reference(fp8, scale_inv, FP8_BLOCK))
+    assert (ours - weight).abs().max() <= weight.abs().max() / 8  # fp8 keeps 3 mantissa bits
+
+
+@pytest.fixture(scope="module")
+def float_deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_deepseek(tmp_path_factory.mktemp("float"), SPEC)
+
+
+@pytest.fixture(scope="module")
+def fp8_dirs(float_deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("fp8")
+    write_fp8(float_deepseek, root / "fp8", root / "reference", FP8_BLOCK)
+    return root / "fp8", root / "reference"
+
+
+@pytest.fixture(scope="module")
+def int4_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("int4")
+    write_int4_experts(write_tiny_kimi_k25(root / "float", SPEC), root / "int4", root / "reference", INT4_GROUP)
+    return root / "int4", root / "reference"
+
+
+def assert_same_weights(quantized: Path, reference: Path, dtype: torch.dtype) -> None:
+    ours = load_target(quantized, dtype=dtype)
+    expected = load_target(reference, dtype=dtype)
+    assert isinstance(ours, torch.nn.Module) and isinstance(expected, torch.nn.Module)
+    expected_state = expected.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert tensor.dtype == expected_state[name].dtype, name
+        assert torch.equal(tensor, expected_state[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_weights_load_as_the_reference_dequantization(fp8_dirs: tuple[Path, Path], dtype: torch.dtype) -> None:
+    quantized, reference = fp8_dirs
+    stored = load_file(str(quantized / "model.safetensors"))
+    assert stored["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (3, 3)
+    assert_same_weights(quantized, reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_experts_load_as_the_reference_dequantization(int4_dirs: tuple[Path, Path], dtype: torch.dtype) -> None:
+    quantized, reference = int4_dirs
+    stored = load_file(str(quantized / "model.safetensors"))
+    prefix = "language_model.model.blocks.1.mlp.experts.3.gate_proj."
+    assert stored[prefix + "weight_packed"].shape == (32, 8) and prefix + "weight" not in stored
+    assert "language_model.model.blocks.1.mlp.shared_experts.gate_proj.weight" in stored  # left in float
+    assert_same_weights(quantized, reference, dtype)
+
+
+def test_fp8_greedy_equals_transformers_on_the_dequantized_weights(fp8_dirs: tuple[Path, Path]) -> None:
+    quantized, reference = fp8_dirs
+    model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    prompt = token_ids(13, seed=7)
+    assert served_greedy(quantized, prompt, NEW_TOKENS) == transformers_greedy(model, prompt, NEW_TOKENS)
+
+
+def test_int4_kimi_k25_greedy_equals_transformers_on_the_dequantized_weights(int4_dirs: tuple[Path, Path]) -> None:
+    quantized, reference = int4_dirs
+    model = Kimi_K25ForConditionalGeneration.from_pretrained(reference, dtype=torch.float32).eval()
+    prompt = token_ids(13, seed=8)
+    assert served_greedy(quantized, prompt, NEW_TOKENS) == transformers_greedy(model, prompt, NEW_TOKENS)
+
+
+def test_dequantized_weights_slice_for_tensor_parallel_shards(fp8_dirs: tuple[Path, Path]) -> None:
+    from tandem.weights.loader import iter_tensors
+
+    quantized, reference = fp8_dirs
+    name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"  # [40, 64]: shards cut through the 16-row blocks
+    expected = load_file(str(reference / "model.safetensors"))[name]
+    shards = (
+        (ShardSpec((40, 64), dim=0, start=10, size=20), slice(10, 30), slice(None)),
+        (ShardSpec((40, 64), dim=1, start=32, size=32), slice(None), slice(32, 64)),
+    )
+    found = 0
+    for stored_name, stored in iter_tensors(quantized):  # the files are open while the iteration runs
+        if stored_name == name:
+            found += 1
+            assert stored.shape == (40, 64)
+            for spec, rows, cols in shards:
+                assert torch.equal(stored.read(spec), expected[rows, cols])
+    assert found == 1
+
+
+def test_dequantization_is_logged_with_its_memory(
+    fp8_dirs: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="tandem.weights.quantized"):
+        load_target(fp8_dirs[0], dtype=torch.bfloat16)
+    assert "block-wise fp8 e4m3 (16x24 blocks)" in caplog.text
+    assert "GiB in bfloat16" in caplog.text
+
+
+def edited(directory: Path, tmp_path: Path, edit: Any) -> Path:
+    copy = shutil.copytree(directory, tmp_path / "edited")
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(edit(config)))
+    return copy
+
+
+def test_missing_scales_are_refused_naming_the_tensor(fp8_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    copy = shutil.copytree(fp8_dirs[0], tmp_path / "no-scale")
+    tensors = load_file(str(copy / "model.safetensors"))
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight_scale_inv"]
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    # The weight is still float8: without its scales it is refused, not cast.
+    with pytest.raises(
+        QuantizationError, match=r"^tensor model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight: stored as F8_E4M3"
+    ):
+        load_target(copy)
+
+
+def test_a_missing_int4_part_is_refused_naming_it(int4_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    copy = shutil.copytree(int4_dirs[0], tmp_path / "no-scale")
+    tensors = load_file(str(copy / "model.safetensors"))
+    prefix = "language_model.model.blocks.2.mlp.experts.0.down_proj."
+    del tensors[prefix + "weight_scale"]
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(QuantizationError, match="^" + re.escape(f"tensor {prefix}weight_scale: missing")):
+        load_target(copy)
+
+
+def test_a_float8_checkpoint_without_quantization_config_is_refused(
+    fp8_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    copy = edited(fp8_dirs[0], tmp_path, lambda config: {k: v for k, v in config.items() if k != "quantization_config"})
+    with pytest.raises(QuantizationError, match=r"stored as F8_E4M3 with no scales"):
+        load_target(copy)
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"quant_method": "gptq", "bits": 4}, "quantization_config.quant_method: 'gptq'"),
+        ({"quant_method": "awq"}, "quantization_config.quant_method: 'awq'"),
+        (fp8_config((128, 128)) | {"weight_block_size": None}, "quantization_config.weight_block_size: None"),
+        (fp8_config((128, 128)) | {"fmt": "e5m2"}, "quantization_config.fmt: 'e5m2'"),
+        (fp8_config((128, 128)) | {"activation_scheme": "static"}, "quantization_config.activation_scheme: 'static'"),
+        (int4_config(32) | {"format": "float-quantized"}, "config_groups.group_0.format: 'float-quantized'"),
+        (int4_config(32) | {"quantization_status": "frozen"}, "quantization_config.quantization_status: 'frozen'"),
+    ],
+)
+def test_unsupported_quantization_is_refused_naming_it(config: dict[str, Any], named: str) -> None:
+    with pytest.raises(QuantizationError) as error:
+        quantization_of({"quantization_config": config})
+    assert named in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("num_bits", 8),
+        ("symmetric", False),
+        ("strategy", "channel"),
+        ("type", "float"),
+        ("actorder", "group"),
+        ("dynamic", True),
+    ],
+)
+def test_unsupported_int4_weight_schemes_are_refused_naming_the_key(key: str, value: Any) -> None:
+    config = int4_config(32)
+    config["config_groups"]["group_0"]["weights"][key] = value
+    with pytest.raises(QuantizationError, match=rf"config_groups\.group_0\.weights\.{key}: {value!r}"):
+        quantization_of({"text_config": {"quantization_config": config}})
+
+
+def test_deepseek_config_accepts_what_the_loader_dequantizes(float_deepseek: Path) -> None:
+    hf = json.loads((float_deepseek / "config.json").read_text())
+    DeepseekV3Config.from_hf(hf | {"quantization_config": fp8_config((128, 128))})
+    DeepseekV3Config.from_hf(hf | {"quantization_config": int4_config(32)})
+    with pytest.raises(ConfigError, match=r"^quantization_config\.quant_method: 'bitsandbytes'"):
+        DeepseekV3Config.from_hf(hf | {"quantization_config": {"quant_method": "bitsandbytes"}})
