@@ -2,10 +2,11 @@
 
 - EAGLE3 heads (`LlamaForCausalLMEagle3`, `Eagle3LlamaForCausalLM`) and EAGLE3 heads with MLA attention
   (`Eagle3DeepseekV2ForCausalLM`): tandem.models.eagle3 on the DraftRunner, fed the aux layers named by the head.
-- MTP layers stored in a target-format checkpoint (the architecture is a TARGET's, e.g. `DeepseekV3ForCausalLM` with
-  `num_nextn_predict_layers`): tandem.models.mtp. DeepSeek NextN runs on the DraftRunner, one layer reused at every
-  step, fed the target's post-final-norm hidden; chained multi-layer MTP runs on the MTPRunner, fed the target's
-  final pre-norm stream.
+- MTP layers stored in a target-format checkpoint (the architecture is a TARGET's, e.g. `DeepseekV3ForCausalLM` or
+  `Step3p5ForCausalLM` with `num_nextn_predict_layers`, under `text_config` for Step-3.7): tandem.models.mtp.
+  DeepSeek NextN runs on the DraftRunner, one layer reused at every step, fed the target's post-final-norm hidden;
+  chained multi-layer MTP runs on the MTPRunner, fed the target's final stream before or after its norm, as the
+  hidden flow (`--mtp-feedback`, "auto": the family's authors') says.
 - Standalone draft models: a target-format checkpoint WITHOUT MTP layers (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
   `Gemma3ForCausalLM`, ... with no `num_nextn_predict_layers`): a plain causal LM with the target's vocabulary on the
   StandaloneRunner, fed the committed tokens only (it subscribes `tokens_only`, no capture indices).
@@ -34,7 +35,7 @@ from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache
 from tandem.models.aux_layers import CaptureSpec, resolve_capture
 from tandem.models.config import ConfigError, read_hf_config
 from tandem.models.eagle3 import EAGLE3_LAYER_KINDS, load_eagle3
-from tandem.models.mtp import NextNDraft, load_mtp
+from tandem.models.mtp import NextNDraft, declared_mtp_layers, load_mtp
 from tandem.models.registry import TARGET_ARCHITECTURES, load_target, target_architecture
 from tandem.models.tokenizer_digest import TOKENIZER_FILE, tokenizer_digest
 from tandem.sampling.draft_tree import DraftTree
@@ -132,6 +133,15 @@ def _prepare_eagle3(settings: DraftSettings, info: target_pb2.TargetInfo) -> Pre
         settings.aux_layer_convention,
         default_indices=target_architecture(info.architecture).default_capture_indices,
     )
+    config = model.config
+    LOG.info(
+        "EAGLE3 head: draft vocabulary %d of %d (%s); embedding %s, rows %s",
+        config.draft_vocab_size,
+        config.vocab_size,
+        "the full vocabulary" if config.draft_vocab_size == config.vocab_size else "mapped through d2t",
+        "from the checkpoint" if has_embedding else "the target's raw table, pulled at start-up",
+        "as stored" if config.embedding_scale is None else f"scaled by {config.embedding_scale:.4g} (scale_embeddings)",
+    )
 
     def fill(name: str, table: torch.Tensor) -> None:
         model.embed_tokens.weight.data.copy_(table)
@@ -168,21 +178,25 @@ def _prepare_mtp(settings: DraftSettings, info: target_pb2.TargetInfo) -> Prepar
             f"speculative-num-steps: {settings.num_steps} draft steps, but the MTP draft has {config.num_mtp_layers} "
             f"layers (one per step); pass --speculative-num-steps {config.num_mtp_layers} or fewer"
         )
-    capture = CaptureSpec((config.capture_index,), config.style, None)
+    flow = config.family.default_flow if settings.mtp_feedback == "auto" else settings.mtp_feedback
+    capture_index = config.capture_index_for(flow)
+    capture = CaptureSpec((capture_index,), config.style, None)
     LOG.info(
-        "%s MTP draft with %d layer(s): capture index %d of %d target layers (%s)",
+        "%s MTP draft with %d layer(s): capture index %d of %d target layers (%s); hands on %s hidden (%s)",
         config.style,
         config.num_mtp_layers,
-        config.capture_index,
+        capture_index,
         info.num_layers,
-        "post-final-norm hidden" if config.capture_index > info.num_layers else "final pre-norm stream",
+        "post-final-norm hidden" if capture_index > info.num_layers else "final pre-norm stream",
+        flow,
+        "the family's default" if settings.mtp_feedback == "auto" else "--mtp-feedback",
     )
 
     def build(cache: KVCacheSettings) -> ProposalRunner:
         if config.style == "nextn":
-            model: DraftModel = NextNDraft(mtp, settings.mtp_feedback)
+            model: DraftModel = NextNDraft(mtp, flow)
             return DraftRunner(model, cache)
-        return MTPRunner(mtp, cache, chain=settings.mtp_mode == "chain")
+        return MTPRunner(mtp, cache, chain=settings.mtp_mode == "chain", flow=flow)
 
     return PreparedDraft(
         architecture=config.target.architecture,
@@ -237,7 +251,7 @@ def _prepare_standalone(settings: DraftSettings, info: target_pb2.TargetInfo) ->
 def _prepare_target_format(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
     """A target-format checkpoint: MTP layers when its config declares them (num_nextn_predict_layers >= 1),
     otherwise the whole model as a standalone draft."""
-    if int(read_hf_config(settings.model_dir).get("num_nextn_predict_layers") or 0) > 0:
+    if declared_mtp_layers(read_hf_config(settings.model_dir)) > 0:
         return _prepare_mtp(settings, info)
     return _prepare_standalone(settings, info)
 

@@ -1,8 +1,9 @@
-"""The draft's runner for chained multi-layer MTP (Step-3.5 style): N MTP layers, one per draft step.
+"""The draft's runner for chained multi-layer MTP (Step-3.5's): N MTP layers, one per draft step.
 
 Terms. A request's committed tokens are x[0..n]; the target has sent its hidden rows h_T[p] for the n committed
-positions p < n (P = n - 1 is the last one; x[n] has no target KV yet). h_k[p] is MTP layer k's PRE-norm output at
-position p (tandem.models.mtp), and h_{-1} = h_T.
+positions p < n (P = n - 1 is the last one; x[n] has no target KV yet). h_k[p] is what MTP layer k hands on at
+position p, its stream (pre_norm flow) or its shared_head.norm output (post_norm flow; tandem.models.mtp), and
+h_{-1} = h_T, captured before or after the target's final norm to match.
 
     layer k at position p consumes (h_{k-1}[p], token x[p+k+1]) and predicts x[p+k+2]     chain mode
                                    (h_T[p],     token x[p+k+1])                          non-chain mode
@@ -31,6 +32,10 @@ The target accepts d1 and corrects d2 to c: x6 = d1, x7 = c; rows 5..6 arrive, n
 Each request keeps per layer k a backlog: the committed input rows of layer k it has not consumed yet, positions
 c_k up to c_{k-1} (chain) or up to n (non-chain). That is all the next round needs, so rows must continue at
 position n (or restart at 0); resending earlier rows is refused.
+
+transformers' MTPCandidateGenerator (`generate(use_mtp=True)`, one round per verification, k = N) runs every layer
+over the same rows with the same tokens, keeping the KV of the guessed ones and recomputing the last N rows of
+every layer when fewer than N - 1 drafts were accepted: KV of the same inputs, so the same drafts.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch
 from draft_server.runner import DraftRequestError, ProposeInput
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
 from tandem.layers.matmul import prepack
-from tandem.models.mtp import MTPModel
+from tandem.models.mtp import HiddenFlow, MTPModel
 from tandem.settings import KVCacheSettings
 
 
@@ -68,13 +73,15 @@ class LayerWork:
 
 
 class MTPRunner:
-    def __init__(self, model: MTPModel, cache: KVCacheSettings, *, chain: bool) -> None:
-        """chain: layer k >= 1 consumes layer k - 1's output (Step-3.5); otherwise every layer the target's hidden."""
+    def __init__(self, model: MTPModel, cache: KVCacheSettings, *, chain: bool, flow: HiddenFlow | None = None) -> None:
+        """chain: layer k >= 1 consumes layer k - 1's output (Step-3.5); otherwise every layer the target's hidden.
+        flow: what a layer hands on, its stream or its normed output; None: the family's default (its authors')."""
         parameter = next(model.parameters())
         layout = model.config.cache_layout
         self.model = model
         prepack(model)
         self.chain = chain
+        self.flow = model.config.family.default_flow if flow is None else flow
         self.cache = PagedKVCache.for_layout(1, layout, cache, parameter.dtype, parameter.device)
         self.requests: dict[str, MTPRequest] = {}
 
@@ -184,7 +191,7 @@ class MTPRunner:
             for index, stream in zip(working, streams, strict=True):
                 produced[index] = stream
             if layer == 0:  # every request has new rows, so every request ran layer 0
-                first_tokens = self.model.compute_logits(last_normed).argmax(dim=-1).tolist()
+                first_tokens = self.model.compute_logits(last_normed, 0).argmax(dim=-1).tolist()
         for request, item in zip(requests, inputs, strict=True):
             request.committed += len(item.rows.next_tokens)
         return first_tokens
@@ -210,15 +217,15 @@ class MTPRunner:
                 assert hidden.shape[0] == len(token_ids), "backlog and carried rows must cover positions c_j..P"
                 work.append(LayerWork(request.layers[layer], token_ids, hidden))
             streams, last_normed = self._run(layer, work)
-            tokens = self.model.compute_logits(last_normed).argmax(dim=-1).tolist()
+            tokens = self.model.compute_logits(last_normed, layer).argmax(dim=-1).tolist()
             for index, stream, token in zip(active, streams, tokens, strict=True):
                 carried[index] = stream  # the update: the next layer consumes this layer's output, not its input
                 proposals[index].append(token)
         return proposals
 
     def _run(self, layer: int, work: Sequence[LayerWork]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """One packed forward of MTP layer `layer`; returns each item's pre-norm rows and the normed last rows
-        [len(work), hidden]."""
+        """One packed forward of MTP layer `layer`; returns each item's rows to hand on (self.flow) and the normed last
+        rows [len(work), hidden]."""
         if not work:
             return [], torch.empty(0, self.model.config.hidden_size, dtype=self._dtype, device=self.cache.device)
         device = self.cache.device
@@ -226,7 +233,8 @@ class MTPRunner:
         input_ids = torch.tensor([token for item in work for token in item.token_ids], device=device)
         hidden = torch.cat([item.hidden for item in work])
         output = self.model.run_layer(layer, input_ids, hidden, metadata, self.cache)
-        streams = [output.stream[rows] for rows in metadata.page_table.query_slices()]
+        handed_on = output.normed if self.flow == "post_norm" else output.stream
+        streams = [handed_on[rows] for rows in metadata.page_table.query_slices()]
         last_rows = metadata.page_table.last_rows()  # [len(work)]
         return streams, output.normed[last_rows]
 

@@ -13,10 +13,12 @@ from tandem.models.aux_layers import CONVENTIONS, Convention
 from tandem.settings import KVCacheSettings, TreeShape, metrics_port_field
 from tandem.transport import Insecure, TransportSecurity
 
-# DeepSeek NextN reused for several steps: what a step hands to the next, the layer's shared_head.norm output
-# (SGLang) or its pre-norm stream (vLLM).
-MTPFeedback = Literal["post_norm", "pre_norm"]
-MTP_FEEDBACKS: tuple[MTPFeedback, ...] = ("post_norm", "pre_norm")
+# What an MTP step hands to the next: the layer's shared_head.norm output or its pre-norm stream (for chained MTP,
+# also what the target hands layer 0: its hidden after or before the final norm). "auto": the family's authors'
+# serving code (SGLang): post_norm for DeepSeek NextN (vLLM: pre_norm), pre_norm for Step-3.5's chained layers
+# (transformers' generate(use_mtp=True): post_norm). Resolved when the checkpoint is read (draft_server.formats).
+MTPFeedback = Literal["auto", "post_norm", "pre_norm"]
+MTP_FEEDBACKS: tuple[MTPFeedback, ...] = ("auto", "post_norm", "pre_norm")
 # Multi-layer MTP: layer k consumes layer k - 1's output ("chain", Step-3.5) or the target's hidden too.
 MTPMode = Literal["chain", "independent"]
 MTP_MODES: tuple[MTPMode, ...] = ("chain", "independent")
@@ -59,10 +61,11 @@ class DraftSettings:
     rows_timeout_s: float = 60.0  # how long Propose waits for the target's rows of a round
     rows_ttl_s: float = 120.0  # rows nobody asked for (finished requests) are dropped after this
     mtp_feedback: MTPFeedback = field(
-        default="post_norm",
+        default="auto",
         metadata=flag(
             "--mtp-feedback",
-            "DeepSeek NextN drafts: what one step hands to the next (SGLang: post_norm, vLLM: pre_norm)",
+            "MTP drafts: what one step hands to the next, post_norm or pre_norm; auto: as the family's authors' "
+            "serving code (DeepSeek NextN post_norm, Step-3.5 pre_norm)",
             choices=MTP_FEEDBACKS,
         ),
     )

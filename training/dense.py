@@ -254,7 +254,7 @@ def unrolled_draft_logits(
     logits = []
     for step, tokens in enumerate(step_tokens):
         positions = torch.arange(step, step + time)
-        embedded = layer.input_layernorm(draft.embed_tokens(tokens))
+        embedded = layer.input_layernorm(draft.embedded(tokens))
         attention_input = torch.cat([embedded, draft.hidden_norm(hidden)], dim=-1)  # [batch, time, 2 * hidden]
         query, key, value = kind.project(layer.self_attn, attention_input, positions)
         keys.append(key)

@@ -8,6 +8,14 @@ One decoder layer with 2*hidden attention input. For each row:
     logits    = lm_head(norm(stream))      over the draft vocabulary; target id = draft id + d2t[draft id]
     carried   = stream (pre-norm), or norm(stream) when norm_output is set
 
+The embedding is the target's raw table (checkpoints usually omit it; the draft service pulls it from the target).
+Gemma targets multiply their embedding by sqrt(hidden) inside the model, but their shared table is the unscaled
+one, and the heads trained for them look rows up unscaled: SpecForge copies the target's `model.embed_tokens.weight`
+into a plain embedding, and SGLang hands a Gemma target's raw table (cut vocab-parallel) to the head as it is. So
+rows are used as stored, unless the head's config sets `scale_embeddings: true` (this project's key), which
+multiplies them by sqrt(hidden_size) as Gemma's own embedding does. Since input_layernorm follows, the scale only
+moves the result through the norm's eps; with bfloat16 rows it also changes their rounding.
+
 The config's architecture name picks the decoder layer (`EAGLE3_LAYER_KINDS`); the rest of the head is shared:
 - LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM: the Llama family's LlamaDecoderLayer, grouped-query attention whose
   cache keeps num_kv_heads keys and values per token;
@@ -135,6 +143,7 @@ class Eagle3Config:
     fc_norm: bool  # one RMSNorm per aux chunk before fc
     norm_before_fc: bool  # one RMSNorm over the whole concatenation before fc
     norm_output: bool  # carry the post-norm hidden to the next step instead of the pre-norm stream
+    embedding_scale: float | None  # rows times sqrt(hidden) when the config sets scale_embeddings; None: as stored
 
     @property
     def hidden_size(self) -> int:
@@ -176,6 +185,7 @@ class Eagle3Config:
             fc_norm=bool(hf.get("fc_norm", hf.get("use_aux_norm", False))),
             norm_before_fc=bool(eagle.get("norm_before_fc", hf.get("norm_before_fc", False))),
             norm_output=bool(hf.get("norm_output", False)),
+            embedding_scale=layer.hidden_size**0.5 if hf.get("scale_embeddings", False) else None,
         )
 
 
@@ -223,12 +233,20 @@ class Eagle3Draft(nn.Module):
         cache: PagedKVCache,  # laid out as config.cache_layout
         logit_rows: torch.Tensor | None = None,  # [rows] the rows whose logits are wanted; None: every row
     ) -> DraftStep:
-        embedded = self.layer.input_layernorm(self.embed_tokens(input_ids))
+        embedded = self.layer.input_layernorm(self.embedded(input_ids))
         attention_input = torch.cat([embedded, self.hidden_norm(hidden)], dim=-1)  # [num_tokens, 2 * hidden]
         stream = self.layer(hidden, metadata, cache, attention_input=attention_input)
         normed = self.norm(stream)
         logits = self.lm_head(normed if logit_rows is None else normed[logit_rows]).float()
         return DraftStep(hidden=normed if self.config.norm_output else stream, logits=logits)
+
+    def embedded(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        rows = self.embed_tokens(input_ids)
+        scale = self.config.embedding_scale
+        if scale is None:
+            return rows
+        # Rounded to the rows' dtype before the multiply, as Gemma targets round their own scale.
+        return rows * torch.tensor(scale, dtype=torch.float32, device=rows.device).to(rows.dtype)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [n] draft ids -> [n] target ids
         d2t: torch.Tensor = self.d2t  # type: ignore[assignment]

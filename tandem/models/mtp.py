@@ -1,29 +1,33 @@
-"""MTP draft heads: DeepSeek-V3 NextN, and chained multi-layer MTP (Step-3.5 style) on Llama-family targets.
+"""MTP draft heads: DeepSeek-V3 NextN, and chained multi-layer MTP (Step-3.5's own, and on Llama-family targets).
 
-One MTP layer (both kinds; REFERENCE.md "MTP heads"), for a row at position p:
+One MTP layer (every kind), for a row at position p:
     fused  = eh_proj(concat([enorm(embed(token)), hnorm(hidden)]))   embedding FIRST; Linear 2H -> H, no bias
     stream = decoder layer of the target family (fused)             its own KV cache; the PRE-norm output
-    logits = lm_head(shared_head.norm(stream))
-`embed` and `lm_head` are the target's tables, shared (see "Shared tables" below).
+    logits = head(shared_head.norm(stream))
+`embed` is the target's table and `head` the target's LM head (see "Shared tables" below), except for a Step-3.5
+layer that ships its own `shared_head.output`.
 
 Two ways of drafting with MTP layers, chosen by the target family through `MTP_FAMILIES` (never by name checks):
 - "nextn" (DeepSeek-V3, Kimi-K2): one NextN layer fed the target's POST-final-norm hidden state (target capture
   index num_layers + 1), reused at every draft step exactly like an EAGLE3 head: `NextNDraft` runs on the draft
   service's DraftRunner. What a step hands to the next one is an explicit choice (`NextNFeedback`): "post_norm",
   the layer's shared_head.norm output (SGLang), or "pre_norm", its stream (vLLM).
-- "chained" (Llama, Qwen2, Qwen3, Mistral): N layers, layer k producing draft step k + 1; layer 0 is fed the
-  target's PRE-norm final stream (capture index num_layers), layer k the PRE-norm output of layer k - 1 (or the
-  target's hidden again, non-chain mode). Served by draft_server.mtp_runner.MTPRunner, whose docstring gives the
-  position alignment.
+- "chained" (Step-3.5 / Step-3.7, and Llama, Qwen2, Qwen3, Mistral): N layers, layer k producing draft step k + 1,
+  layer k fed layer k - 1's output (or the target's hidden again, non-chain mode). Which hidden flows is the
+  `HiddenFlow`: "pre_norm" (SGLang's step3p5_mtp, the authors' serving code: layer 0 reads the target's final
+  stream before its norm, capture index num_layers, and each layer hands on its stream) or "post_norm"
+  (transformers' MtpModel, `generate(use_mtp=True)`: the target's post-final-norm hidden, num_layers + 1, and each
+  layer's shared_head.norm output). Served by draft_server.mtp_runner.MTPRunner (position alignment there).
 
 Checkpoint format (both kinds): a directory whose config.json is the TARGET's config.json plus
 `num_nextn_predict_layers: N`, holding MTP layer i as `model.layers.{num_hidden_layers + i}.*`:
     enorm.weight, hnorm.weight, eh_proj.weight [H, 2H], shared_head.norm.weight,
     the target family's decoder layer: input_layernorm, self_attn.*, post_attention_layernorm, mlp.*
-That is how DeepSeek-V3 ships NextN inside its own checkpoint (layer 61), and the format the project's chained MTP
-demo ships. Nothing else of the directory is read, except the target-level shared tables when present: the
-target's own layers are skipped unread, and the per-layer copies DeepSeek stores (`model.layers.{L+i}.embed_tokens`,
-`model.layers.{L+i}.shared_head.head`) are neither required nor read.
+(Step-3.5 adds `shared_head.output` on some layers and keeps some blocks under `.transformer.`.) That is how
+DeepSeek-V3 (layer 61) and Step-3.5 (layers 45-47; config under `text_config` for Step-3.7) ship them, and the
+format of the project's chained MTP demo. Nothing else is read but the target-level shared tables when present:
+the target's own layers are skipped unread, and the per-layer copies DeepSeek stores
+(`model.layers.{L+i}.embed_tokens`, `model.layers.{L+i}.shared_head.head`) are neither required nor read.
 
 Shared tables: `load_mtp` loads `model.embed_tokens.weight` and `lm_head.weight` when the directory has them (a full
 target checkpoint does) and reports the others in `LoadedMTP.missing_shared`, named as the target's GetWeights names
@@ -34,7 +38,7 @@ is refused.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Generic, Literal, Protocol, TypeVar
@@ -52,14 +56,17 @@ from tandem.models.deepseek_v3 import DeepseekV3Config, DeepseekV3DecoderLayer
 from tandem.models.eagle3 import DraftStep, checkpoint_has
 from tandem.models.llama import LlamaDecoderLayer
 from tandem.models.registry import keep_float32, target_architecture
+from tandem.models.step3p5_mtp import Step3p5MTPConfig, Step3p5Rotaries, step3p5_mtp_block
 from tandem.weights.loader import CheckpointError, NameMap, iter_tensors, load_weights
 
 MTPStyle = Literal["nextn", "chained"]
-NextNFeedback = Literal["post_norm", "pre_norm"]
+HiddenFlow = Literal["post_norm", "pre_norm"]
 SharedTable = Literal["embed_tokens", "lm_head"]
 
 # Modules of an MTP layer that are its own; every other name under model.layers.{L+i}. is its decoder layer's.
-MTP_OWN_MODULES = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+MTP_OWN_MODULES = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.", "shared_head.output.")
+# Where some releases keep the decoder layer's weights inside an MTP layer (Step-3.5: model.layers.{L+i}.transformer.).
+BLOCK_PREFIXES = ("transformer.",)
 # Per-layer copies of the shared tables (DeepSeek-V3 stores them): never read, the target's tables are used.
 SHARED_TABLE_COPIES = ("embed_tokens.", "shared_head.head.")
 # Target-level shared tables: GetWeights name (also our module name) -> checkpoint module prefix.
@@ -67,7 +74,7 @@ SHARED_TABLES: dict[SharedTable, str] = {"embed_tokens": "model.embed_tokens.", 
 
 
 class MTPTargetConfig(Protocol):
-    """What the MTP layers need of the target family's config (ModelConfig and DeepseekV3Config have it)."""
+    """What the MTP layers need of the target family's config (ModelConfig, DeepseekV3Config, Step3p5MTPConfig)."""
 
     @property
     def architecture(self) -> str: ...
@@ -86,16 +93,20 @@ class MTPTargetConfig(Protocol):
 
 
 FamilyConfig = TypeVar("FamilyConfig", bound=MTPTargetConfig)
+Rotary = TypeVar("Rotary", bound=nn.Module)
 
 
 @dataclass(frozen=True)
-class MTPFamily(Generic[FamilyConfig]):
+class MTPFamily(Generic[FamilyConfig, Rotary]):
     parse_config: Callable[[dict[str, Any]], FamilyConfig]  # the target's HF config -> the family's config
-    build_rotary: Callable[[FamilyConfig], RotaryEmbedding]
+    build_rotary: Callable[[FamilyConfig], Rotary]
     # (config, checkpoint layer index num_layers + i, rotary) -> the decoder layer; its attention must use cache
     # layer 0, because every MTP layer keeps its own KV sequences in a one-layer pool.
-    build_layer: Callable[[FamilyConfig, int, RotaryEmbedding], nn.Module]
+    build_layer: Callable[[FamilyConfig, int, Rotary], nn.Module]
     style: MTPStyle
+    default_flow: HiddenFlow  # what the family's authors' serving code hands on (SGLang)
+    norm_unit_offset: bool = False  # enorm, hnorm, shared_head.norm are (1 + w) norms (Step-3.5)
+    own_heads: bool = False  # a layer may ship its own LM head, shared_head.output (Step-3.5)
 
 
 def _llama_rotary(config: ModelConfig) -> RotaryEmbedding:
@@ -117,14 +128,32 @@ def _deepseek_layer(config: DeepseekV3Config, layer_index: int, rotary: RotaryEm
     return layer
 
 
-_CHAINED_LLAMA = MTPFamily(ModelConfig.from_hf, _llama_rotary, _llama_layer, style="chained")
-MTP_FAMILIES: dict[str, MTPFamily[Any]] = {
+_CHAINED_LLAMA = MTPFamily(ModelConfig.from_hf, _llama_rotary, _llama_layer, "chained", "pre_norm")
+_STEP3P5 = MTPFamily(
+    Step3p5MTPConfig.from_hf,
+    Step3p5Rotaries,
+    step3p5_mtp_block,
+    "chained",
+    "pre_norm",
+    norm_unit_offset=True,
+    own_heads=True,
+)
+MTP_FAMILIES: dict[str, MTPFamily[Any, Any]] = {
     **dict.fromkeys(TARGET_FAMILIES, _CHAINED_LLAMA),
-    "DeepseekV3ForCausalLM": MTPFamily(DeepseekV3Config.from_hf, _deepseek_rotary, _deepseek_layer, style="nextn"),
+    "DeepseekV3ForCausalLM": MTPFamily(
+        DeepseekV3Config.from_hf, _deepseek_rotary, _deepseek_layer, "nextn", "post_norm"
+    ),
+    "Step3p5ForCausalLM": _STEP3P5,
+    "Step3p7ForConditionalGeneration": _STEP3P5,
 }
 
 
-def mtp_family(architecture: str) -> MTPFamily[Any]:
+def declared_mtp_layers(hf: dict[str, Any]) -> int:
+    """num_nextn_predict_layers, at the top level or in `text_config` (Step-3.7); 0 when absent."""
+    return int(hf.get("num_nextn_predict_layers") or (hf.get("text_config") or {}).get("num_nextn_predict_layers") or 0)
+
+
+def mtp_family(architecture: str) -> MTPFamily[Any, Any]:
     if architecture not in MTP_FAMILIES:
         known = ", ".join(sorted(MTP_FAMILIES))
         raise ConfigError(f"architectures: {architecture!r} has no MTP draft support ({known})")
@@ -135,7 +164,8 @@ def mtp_family(architecture: str) -> MTPFamily[Any]:
 class MTPConfig:
     target: MTPTargetConfig  # the target's config; the MTP layers' decoder layers have its shapes
     num_mtp_layers: int  # num_nextn_predict_layers
-    family: MTPFamily[Any]
+    family: MTPFamily[Any, Any]
+    own_heads: tuple[bool, ...] = ()  # per layer: it has its own shared_head.output (read from the checkpoint)
 
     @property
     def hidden_size(self) -> int:
@@ -159,18 +189,22 @@ class MTPConfig:
 
     @property
     def capture_index(self) -> int:
+        """capture_index_for the family's default flow."""
+        return self.capture_index_for(self.family.default_flow)
+
+    def capture_index_for(self, flow: HiddenFlow) -> int:
         """The one target capture index the draft subscribes to: num_layers + 1 (the target's post-final-norm hidden)
-        for NextN, num_layers (the final stream before the norm) for chained MTP."""
-        return self.num_target_layers + (1 if self.style == "nextn" else 0)
+        for NextN and for chained MTP with the post_norm flow, num_layers (the final stream before the norm) for
+        chained MTP with the pre_norm flow."""
+        post_norm = self.style == "nextn" or flow == "post_norm"
+        return self.num_target_layers + (1 if post_norm else 0)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> MTPConfig:
         family = mtp_family(architecture_of(hf))
-        num_mtp_layers = int(hf.get("num_nextn_predict_layers") or 0)
+        num_mtp_layers = declared_mtp_layers(hf)
         if num_mtp_layers < 1:
-            raise ConfigError(
-                f"num_nextn_predict_layers: {hf.get('num_nextn_predict_layers')!r}; an MTP draft checkpoint needs >= 1"
-            )
+            raise ConfigError(f"num_nextn_predict_layers: {num_mtp_layers}; an MTP draft checkpoint needs >= 1")
         return cls(target=family.parse_config(hf), num_mtp_layers=num_mtp_layers, family=family)
 
 
@@ -181,22 +215,24 @@ class MTPLayerOutput:
 
 
 class SharedHead(nn.Module):
-    """Only the norm of DeepSeek's `shared_head`; its `head` is the target's LM head, shared."""
+    """The norm of `shared_head`; DeepSeek's `head` is the target's LM head, shared, while a Step-3.5 layer may have
+    its own `output` head."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, config: MTPConfig, own_head: bool) -> None:
         super().__init__()
-        self.norm = RMSNorm(hidden_size, eps)
+        self.norm = RMSNorm(config.hidden_size, config.target.rms_norm_eps, config.family.norm_unit_offset)
+        self.output = Linear(config.hidden_size, config.vocab_size, bias=False) if own_head else None
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, config: MTPConfig, index: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: MTPConfig, index: int, rotary: nn.Module) -> None:
         super().__init__()
-        hidden, eps = config.hidden_size, config.target.rms_norm_eps
-        self.enorm = RMSNorm(hidden, eps)
-        self.hnorm = RMSNorm(hidden, eps)
+        hidden, eps, offset = config.hidden_size, config.target.rms_norm_eps, config.family.norm_unit_offset
+        self.enorm = RMSNorm(hidden, eps, offset)
+        self.hnorm = RMSNorm(hidden, eps, offset)
         self.eh_proj = Linear(2 * hidden, hidden, bias=False)
         self.decoder = config.family.build_layer(config.target, config.num_target_layers + index, rotary)
-        self.shared_head = SharedHead(hidden, eps)
+        self.shared_head = SharedHead(config, index < len(config.own_heads) and config.own_heads[index])
 
     def forward(
         self,
@@ -252,15 +288,19 @@ class MTPModel(nn.Module):
         output: MTPLayerOutput = self.layers[index](self.embed_tokens(input_ids), hidden, metadata, cache)
         return output
 
-    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        return self.lm_head(normed).float()
+    def compute_logits(self, normed: torch.Tensor, layer: int = 0) -> torch.Tensor:  # [n, hidden] -> [n, vocab] f32
+        """The layer's own head (shared_head.output) when it has one, else the target's."""
+        module = self.layers[layer]
+        assert isinstance(module, MTPLayer)
+        own = module.shared_head.output
+        return (self.lm_head if own is None else own)(normed).float()
 
 
 class NextNDraft(nn.Module):
     """A one-layer MTP model with the draft-model interface of draft_server.runner.DraftRunner: the layer is reused
     at every step, each step fed the previous step's hidden (`feedback`) and draft token."""
 
-    def __init__(self, mtp: MTPModel, feedback: NextNFeedback) -> None:
+    def __init__(self, mtp: MTPModel, feedback: HiddenFlow) -> None:
         super().__init__()
         if mtp.config.num_mtp_layers != 1:
             raise ConfigError(
@@ -303,6 +343,7 @@ def mtp_name_map(config: MTPConfig) -> NameMap:
     for index in range(config.num_mtp_layers):
         source, target = f"model.layers.{config.num_target_layers + index}.", f"layers.{index}."
         renames.extend((source + own, target + own) for own in MTP_OWN_MODULES)
+        renames.extend((source + block, target + "decoder.") for block in BLOCK_PREFIXES)
         renames.append((source, target + "decoder."))
     renames.extend((source, name + ".") for name, source in SHARED_TABLES.items())
     packed = target_architecture(config.target.architecture).name_map.packed
@@ -330,6 +371,12 @@ class LoadedMTP:
 def load_mtp(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedMTP:
     """Builds only the MTP layers of a target-format checkpoint (module docstring) and loads them."""
     config = MTPConfig.from_hf(read_hf_config(model_dir))
+    if config.family.own_heads:
+        owned = (
+            f"model.layers.{config.num_target_layers + i}.shared_head.output.weight"
+            for i in range(config.num_mtp_layers)
+        )
+        config = replace(config, own_heads=tuple(checkpoint_has(model_dir, name) for name in owned))
     with torch.device("meta"):
         model = MTPModel(config)
     model = model.to_empty(device=device).to(dtype)

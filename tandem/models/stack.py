@@ -44,7 +44,9 @@ def run_layers(
     index = 0
     for index, layer in enumerate(layers):
         if index in wanted:
-            captured[index] = hidden
+            # A copy: a layer that updated its input in place would otherwise change the rows already captured
+            # (SGLang #39286 saw that on Gemma 4; test_gemma_eagle3 compares every index with transformers).
+            captured[index] = hidden.clone()
         hidden = layer(hidden, metadata, cache)
     if index + 1 in wanted:
         captured[index + 1] = hidden

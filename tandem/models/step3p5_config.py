@@ -16,7 +16,7 @@ ConfigError naming the field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.layers.kv_cache import CacheLayout
@@ -305,3 +305,58 @@ def _limits(text: dict[str, Any], key: str, num_layers: int, num_mtp: int) -> tu
     """A clamp per layer; 0 or null means none, as in transformers."""
     limits = _trimmed(text, key, num_layers, num_mtp) or [None] * num_layers
     return tuple(float(limit) if limit else None for limit in limits)
+
+
+def mtp_layers_config(hf: dict[str, Any]) -> Step3p5Config:
+    """The MTP layers stored after the last layer (`model.layers.{L + k}`) as a model of num_nextn_predict_layers
+    layers: layer k's attention kind, query heads, dense or MoE MLP and SwiGLU clamps, with the target's shapes and
+    ropes. They are read from transformers' `mtp_layer_types` / `mtp_mlp_layer_types` when the config has them, else
+    from the padded entries L + k of the legacy per-layer lists (`layer_types`, `mlp_layer_types` or
+    `moe_layers_enum`, `swiglu_limits`, `swiglu_limits_shared`); without either a layer is a full-attention dense
+    layer with no clamp. A sliding MTP layer has the sliding layers' query heads, as in the authors' serving code."""
+    target = Step3p5Config.from_hf(hf)
+    text = text_config(hf)
+    num_layers, num_mtp = target.num_layers, target.num_nextn_predict_layers
+    if num_mtp < 1:
+        raise ConfigError(f"num_nextn_predict_layers: {num_mtp}; the checkpoint has no MTP layers")
+    layer_types = text.get("mtp_layer_types") or _padding(text, "layer_types", num_layers, num_mtp) or [FULL] * num_mtp
+    unknown = sorted(set(layer_types) - {SLIDING, FULL})
+    if unknown or len(layer_types) != num_mtp:
+        raise ConfigError(f"mtp_layer_types: {layer_types} (one of {SLIDING}, {FULL} per MTP layer)")
+    mlp_types = text.get("mtp_mlp_layer_types") or _padding(text, "mlp_layer_types", num_layers, num_mtp)
+    if mlp_types is not None:
+        moe_layers = tuple(kind == SPARSE for kind in mlp_types)
+    else:
+        listed = text.get("moe_layers_enum") or ""
+        items = listed.split(",") if isinstance(listed, str) else listed
+        moe = {int(item) for item in items if str(item).strip()}
+        moe_layers = tuple(num_layers + index in moe for index in range(num_mtp))
+    heads = int(text["num_attention_heads"])
+    sliding_heads = int(
+        text.get("num_sliding_attention_heads")
+        or (text.get("attention_other_setting") or {}).get("num_attention_heads")
+        or heads
+    )
+
+    def limits(key: str) -> tuple[float | None, ...]:
+        values = _padding(text, key, num_layers, num_mtp) or [None] * num_mtp
+        return tuple(float(limit) if limit else None for limit in values)
+
+    return replace(
+        target,
+        num_layers=num_mtp,
+        layer_heads=tuple(sliding_heads if kind == SLIDING else heads for kind in layer_types),
+        sliding_layers=tuple(kind == SLIDING for kind in layer_types),
+        moe_layers=moe_layers,
+        swiglu_limits=limits("swiglu_limits"),
+        swiglu_limits_shared=limits("swiglu_limits_shared"),
+        num_nextn_predict_layers=0,
+    )
+
+
+def _padding(text: dict[str, Any], key: str, num_layers: int, num_mtp: int) -> list[Any] | None:
+    """The MTP layers' entries of a per-layer list padded for them (legacy configs); None when not padded."""
+    value = text.get(key)
+    if isinstance(value, list) and len(value) == num_layers + num_mtp:
+        return value[num_layers:]
+    return None

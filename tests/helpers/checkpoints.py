@@ -110,6 +110,14 @@ class TinyEagle3Spec:
     include_embedding: bool = False
     # norm.weight = 0 makes every draft logit 0, so the draft argmax is draft id 0, i.e. target id 0 + d2t[0].
     zero_final_norm: bool = False
+    # False leaves d2t and t2d out of the checkpoint, as full-vocabulary heads ship (needs the full draft vocabulary).
+    write_vocab_map: bool = True
+    # Plain rope of this base instead of the target's rope (a target rope a Llama head cannot take, e.g. Gemma 4's).
+    rope_theta: float | None = None
+    # The head's rms_norm_eps; None means the target's.
+    rms_norm_eps: float | None = None
+    # Writes "scale_embeddings": true (embedding rows times sqrt(hidden) before input_layernorm).
+    scale_embeddings: bool = False
     seed: int = 0
 
 
@@ -203,6 +211,8 @@ def write_tiny_eagle3(directory: Path, target_dir: Path, spec: TinyEagle3Spec = 
         tensors["embed_tokens.weight"] = torch.randn((target_vocab, hidden), generator=generator)
     if spec.zero_final_norm:
         tensors["norm.weight"].zero_()
+    if not spec.write_vocab_map:
+        del tensors["d2t"], tensors["t2d"]
 
     directory.mkdir(parents=True, exist_ok=True)
     config = eagle3_config(spec, target_config, hidden, head_dim, num_aux, len(offsets))
@@ -268,6 +278,8 @@ def validate_eagle3_spec(spec: TinyEagle3Spec, num_aux: int) -> None:
         raise ValueError(f"the legacy names aux_norm_low/mid/high need exactly 3 aux states, got {num_aux}")
     if spec.d2t is not None and spec.draft_vocab_size is not None and len(spec.d2t) != spec.draft_vocab_size:
         raise ValueError(f"draft_vocab_size={spec.draft_vocab_size} but d2t has {len(spec.d2t)} entries")
+    if not spec.write_vocab_map and (spec.d2t is not None or spec.draft_vocab_size is not None):
+        raise ValueError("write_vocab_map=False is a full-vocabulary head: it takes no d2t or draft_vocab_size")
 
 
 def random_d2t(draft_vocab: int, target_vocab: int, generator: torch.Generator) -> list[int]:
@@ -335,7 +347,7 @@ def target_rope(target_config: dict[str, Any]) -> tuple[float, dict[str, Any] | 
 def eagle3_config(
     spec: TinyEagle3Spec, target_config: dict[str, Any], hidden: int, head_dim: int, num_aux: int, draft_vocab: int
 ) -> dict[str, Any]:
-    rope_theta, rope_scaling = target_rope(target_config)
+    rope_theta, rope_scaling = target_rope(target_config) if spec.rope_theta is None else (spec.rope_theta, None)
     eagle_config: dict[str, Any] = {"use_aux_hidden_state": True, "norm_before_fc": spec.norm_before_fc}
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -347,7 +359,7 @@ def eagle3_config(
         "num_key_value_heads": spec.num_kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": target_config["rms_norm_eps"],
+        "rms_norm_eps": target_config["rms_norm_eps"] if spec.rms_norm_eps is None else spec.rms_norm_eps,
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
         "max_position_embeddings": target_config["max_position_embeddings"],
@@ -371,6 +383,8 @@ def eagle3_config(
         config["use_aux_norm" if spec.legacy_aux_norm_names else "fc_norm"] = True
     if spec.norm_output:
         config["norm_output"] = True
+    if spec.scale_embeddings:
+        config["scale_embeddings"] = True
     return config
 
 

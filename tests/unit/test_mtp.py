@@ -1,4 +1,5 @@
-"""MTP drafts (tandem.models.mtp, draft_server.mtp_runner) against dense references recomputed from scratch.
+"""MTP drafts (tandem.models.mtp, draft_server.mtp_runner) against dense references recomputed from scratch, and
+DeepSeek-V3 NextN against transformers' own MTP, `generate(use_mtp=True)` (Step-3.5's: tests/unit/test_step3p5_mtp.py).
 
 The references are written here in plain torch around transformers' own decoder layers (DeepseekV3DecoderLayer with
 its up-projected MLA and its own router, LlamaDecoderLayer): a dense implementation independent of ours, run over
@@ -22,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
 
 from draft_server.mtp_runner import MTPRunner
 from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, TargetRows
@@ -36,6 +37,13 @@ from tandem.weights.loader import iter_tensors
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.helpers.deepseek_checkpoints import DEEPSEEK_NEXTN, write_tiny_deepseek
 from tests.helpers.mtp_checkpoints import TinyChainedMTPSpec, write_tiny_chained_mtp
+from tests.helpers.step3p5_mtp_checkpoints import (
+    FitSpec,
+    fit_mtp_layers,
+    reference_post_norm,
+    tandem_rounds,
+    transformers_rounds,
+)
 
 CACHE = KVCacheSettings(num_blocks=96, block_size=4)
 LLAMA_NUM_LAYERS = 4
@@ -276,6 +284,36 @@ def test_nextn_on_draft_runner_matches_dense_reference(deepseek: MTPFixture, fee
     assert results["runner"] == results[feedback]
     assert results["runner"] != results[other]  # the choice matters on this data
     assert len({token for proposal in results["runner"] for token in proposal}) > 5  # not one token over and over
+
+
+def test_nextn_matches_transformers_generate_use_mtp(tmp_path: Path) -> None:
+    """transformers drafts one token a round with DeepSeek's one NextN layer, from the target's post-norm hidden; so
+    must NextNDraft at one step. The layer is fitted to the target's own greedy text (tests.helpers
+    .step3p5_mtp_checkpoints), so that some drafts are accepted and some are not."""
+    directory = write_tiny_deepseek(tmp_path / "deepseek", DEEPSEEK_NEXTN)
+    generator = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(3, 320, (6,), generator=generator).tolist() for _ in range(2)]
+    model: Any = DeepseekV3ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = [
+            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=30, eos_token_id=None)[0].tolist()
+            for p in prompts
+        ]
+    spec = FitSpec(DEEPSEEK_NEXTN.num_layers, DEEPSEEK_NEXTN.num_nextn_layers, unit_norm=1.0)
+    fit_mtp_layers(directory, spec, plain, reference_post_norm(model, plain))
+    model = DeepseekV3ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    # transformers looks for DeepSeek-V3's MTP layer at model.layers.61 only; point it at this model's layer.
+    model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{DEEPSEEK_NEXTN.num_layers}\..*"]
+    target, mtp = load_target(directory), load_mtp(directory).model
+    accepted = []
+    for prompt, text in zip(prompts, plain, strict=True):
+        expected = transformers_rounds(model, prompt, 30)
+        runner = DraftRunner(NextNDraft(mtp, "post_norm"), CACHE)
+        rounds = tandem_rounds(runner, target, mtp.config.capture_index, prompt, 30, num_steps=1)
+        assert (rounds.drafts, rounds.accepted, rounds.tokens) == (expected.drafts, expected.accepted, expected.tokens)
+        assert rounds.tokens == text[len(prompt) :]  # lossless
+        accepted += rounds.accepted
+    assert 0 in accepted and 1 in accepted
 
 
 def test_loader_reads_only_mtp_layers_and_shared_tables(deepseek: MTPFixture) -> None:
