@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
+from tandem.sampling.processing import process_rows
 from tandem.sampling.verify import VerifyOutcome, sample_token, target_probs, verify_sampled
 
 NUM_DRAFTS = 2
@@ -183,3 +185,61 @@ def test_the_check_detects_a_lossy_rule(rule: VerifyRule, propose: DraftProposer
     first_p_value, joint_p_value = first_and_joint_p_values(tokens)
     assert first_p_value < SIGNIFICANCE
     assert joint_p_value < SIGNIFICANCE
+
+
+# With penalties, a bias and a path-dependent mask (a stand-in for a grammar: no token twice in a row), a row's
+# distribution depends on the tokens before it; each verified row is processed with its own draft path
+# (tandem.sampling.processing), so the pair must follow p_0(a) x p_1(b | a), each processed with the committed prefix.
+PROCESSED_PARAMS = SamplingParams(
+    temperature=0.8,
+    top_k=6,
+    presence_penalty=0.8,
+    frequency_penalty=0.4,
+    repetition_penalty=1.3,
+    logit_bias=((2, 1.0),),
+)
+PROCESSED_PROMPT = [4, 4, 6]
+
+
+def processed_logits(start: int, committed: Sequence[int], tree: DraftTree) -> torch.Tensor:  # [1 + len(tree), V]
+    tokens = [*PROCESSED_PROMPT, *committed]
+    paths = tree.paths()
+    allowed = torch.ones(len(paths), TARGET_LOGITS.shape[1], dtype=torch.bool)
+    for row, path in enumerate(paths):
+        allowed[row, [*tokens, *path][-1]] = False  # no token twice in a row
+    rows = TARGET_LOGITS[start : start + len(paths)]
+    return process_rows(rows, tree, PROCESSED_PARAMS, tokens, len(PROCESSED_PROMPT), allowed)
+
+
+def processed_first_two(num_trials: int, seed: int) -> torch.Tensor:  # [num_trials, 2]
+    generator = torch.Generator().manual_seed(seed)
+    propose = sampled_draft(DRAFT_PROBS)
+    trials = []
+    for _ in range(num_trials):
+        committed: list[int] = []
+        while len(committed) < 2:
+            draft_tokens, draft_probs = propose(len(committed), generator)
+            logits = processed_logits(len(committed), committed, DraftTree.chain(draft_tokens))
+            outcome = verify_sampled(logits, draft_tokens, PROCESSED_PARAMS, generator, draft_probs)
+            committed.extend(outcome.tokens)
+        trials.append(committed[:2])
+    return torch.tensor(trials)
+
+
+def test_processed_rows_keep_speculative_sampling_lossless() -> None:
+    vocab = TARGET_LOGITS.shape[1]
+    first = target_probs(processed_logits(0, [], DraftTree()), PROCESSED_PARAMS)[0].double()  # [vocab]
+    second = torch.stack(
+        [
+            target_probs(processed_logits(1, [token], DraftTree()), PROCESSED_PARAMS)[0].double()
+            for token in range(vocab)
+        ]
+    )  # [vocab (first token), vocab]
+    assert not torch.allclose(second[0], second[1])  # the second token's distribution depends on the first
+    tokens = processed_first_two(NUM_TRIALS // 2, seed=3)
+    joint_counts = torch.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab)
+    joint_probs = (first.unsqueeze(1) * second).flatten()
+    assert chi_square_p_value(torch.bincount(tokens[:, 0], minlength=vocab), first) > SIGNIFICANCE
+    assert chi_square_p_value(joint_counts, joint_probs) > SIGNIFICANCE
+    # The check has power here: pairs drawn as if the first token had not been generated would be refused.
+    assert chi_square_p_value(joint_counts, torch.outer(first, second[PROCESSED_PROMPT[-1]]).flatten()) < SIGNIFICANCE
