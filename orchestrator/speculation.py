@@ -47,6 +47,10 @@ WINDOW = 16  # recent samples a cost is taken from (per draft step, per hop, per
 # calls are a minority of the samples that the medians are taken over.
 MIN_PROPOSES = WINDOW
 MIN_ROUNDS = 12.0  # (decayed) rounds that drafted a first token before the acceptance is trusted
+# Steps a batch size's k must stay at 0 before its requests are paused (taken off their replicas for good): at 8
+# requests estimates a few percent apart made k flap 0 -> 5 -> 0 within 100 ms, and each flap paused requests that
+# never came back (bench/ab.py at c = 8: acceptance length 1.0-2.6 for a stretch, against 3.7).
+PAUSE_AFTER = 16
 SIZES = 64  # target step sizes (tokens) the cost line keeps, the most recently seen
 OWN_SAMPLES = 3  # samples at a step size from which its own median is its cost, not the line's value
 
@@ -197,6 +201,7 @@ class SpeculationPolicy:
     accepted: list[float] = field(default_factory=list)  # decayed count of rounds that accepted position i
     current: dict[int, int] = field(default_factory=dict)  # by bucket(batch): the k in use
     changes: dict[int, int] = field(default_factory=dict)  # by bucket(batch): how often its k changed (metrics)
+    at_zero: dict[int, int] = field(default_factory=dict)  # by bucket(batch): consecutive choices settled at k = 0
     explored: dict[int, int] = field(default_factory=dict)  # by bucket(batch): rounds chosen below max_k
 
     def __post_init__(self) -> None:
@@ -220,6 +225,7 @@ class SpeculationPolicy:
             self._log_change(size, current, best, rates, draft, hop)
             self.current[size] = current = best
             self.changes[size] = self.changes.get(size, 0) + 1
+        self.at_zero[size] = self.at_zero.get(size, 0) + 1 if current == 0 else 0
         if current == self.max_k:
             return current
         # Positions past k are not drafted, so their acceptance would never be measured again (nor would it be with
@@ -252,9 +258,13 @@ class SpeculationPolicy:
         return self.current.get(bucket(batch), self.max_k)
 
     def paused(self, batch: int) -> bool:
-        """Whether measurements settled this batch size at k = 0 (never the configured k it starts from): drafting
-        does not pay there, so its requests may as well decode without a replica (Placement.pause_speculation)."""
-        return self.adaptive and self.max_k > 0 and batch > 0 and self.current.get(bucket(batch)) == 0
+        """Whether measurements settled this batch size at k = 0 (never the configured k it starts from) for
+        PAUSE_AFTER choices in a row: drafting does not pay there, so its requests may as well decode without a replica
+        (Placement.pause_speculation)."""
+        if not self.adaptive or self.max_k == 0 or batch == 0:
+            return False
+        size = bucket(batch)
+        return self.current.get(size) == 0 and self.at_zero.get(size, 0) >= PAUSE_AFTER
 
     def throughput(self, batch: int, k: int, draft_step_s: float, draft_hop_s: float = 0.0) -> float:
         """Tokens per second of a round of `batch` requests with k drafts each, by the current estimates;

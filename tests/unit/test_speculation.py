@@ -12,6 +12,7 @@ from orchestrator.speculation import (
     EXPLORE_EVERY,
     MIN_PROPOSES,
     MIN_STEPS,
+    PAUSE_AFTER,
     WINDOW,
     CostLine,
     SpeculationPolicy,
@@ -168,12 +169,34 @@ def test_a_batch_size_is_paused_only_once_measurements_settle_it_at_zero() -> No
     policy = warmed()
     assert not policy.paused(32)  # measured, but no choice made there yet
     assert policy.choose(32) == 0
+    assert not policy.paused(32)  # settled at 0 once: not yet
+    for _ in range(PAUSE_AFTER - 1):
+        assert policy.choose(32) == 0
     assert policy.paused(32) and policy.paused(17)  # the same bucket
     assert policy.choose(1) == 5 and not policy.paused(1)
     fixed = warmed()
     fixed.adaptive = False
-    fixed.choose(32)
+    for _ in range(PAUSE_AFTER):
+        fixed.choose(32)
     assert not fixed.paused(32)
+
+
+def test_a_k_that_flaps_through_zero_pauses_nobody() -> None:
+    """Estimates a few percent apart made k go 4 -> 0 -> 3 within two steps at 8 requests; pausing is for good, so
+    it waits for PAUSE_AFTER choices at 0 in a row."""
+    policy = warmed()
+    measured = (list(policy.accepted), policy.draft[32].per_step, policy.draft_hop[32].value)
+    for _ in range(3):
+        for _ in range(PAUSE_AFTER - 1):
+            policy.choose(32)  # one in EXPLORE_EVERY drafts in full, still settled at 0
+            assert policy.settled(32) == 0
+        # A spell where every draft is accepted and drafting costs nothing: drafting pays, for one choice.
+        policy.accepted, policy.draft[32].per_step, policy.draft_hop[32].value = list(policy.drafted), 0.0, 0.0
+        policy.choose(32)
+        assert policy.settled(32) > 0
+        policy.accepted, policy.draft[32].per_step, policy.draft_hop[32].value = measured
+    policy.choose(32)
+    assert policy.settled(32) == 0 and not policy.paused(32)
 
 
 def test_the_settled_k_is_the_one_rounds_draft_apart_from_exploration() -> None:
@@ -247,7 +270,7 @@ def test_ingests_at_a_large_batch_still_pause_it() -> None:
     paying = policy_at_32(ingest=True)
     assert paying.draft[32].per_step == pytest.approx(0.003)
     assert paying.draft[32].ingest > 0.010
-    assert paying.choose(32) == 0 and paying.paused(32)
+    assert [paying.choose(32) for _ in range(PAUSE_AFTER)] == [0] * PAUSE_AFTER and paying.paused(32)
 
 
 def test_a_fresh_servers_slow_first_calls_do_not_set_the_costs() -> None:
