@@ -126,11 +126,11 @@ CHECKPOINTS: dict[str, Callable[[Path], tuple[Path, PreTrainedModel]]] = {
 }
 
 
-@pytest.mark.parametrize("kind", list(CHECKPOINTS))
-def test_served_greedy_equals_transformers(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "tp"), [*((kind, 1) for kind in CHECKPOINTS), ("Gemma4ForConditionalGeneration", 2)])
+def test_served_greedy_equals_transformers(tmp_path: Path, kind: str, tp: int) -> None:
     target, reference = CHECKPOINTS[kind](tmp_path)
     expected = greedy(reference.eval(), PROMPT, NEW_TOKENS)
-    with serve(target, None) as stack:
+    with serve(target, None, "--tp", str(tp)) as stack:
         served = generate(stack.address, input_ids=PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert served.token_ids == expected
 
