@@ -13,7 +13,6 @@ index is compared with transformers' residual stream there.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from target_server.settings import TargetSettings
 from tests.helpers.gemma4_checkpoints import SPECS, write_tiny_gemma4
 from tests.helpers.parity import TOLERANCE, assert_matches, reference_forward, run_chunks, split, token_ids
 from tests.unit.test_tensor_parallel import CACHE as TP_CACHE
-from tests.unit.test_tensor_parallel import RANK_TIMEOUT_S, run_rank_0, scenario
+from tests.unit.test_tensor_parallel import scenario, scenario_at_tp2
 
 CACHE = KVCacheSettings(num_blocks=64, block_size=4)
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -251,16 +250,7 @@ def results_at_tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """tests.unit.test_tensor_parallel's scenario (packed steps with capture, greedy rounds, drafts, weight shards)
     at tp 2 for both checkpoints, run by one spawned rank 0 through the target server's start-up."""
     directories = {name: write_tiny_gemma4(tmp_path_factory.mktemp(f"tp-{name}"), spec) for name, spec in SPECS.items()}
-    out = tmp_path_factory.mktemp("tp2") / "scenario.pt"
-    process = multiprocessing.get_context("spawn").Process(target=run_rank_0, args=(directories, 2, out))
-    process.start()
-    try:
-        process.join(RANK_TIMEOUT_S)
-    finally:
-        if process.is_alive():
-            process.kill()
-    assert process.exitcode == 0, f"rank 0 exited with {process.exitcode}"
-    found: dict[str, Any] = torch.load(out)
+    found = scenario_at_tp2(directories, tmp_path_factory.mktemp("tp2") / "scenario.pt")
     return {"directories": directories, **found}
 
 

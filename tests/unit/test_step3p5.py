@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -53,7 +52,7 @@ from tests.helpers.parity import (
     split,
     token_ids,
 )
-from tests.unit.test_tensor_parallel import CACHE, RANK_TIMEOUT_S, max_difference, run_rank_0, scenario
+from tests.unit.test_tensor_parallel import CACHE, max_difference, scenario, scenario_at_tp2
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 NUM_LAYERS, NUM_MTP, HIDDEN, VOCAB = 4, 2, 64, 320
@@ -409,16 +408,7 @@ def test_tp2_matches_tp1(checkpoints: Checkpoints, tmp_path: Path) -> None:
     # through the runner) at tp 2, two real processes over gloo, against tp 1 in this process. At tp 2 each rank
     # holds 3 sliding or 2 full query heads and their gate rows, 1 KV head, and half of every expert's units.
     directory = checkpoints.directories["step3p5-hub"]
-    out = tmp_path / "scenario.pt"
-    process = multiprocessing.get_context("spawn").Process(target=run_rank_0, args=({"step": directory}, 2, out))
-    process.start()
-    try:
-        process.join(RANK_TIMEOUT_S)
-    finally:
-        if process.is_alive():
-            process.kill()
-    assert process.exitcode == 0, f"rank 0 exited with {process.exitcode}"
-    at_tp2 = torch.load(out)["step"]
+    at_tp2 = scenario_at_tp2({"step": directory}, tmp_path / "scenario.pt")["step"]
     at_tp1 = scenario(start_target(TargetSettings(model_dir=directory, cache=CACHE)))
     assert max_difference(at_tp2["logits"], at_tp1["logits"]) <= TOLERANCE
     assert max_difference(at_tp2["streams"], at_tp1["streams"]) <= TOLERANCE

@@ -221,10 +221,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: write(tmp_path_factory.mktemp(name)) for name, write in CHECKPOINTS.items()}
 
 
-@pytest.fixture(scope="module")
-def results_at_tp2(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The scenario at tp 2 for every checkpoint, from one spawned rank 0 (its rank 1 restarts per checkpoint)."""
-    out = tmp_path_factory.mktemp("tp2") / "scenario.pt"
+def scenario_at_tp2(checkpoints: dict[str, Path], out: Path) -> dict[str, Any]:
+    """The scenario at tp 2 for every checkpoint (name -> directory), from one spawned rank 0 (its rank 1 restarts
+    per checkpoint); `out` holds the results on the way back. Name -> the scenario's results."""
     process = multiprocessing.get_context("spawn").Process(target=run_rank_0, args=(checkpoints, 2, out))
     process.start()
     try:
@@ -235,6 +234,11 @@ def results_at_tp2(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPa
     assert process.exitcode == 0, f"rank 0 exited with {process.exitcode}"
     found: dict[str, Any] = torch.load(out)
     return found
+
+
+@pytest.fixture(scope="module")
+def results_at_tp2(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return scenario_at_tp2(checkpoints, tmp_path_factory.mktemp("tp2") / "scenario.pt")
 
 
 @pytest.fixture(params=sorted(CHECKPOINTS))
