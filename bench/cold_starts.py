@@ -21,13 +21,11 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness import GrpcGenerate
+from bench.quickstart import STREAMED_PROMPT, STREAMED_TOKENS, WARMUP_PROMPT
 from launch.processes import ServeProcess
 from tandem.wire import orchestrator_pb2
 
 NUM_STEPS = 5  # tandem serve's default --speculative-num-steps
-WARMUP_PROMPT = "def main():\n"
-PROMPT = 'import json\n\n\ndef load_config(path):\n    """Read a JSON configuration file and return it as a dict."""\n'
-MAX_NEW_TOKENS = 96
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,9 @@ async def _serve_once(address: str) -> orchestrator_pb2.GenerateStats:
             async for _ in generate(request):
                 pass
         stats = orchestrator_pb2.GenerateStats()
-        request = orchestrator_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        request = orchestrator_pb2.GenerateRequest(
+            prompt=STREAMED_PROMPT, max_new_tokens=STREAMED_TOKENS, ignore_eos=True
+        )
         async for message in generate(request):
             if message.finish_reason:
                 stats = message.stats

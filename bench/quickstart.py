@@ -29,6 +29,7 @@ from tandem.wire import orchestrator_pb2
 STREAMED_PROMPT = (
     'import json\n\n\ndef load_config(path):\n    """Read a JSON configuration file and return it as a dict."""\n'
 )
+STREAMED_TOKENS = 96
 WARMUP_PROMPT = "def main():\n"
 SPECULATIVE, TARGET_ONLY, TRANSFORMERS = "speculative", "target only", "transformers greedy"
 MODES = (SPECULATIVE, TARGET_ONLY, TRANSFORMERS)
@@ -116,7 +117,7 @@ async def _main(stack: ServeProcess, baseline: TransformersBaseline, prompts: li
     demo = Demo(stack, baseline)
     try:
         print("--- a completion, streamed (speculative: the demo's EAGLE3 head drafts up to 5 tokens a round) ---")
-        await demo.tandem(STREAMED_PROMPT, 96, speculate=True, echo=True)
+        await demo.tandem(STREAMED_PROMPT, STREAMED_TOKENS, speculate=True, echo=True)
         print(f"--- {len(prompts)} held-out prompts x {tokens} tokens in each mode, interleaved ---")
         rates, same = await measure(demo, prompts, tokens)
     finally:

@@ -27,7 +27,7 @@ FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 def grammar_of(request: orchestrator_pb2.GenerateRequest) -> str:
     """The request's grammar text ("" when it asks for none); raises ValueError naming a field that is wrong."""
-    given = [name for name in FIELDS if _is_set(request, name)]
+    given = [name for name in FIELDS if getattr(request, name)]
     if len(given) > 1:
         raise ValueError(f"{given[1]}: only one of {', '.join(FIELDS)} may be set, got {' and '.join(given)}")
     if not given:
@@ -38,10 +38,6 @@ def grammar_of(request: orchestrator_pb2.GenerateRequest) -> str:
     if error:
         raise ValueError(f"{name}: {error}")
     return grammar
-
-
-def _is_set(request: orchestrator_pb2.GenerateRequest, name: str) -> bool:
-    return bool(getattr(request, name))
 
 
 def _grammar(request: orchestrator_pb2.GenerateRequest, name: str) -> str:
