@@ -42,14 +42,17 @@ class Stats:
     def count_round(self, num_drafts: int, depth: int, accepted: int) -> None:
         """One verification round of `num_drafts` drafts (a chain's, or a tree's nodes) that could add `depth` tokens
         at most (the chain's length, the tree's depth), of which `accepted` were. accepted_per_position[i] counts the
-        rounds that accepted a draft at depth i + 1, so it is as long as the deepest round, tree or chain."""
+        rounds that accepted a draft at depth i + 1, so it is as long as the deepest round, tree or chain. A
+        constrained request's target may verify more than were drafted (tokens its grammar forces), so `accepted`
+        may exceed `depth`."""
         self.rounds += 1
         if num_drafts:
             self.draft_rounds += 1
         self.draft_tokens += num_drafts
         self.accepted_tokens += accepted
-        if len(self.accepted_per_position) < depth:
-            self.accepted_per_position.extend([0] * (depth - len(self.accepted_per_position)))
+        longest = max(depth, accepted)
+        if len(self.accepted_per_position) < longest:
+            self.accepted_per_position.extend([0] * (longest - len(self.accepted_per_position)))
         for position in range(accepted):
             self.accepted_per_position[position] += 1
 

@@ -7,13 +7,16 @@ An item either passes every check and gets its KV blocks, or changes nothing: th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
 from tandem.sampling.grammar import Grammars, GrammarState
 from tandem.sampling.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling.verify import VerifyOutcome, make_generator
 from target_server.items import MAX_DRAFT_TOKENS, TARGET_ONLY, RequestError, RowStream, StepItem, TargetRequest
+
+# Forced tokens a constrained request's chain may get beyond its drafts (tandem.sampling.grammar.GrammarState.shaped).
+MAX_FORCED = 8
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Admission:
         request = self._opened(item) if opened else self._running(item.request_id)
         start = request.kv.length
         self._check_item(item, request)
+        item = self._shaped(item, request, start)
         drafts = len(item.drafts)
         replay = item.replay and item.stream is not None and bool(item.stream.capture) and start > 0
         scratch = SequenceKV() if replay else None
@@ -92,6 +96,17 @@ class Admission:
             self.cache.release(entry.request.kv)
         else:
             self.cache.truncate(entry.request.kv, entry.start_length)
+
+    def _shaped(self, item: StepItem, request: TargetRequest, start: int) -> StepItem:
+        """A constrained request's item with its drafts as its grammar shapes them (GrammarState.shaped): forced
+        tokens fill at most the KV blocks the item's own drafts need, so the orchestrator's block count holds."""
+        if request.grammar is None or not item.drafts.tokens:
+            return item
+        end = start + item.num_tokens + len(item.drafts)
+        block_room = -(-end // self.cache.block_size) * self.cache.block_size - end
+        room = len(item.drafts) + min(block_room, MAX_FORCED)
+        room = min(room, MAX_DRAFT_TOKENS, self.max_context - len(request.tokens))
+        return replace(item, drafts=request.grammar.shaped(item.drafts, room))
 
     def _opened(self, item: StepItem) -> TargetRequest:
         """The state of a request the item opens (not yet kept: admit keeps it once its KV is reserved)."""

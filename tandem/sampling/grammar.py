@@ -97,6 +97,45 @@ class GrammarState:
         words = torch.frombuffer(bytearray(b"".join(mask or b"" for mask in masks)), dtype=torch.int32)
         return _unpacked(words.view(rows, -1), self.vocab_size).to(device)
 
+    def shaped(self, tree: DraftTree, room: int) -> DraftTree:
+        """The drafts worth verifying: none the grammar forbids (it would mask them, so verification could only
+        reject them), and on a chain, after its allowed drafts, the tokens the grammar forces (llguidance's
+        fast-forward tokens: keys, punctuation, enum tails), up to `room` tokens in all. Forced tokens are
+        deterministic drafts like any other: verification accepts them only where the target's masked choice is
+        theirs, so the output is what it would be without them."""
+        if not tree.is_chain:
+            return self._trimmed(tree)
+        chosen = list(tree.tokens[: max(0, room)])
+        chosen = chosen[: self.matcher.validate_tokens(chosen)]
+        self.matcher.consume_tokens(chosen)
+        try:
+            while len(chosen) < room and not self.matcher.is_stopped():
+                forced = self.matcher.compute_ff_tokens()[: room - len(chosen)]
+                forced = forced[: self.matcher.validate_tokens(forced)]
+                if not forced:
+                    break
+                self.matcher.consume_tokens(forced)
+                chosen += forced
+        finally:
+            self.matcher.rollback(len(chosen))
+        return DraftTree.chain(chosen)
+
+    def _trimmed(self, tree: DraftTree) -> DraftTree:
+        """The tree without the nodes the grammar forbids and their subtrees (the rest keep their order)."""
+        index_of: dict[int, int] = {}  # old node -> new node
+        tokens: list[int] = []
+        parents: list[int] = []
+        for node, path in enumerate(tree.paths()[1:]):
+            parent = tree.parents[node]
+            if parent >= 0 and parent not in index_of:
+                continue
+            if self.matcher.validate_tokens(list(path)) < len(path):
+                continue
+            index_of[node] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(-1 if parent < 0 else index_of[parent])
+        return DraftTree(tuple(tokens), tuple(parents))
+
     def commit(self, tokens: Sequence[int]) -> None:
         """Advances past committed tokens (each allowed by the mask it was chosen under)."""
         for token in tokens:

@@ -1,0 +1,117 @@
+"""Drafts shaped by a request's grammar before verification (GrammarState.shaped, target_server/admission.py): no
+draft the grammar forbids is verified, a chain gets the tokens the grammar forces, and the output is what it is
+without speculation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.structured import grammar_of
+from tandem.models.registry import load_target
+from tandem.sampling.draft_tree import DraftTree
+from tandem.sampling.grammar import Grammars, GrammarState
+from tandem.sampling.params import SamplingParams
+from tandem.settings import DEMO_TARGET, KVCacheSettings
+from tandem.wire.orchestrator_pb2 import GenerateRequest
+from target_server.runner import TargetRunner
+from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
+from tests.helpers.tokenizer import write_tokenizer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"capital": {"enum": ["Paris", "London"]}, "ok": {"type": "boolean"}},
+    "required": ["capital", "ok"],
+    "additionalProperties": False,
+}
+GRAMMAR = grammar_of(GenerateRequest(json_schema=json.dumps(SCHEMA)))
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def demo_grammars() -> Grammars:
+    return Grammars(DEMO_TARGET, 4096)
+
+
+def encode(text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(DEMO_TARGET)).encode(text, add_special_tokens=False)
+
+
+def root_mask(state: GrammarState) -> torch.Tensor:
+    return state.allowed(DraftTree(), 1, CPU)[0]
+
+
+def test_a_chain_keeps_its_allowed_drafts_then_takes_the_forced_tokens(demo_grammars: Grammars) -> None:
+    state = demo_grammars.state(GRAMMAR)
+    before = root_mask(state)
+    opening = encode('{"')
+    shaped = state.shaped(DraftTree.chain(opening), room=32)
+    # After '{"' the only key that can come first is "capital", then '":"' and the enum's shared nothing: the forced
+    # run ends where Paris and London part.
+    text = '{"capital":"'
+    assert shaped.is_chain and shaped.tokens[: len(opening)] == tuple(opening)
+    assert state.matcher.validate_tokens(list(shaped.tokens)) == len(shaped)
+    assert len(shaped) > len(opening)
+    assert list(shaped.tokens) == encode(text)[: len(shaped)]
+    assert torch.equal(root_mask(state), before)  # the committed state did not move
+
+
+def test_a_forbidden_draft_is_replaced_by_the_forced_tokens_and_room_bounds_them(demo_grammars: Grammars) -> None:
+    state = demo_grammars.state(GRAMMAR)
+    junk = encode("hello world")
+    full = state.shaped(DraftTree.chain(junk), room=32)
+    assert full.tokens and full.tokens[0] == encode("{")[0]  # the grammar forces the opening brace
+    assert state.shaped(DraftTree.chain(junk), room=2).tokens == full.tokens[:2]
+    assert state.shaped(DraftTree.chain(junk), room=0).tokens == ()
+
+
+def test_a_tree_loses_the_nodes_the_grammar_forbids_with_their_subtrees(demo_grammars: Grammars) -> None:
+    state = demo_grammars.state(grammar_of(GenerateRequest(choice=["alpha beta", "delta"])))
+    alpha, delta, junk = encode("alpha")[0], encode("delta")[0], encode("x")[0]
+    # nodes: 0 alpha, 1 junk (forbidden), 2 child of junk, 3 delta, 4 junk under alpha (forbidden)
+    tree = DraftTree.of([alpha, junk, alpha, delta, junk], [-1, -1, 1, -1, 0])
+    assert state.shaped(tree, room=32) == DraftTree((alpha, delta), (-1, -1))
+
+
+@pytest.fixture(scope="module")
+def tiny_runner_parts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Grammars]:
+    directory = write_tiny_target(tmp_path_factory.mktemp("target"), TinyTargetSpec())
+    write_tokenizer(directory, 320)
+    return directory, Grammars(directory, 320)
+
+
+def constrained_tokens(parts: tuple[Path, Grammars], drafts: list[int], count: int) -> tuple[list[int], list[int]]:
+    """`count` new tokens of greedy constrained decoding, verifying `drafts` each round; the tokens and each
+    round's accepted count."""
+    directory, grammars = parts
+    runner = TargetRunner(
+        load_target(directory), KVCacheSettings(num_blocks=32, block_size=16), max_context=256, grammars=grammars
+    )
+    tokens = runner.prefill("a", [1, 40, 41, 42], SamplingParams(grammar=GRAMMAR)).new_tokens
+    accepted: list[int] = []
+    while len(tokens) < count:
+        result = runner.verify("a", drafts)
+        tokens += result.new_tokens
+        accepted.append(result.accepted)
+    return tokens[:count], accepted
+
+
+def test_constrained_greedy_with_shaped_drafts_equals_target_only(tiny_runner_parts: tuple[Path, Grammars]) -> None:
+    plain, _ = constrained_tokens(tiny_runner_parts, [], 24)
+    for drafts in ([5, 6, 7], [300, 301]):  # junk the grammar forbids: it is cut, forced tokens take its place
+        speculative, accepted = constrained_tokens(tiny_runner_parts, drafts, 24)
+        assert speculative == plain
+        assert max(accepted) > len(drafts)  # forced tokens beyond the drafts were verified and accepted
+    text = grammars_text(tiny_runner_parts, plain)
+    assert text.startswith('{"capital":"'), text
+
+
+def grammars_text(parts: tuple[Path, Grammars], tokens: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    return str(AutoTokenizer.from_pretrained(str(parts[0])).decode(tokens))
