@@ -12,6 +12,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from bench.structured import CONSTRAINED
 from tandem.grpc_util import channel_options
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -37,6 +38,7 @@ class RunResult:
     wall_seconds: float
     requests: tuple[RequestResult, ...]
     kind: str = ""  # the draft kind of a speculative run measured beside others (bench/kinds.py); "" otherwise
+    constraint: str = ""  # what constrained its requests (bench.structured.CONSTRAINED); "": free text
     # CPU seconds the run cost, by process role (bench.cpu); empty where not measured (transformers)
     cpu_seconds: dict[str, float] = field(default_factory=dict)
     # Where the run's rounds spent their time, by part (the orchestrator's tandem:round_seconds counters over the
@@ -129,20 +131,28 @@ async def run_prompts(
     speculative: bool,
     label: str,
     kind: str = "",
+    schemas: Sequence[str] = (),
 ) -> RunResult:
-    """Greedy completions of every prompt, `concurrency` at a time; wall time covers the whole set."""
+    """Greedy completions of every prompt, `concurrency` at a time; wall time covers the whole set. With `schemas`
+    (one JSON schema per prompt) each request is constrained by its prompt's and ends with its document."""
     queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
     for item in enumerate(prompts):
         queue.put_nowait(item)
     results: list[RequestResult] = []
+    constraint = CONSTRAINED if schemas else ""
     mode = f"spec {kind}".rstrip() if speculative else "target-only"
+    mode = f"{mode} {constraint}".rstrip()
     progress = tqdm(total=len(prompts), desc=f"{label} {mode} c={concurrency}")
 
     async def worker() -> None:
         while not queue.empty():
             index, prompt = queue.get_nowait()
             request = orchestrator_pb2.GenerateRequest(
-                prompt=prompt, max_new_tokens=max_new_tokens, ignore_eos=True, disable_speculation=not speculative
+                prompt=prompt,
+                max_new_tokens=max_new_tokens,
+                ignore_eos=not schemas,
+                disable_speculation=not speculative,
+                json_schema=schemas[index] if schemas else "",
             )
             results.append(await _one(generate, request, index))
             progress.update()
@@ -151,7 +161,7 @@ async def run_prompts(
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - started
     progress.close()
-    return RunResult(label, speculative, concurrency, wall, tuple(results), kind)
+    return RunResult(label, speculative, concurrency, wall, tuple(results), kind, constraint)
 
 
 async def _one(generate: Generate, request: orchestrator_pb2.GenerateRequest, prompt_index: int) -> RequestResult:

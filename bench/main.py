@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -19,6 +20,7 @@ from bench.kinds import DraftKind, draft_kinds
 from bench.prompts import held_out_prompts
 from bench.report import write, write_requests
 from bench.settings import BenchSettings
+from bench.structured import structured_prompts
 from launch.processes import ServeProcess
 from launch.serve_settings import ServeSettings
 from launch.stack_security import ServeSecurity
@@ -44,10 +46,12 @@ async def _measure(
     baseline: TransformersBaseline | None,
     settings: BenchSettings,
     prompts: list[str],
+    schemas: list[str],
 ) -> list[RunResult]:
     """Every configuration `repeats` times, interleaved run by run: per setup (split, colocated) each draft kind's
-    speculative run and one target-only run (on the first kind's servers: the target is the same for all), then
-    transformers greedy and prompt-lookup (batch 1, in every repeat at every concurrency). Odd repeats run the
+    speculative run and one target-only run (on the first kind's servers: the target is the same for all), each
+    free and, with `schemas` (--structured), constrained, then transformers greedy and prompt-lookup (batch 1, in
+    every repeat at every concurrency; free text). Odd repeats run the
     target-only run first: the first run of a setup comes after the others' runs, when its processes' caches and
     memory are cold, and that must not always fall on speculation.
 
@@ -62,6 +66,7 @@ async def _measure(
     for model, method in transformers:
         model.complete(WARMUP_PROMPT, 8, method)
     labels = list(dict.fromkeys(setup.label for setup in setups))
+    variants: list[Sequence[str]] = [(), schemas] if schemas else [()]  # free text, then constrained
     tokens = settings.max_new_tokens
     runs = []
     for concurrency in settings.concurrency:
@@ -71,19 +76,26 @@ async def _measure(
                 speculative = [(setup, True) for setup in of_label]
                 target_only = (of_label[0], False)
                 order = [target_only, *speculative] if repeat % 2 == 1 else [*speculative, target_only]
-                for setup, speculates in order:
-                    kind = setup.kind if speculates else ""
-                    before = setup.cpu.sample() if setup.cpu else {}
-                    rounds_before = setup.round_seconds() if setup.round_seconds else {}
-                    run = await run_prompts(setup.generate, prompts, concurrency, tokens, speculates, label, kind)
-                    if setup.cpu is not None:
-                        run = replace(run, cpu_seconds=spent(before, setup.cpu.sample()))
-                    if setup.round_seconds is not None:
-                        run = replace(run, round_seconds=spent(rounds_before, setup.round_seconds()))
-                    runs.append(run)
+                for (setup, speculates), constrained in itertools.product(order, variants):
+                    runs.append(await _run(setup, speculates, prompts, concurrency, tokens, constrained))
             for model, method in transformers:
                 runs.append(model.run(prompts, settings.max_new_tokens, method))
     return runs
+
+
+async def _run(
+    setup: Setup, speculates: bool, prompts: list[str], concurrency: int, tokens: int, schemas: Sequence[str]
+) -> RunResult:
+    """One run of the prompt set on a setup, with the CPU time and round parts it cost where they are measured."""
+    kind = setup.kind if speculates else ""
+    before = setup.cpu.sample() if setup.cpu else {}
+    rounds_before = setup.round_seconds() if setup.round_seconds else {}
+    run = await run_prompts(setup.generate, prompts, concurrency, tokens, speculates, setup.label, kind, schemas)
+    if setup.cpu is not None:
+        run = replace(run, cpu_seconds=spent(before, setup.cpu.sample()))
+    if setup.round_seconds is not None:
+        run = replace(run, round_seconds=spent(rounds_before, setup.round_seconds()))
+    return run
 
 
 def _start_stack(settings: BenchSettings, kind: DraftKind) -> ServeProcess:
@@ -120,7 +132,9 @@ def _colocated(settings: BenchSettings, kind: DraftKind) -> ColocatedEngine:
     )
 
 
-async def _benchmark(settings: BenchSettings, kinds: Sequence[DraftKind], prompts: list[str]) -> list[RunResult]:
+async def _benchmark(
+    settings: BenchSettings, kinds: Sequence[DraftKind], prompts: list[str], schemas: list[str]
+) -> list[RunResult]:
     stacks: list[ServeProcess] = []
     clients: list[GrpcGenerate] = []
     engines: list[ColocatedEngine] = []
@@ -153,7 +167,7 @@ async def _benchmark(settings: BenchSettings, kinds: Sequence[DraftKind], prompt
             baseline = TransformersBaseline(
                 TransformersSettings(settings.target_dir, settings.dtype, settings.prompt_lookup_num_tokens)
             )
-        return await _measure(setups, baseline, settings, prompts)
+        return await _measure(setups, baseline, settings, prompts, schemas)
     finally:
         for client in clients:
             await client.close()
@@ -176,8 +190,11 @@ def _recorded(value: Any) -> Any:
 
 def run_benchmark(settings: BenchSettings) -> Path:
     kinds = draft_kinds(settings)
-    prompts = held_out_prompts(settings.num_prompts)
-    runs = asyncio.run(_benchmark(settings, kinds, prompts))
+    if settings.structured:
+        prompts, schemas = structured_prompts(settings.num_prompts)
+    else:
+        prompts, schemas = held_out_prompts(settings.num_prompts), []
+    runs = asyncio.run(_benchmark(settings, kinds, prompts, schemas))
     recorded = _recorded(asdict(settings))
     if settings.kinds:
         recorded["draft_kinds"] = {kind.name: kind.describe() for kind in kinds}

@@ -4,19 +4,15 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-import transformers
-
 from bench.cpu import OWN_PROCESS, SPLIT_ROLES
 from bench.harness import RunResult
 from bench.huggingface import Method
+from bench.machine import machine, runtime
 from bench.plot import Series, save_acceptance_plot
 from tandem.extras import BENCH
 
@@ -25,29 +21,34 @@ PLOT_NAME = "acceptance_per_position.png"
 
 
 def runs_of(
-    runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int, kind: str = ""
+    runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int, kind: str = "", constraint: str = ""
 ) -> list[RunResult]:
-    """Every run of one configuration, in the order they ran (`kind`: a speculative run's draft kind)."""
-    key = (label, speculative, concurrency, kind)
-    return [run for run in runs if (run.label, run.speculative, run.concurrency, run.kind) == key]
+    """Every run of one configuration, in the order they ran (`kind`: a speculative run's draft kind; `constraint`:
+    what constrained its requests, bench.structured)."""
+    key = (label, speculative, concurrency, kind, constraint)
+    return [run for run in runs if (run.label, run.speculative, run.concurrency, run.kind, run.constraint) == key]
 
 
 def find(
-    runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int, kind: str = ""
+    runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int, kind: str = "", constraint: str = ""
 ) -> RunResult | None:
     """The median run of a configuration by tokens/s (the lower median of an even count: always a real run)."""
-    matching = sorted(runs_of(runs, label, speculative, concurrency, kind), key=lambda run: run.tokens_per_second)
+    matching = runs_of(runs, label, speculative, concurrency, kind, constraint)
+    matching.sort(key=lambda run: run.tokens_per_second)
     return matching[(len(matching) - 1) // 2] if matching else None
 
 
-def rates(runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int, kind: str = "") -> list[float]:
+def rates(
+    runs: Sequence[RunResult], label: str, speculative: bool, concurrency: int, kind: str = "", constraint: str = ""
+) -> list[float]:
     """Tokens/s of every run of a configuration, in the order they ran."""
-    return [round(run.tokens_per_second, 2) for run in runs_of(runs, label, speculative, concurrency, kind)]
+    return [round(run.tokens_per_second, 2) for run in runs_of(runs, label, speculative, concurrency, kind, constraint)]
 
 
-def setup_name(label: str, kind: str) -> str:
-    """A row's setup as the table and the plot name it: "split", or "split tree" beside other draft kinds."""
-    return f"{label} {kind}" if kind else label
+def setup_name(label: str, kind: str, constraint: str = "") -> str:
+    """A row's setup as the table and the plot name it: "split", "split tree" beside other draft kinds, "split
+    json schema" for constrained requests."""
+    return " ".join(part for part in (label, kind, constraint) if part)
 
 
 def _ratio(mine: RunResult | None, theirs: RunResult | None) -> float | None:
@@ -72,16 +73,17 @@ def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
     at a higher concurrency compare batched with sequential)."""
     greedy = _transformers(runs, Method.GREEDY)
     prompt_lookup = _transformers(runs, Method.PROMPT_LOOKUP)
-    kinds = list(dict.fromkeys(run.kind for run in runs if run.speculative and run.label in TANDEM_SETUPS))
+    speculative_runs = [run for run in runs if run.speculative and run.label in TANDEM_SETUPS]
+    variants = list(dict.fromkeys((run.kind, run.constraint) for run in speculative_runs))
     rows = []
     for label in TANDEM_SETUPS:
-        for kind, concurrency in [
-            (kind, concurrency)
-            for kind in kinds
+        for (kind, constraint), concurrency in [
+            (variant, concurrency)
+            for variant in variants
             for concurrency in sorted({run.concurrency for run in runs if run.label == label})
         ]:
-            speculative = find(runs, label, True, concurrency, kind)
-            target_only = find(runs, label, False, concurrency)
+            speculative = find(runs, label, True, concurrency, kind, constraint)
+            target_only = find(runs, label, False, concurrency, "", constraint)
             if speculative is None:
                 continue
             per_round = {k: round(v, 3) for k, v in speculative.per_round_milliseconds().items()}
@@ -89,13 +91,16 @@ def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
                 {
                     "setup": label,
                     "draft": kind,
+                    "constraint": constraint,
                     "concurrency": concurrency,
                     "tokens_per_second": round(speculative.tokens_per_second, 2),
-                    "tokens_per_second_runs": rates(runs, label, True, concurrency, kind),
-                    "target_only_tokens_per_second_runs": rates(runs, label, False, concurrency),
+                    "tokens_per_second_runs": rates(runs, label, True, concurrency, kind, constraint),
+                    "target_only_tokens_per_second_runs": rates(runs, label, False, concurrency, "", constraint),
                     "target_only_tokens_per_second": round(target_only.tokens_per_second, 2) if target_only else None,
                     "speedup": _ratio(speculative, target_only),
-                    "split_over_colocated": _ratio(speculative, find(runs, "colocated", True, concurrency, kind))
+                    "split_over_colocated": _ratio(
+                        speculative, find(runs, "colocated", True, concurrency, kind, constraint)
+                    )
                     if label == "split"
                     else None,
                     "vs_transformers_greedy": _ratio(speculative, greedy),
@@ -240,6 +245,7 @@ def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, An
         "user + system CPU time of each process of the setup during the run over its completion tokens (split: "
         "target, draft, orchestrator; colocated: the benchmark's own process, which also runs the client), with the "
         "cores the run kept busy (all of it over the wall time) in brackets.",
+        *_structured_note(settings),
         "",
         TABLE_HEADER,
         "|" + "---|" * (TABLE_HEADER.count("|") - 1),
@@ -247,7 +253,7 @@ def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, An
     for row in rows:
         timing = row["per_round_ms"]
         cells = [
-            setup_name(row["setup"], row["draft"]),
+            setup_name(row["setup"], row["draft"], row.get("constraint", "")),
             row["concurrency"],
             row["tokens_per_second"],
             row["target_only_tokens_per_second"],
@@ -282,6 +288,17 @@ def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, An
     return "\n".join(lines) + "\n"
 
 
+def _structured_note(settings: dict[str, Any]) -> list[str]:
+    if not settings.get("structured"):
+        return []
+    return [
+        "",
+        "--structured: each prompt asks for JSON; rows named json schema ran the same prompts with the prompt's JSON "
+        "schema on every request (bench/structured.py), ending with the document; the others are free text. "
+        "Tokens the grammar forces are verified without a draft and count as accepted drafts.",
+    ]
+
+
 def _cpu_cell(cpu: dict[str, Any] | None) -> str:
     """`target 1.10 + draft 0.62 + orchestrator 0.08 (1.6) / target 1.71 + ... (1.8)`; a colocated row's one
     process `process 1.52 (1.0) / ...`."""
@@ -313,7 +330,7 @@ def _x(value: float | None) -> str:
 def write(out_dir: Path, runs: Sequence[RunResult], settings: dict[str, Any]) -> Path:
     """latest.json (settings, machine, per-row aggregates: no per-request records), latest.md and the PNG."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = {**settings, "machine": _machine(), "runtime": _runtime()}
+    settings = {**settings, "machine": machine(), "runtime": runtime()}
     rows = summary(runs)
     transformers = transformers_summary(runs)
     document = {"settings": settings, "summary": rows, "transformers": transformers}
@@ -330,7 +347,7 @@ def _plot(path: Path, rows: Sequence[dict[str, Any]], settings: dict[str, Any]) 
         return f"\nNo acceptance plot: {missing}.\n"
     series = [
         Series(
-            f"{setup_name(row['setup'], row['draft'])}, concurrency {row['concurrency']}",
+            f"{setup_name(row['setup'], row['draft'], row.get('constraint', ''))}, concurrency {row['concurrency']}",
             tuple(row["acceptance_per_position"]),
         )
         for row in rows
@@ -354,7 +371,7 @@ def _draft_name(settings: dict[str, Any]) -> str:
 def write_requests(path: Path, runs: Sequence[RunResult], settings: dict[str, Any]) -> None:
     """Every run with every request's completion and statistics (`tandem bench --save-requests PATH`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    document = {"settings": {**settings, "machine": _machine()}, "runs": [_run_json(run) for run in runs]}
+    document = {"settings": {**settings, "machine": machine()}, "runs": [_run_json(run) for run in runs]}
     path.write_text(json.dumps(document) + "\n")
 
 
@@ -362,6 +379,7 @@ def _run_json(run: RunResult) -> dict[str, Any]:
     return {
         "label": run.label,
         "kind": run.kind,
+        "constraint": run.constraint,
         "speculative": run.speculative,
         "concurrency": run.concurrency,
         "wall_seconds": run.wall_seconds,
@@ -369,27 +387,3 @@ def _run_json(run: RunResult) -> dict[str, Any]:
         "mean_acceptance_length": run.mean_acceptance_length,
         "requests": [asdict(request) for request in run.requests],
     }
-
-
-def _machine() -> str:
-    """Architecture, cores this process may use, CPU model, and the versions that set the kernels."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return (
-        f"{platform.machine()}, {cores} CPUs ({_cpu_model()}), Python {platform.python_version()}, "
-        f"torch {torch.__version__}, transformers {transformers.__version__}"
-    )
-
-
-def _runtime() -> dict[str, Any]:
-    """This process's torch threads (colocated engine, transformers) and the OpenMP variables it runs under."""
-    variables = ("GOMP_SPINCOUNT", "OMP_NUM_THREADS")
-    return {"torch_threads": torch.get_num_threads(), **{name: os.environ.get(name) for name in variables}}
-
-
-def _cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "CPU model unknown"

@@ -37,6 +37,14 @@ class BenchSettings:
     concurrency: tuple[int, ...] = field(
         default=(1, 8), metadata=flag("--concurrency", "requests in flight at once; one run per value", count="+")
     )
+    # `--structured`: every configuration also runs with a JSON schema on each request (bench/structured.py).
+    structured: bool = field(
+        default=False,
+        metadata=flag(
+            "--structured",
+            "ask each prompt for JSON and run every configuration free and constrained by the prompt's JSON schema",
+        ),
+    )
     num_steps: int = field(default=SchedulerSettings.num_steps, metadata=flag_of(SchedulerSettings, "num_steps"))
     tree: TreeShape = field(default_factory=TreeShape, metadata=nested())  # resolved against num_steps on construction
     # Choose k per batch (orchestrator/speculation.py), in both setups.

@@ -187,3 +187,34 @@ def test_bench_kinds_refuses_what_names_a_kind_another_way(tmp_path: Path, llama
         finished = run_to_exit(["bench", "--target", str(llama_target), "--kinds", "chain", *extra])
         assert finished.returncode != 0
         assert "--kinds names the draft kinds" in finished.stdout, extra
+
+
+def test_bench_structured_puts_constrained_rows_beside_free_ones_for_every_kind(
+    tmp_path: Path, long_context_pair: tuple[Path, Path]
+) -> None:
+    target, draft = long_context_pair
+    out = tmp_path / "results"
+    arguments = ["bench", "--target", str(target), "--draft", str(draft), "--out", str(out), "--structured"]
+    arguments += ["--kinds", "chain", "tree", "ngram", "hybrid", "--no-adaptive-k", "--speculative-num-steps", "3"]
+    arguments += ["--num-prompts", "3", "--max-new-tokens", "24", "--concurrency", "2", "--no-transformers"]
+    finished = run_to_exit(arguments, timeout_s=900)
+    assert finished.returncode == 0, finished.stdout
+
+    document = json.loads((out / "latest.json").read_text())
+    rows = {(row["setup"], row["draft"], row["constraint"]): row for row in document["summary"]}
+    kinds = ("chain", "tree", "ngram", "hybrid")
+    assert set(rows) == {
+        (setup, kind, constraint)
+        for setup in ("split", "colocated")
+        for kind in kinds
+        for constraint in ("", "json schema")
+    }
+    for key, row in rows.items():
+        # Constrained greedy speculation gives the constrained target-only completions, for every kind.
+        assert row["identical_outputs"] == "3/3", key
+    for setup, kind in [(setup, kind) for setup in ("split", "colocated") for kind in kinds]:
+        free, constrained = rows[(setup, kind, "")], rows[(setup, kind, "json schema")]
+        # Each is measured against its own target-only run: the constrained one ran with the schemas.
+        assert constrained["target_only_tokens_per_second"] != free["target_only_tokens_per_second"]
+    table = (out / "latest.md").read_text()
+    assert "| split chain json schema | 2 |" in table and "rows named json schema" in table
