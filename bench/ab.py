@@ -1,12 +1,14 @@
 """An interleaved A/B of two code trees (CONTRIBUTING.md: a latency feature stays only when it beats the noise).
 
-    python -m bench.ab --a DIR [--a-module launch.cli] --b DIR [--pairs 10] [--concurrency 1 8] [--out FILE]
+    python -m bench.ab --a DIR [--a-module launch.cli] --b DIR [--pairs 10] [--concurrency 1 8] [--structured]
+                       [--out FILE]
 
 Both trees serve the demo pair with `tandem serve` at once (each its own three processes, started from its own
 source with PYTHONPATH), and the held-out prompts run greedy against one, then the other, the order alternating from
 pair to pair, so that a slow spell of a shared machine falls on both sides alike. It prints and writes (JSON) each
 pair's tok/s and mean acceptance length, the medians, the B/A ratio's median and range, how often B won, and whether
-the two trees' completions were the same tokens in every pair.
+the two trees' completions were the same tokens in every pair. With --structured every request carries its prompt's
+JSON schema (bench/structured.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from bench.harness import GrpcGenerate, RunResult, run_prompts
 from bench.prompts import held_out_prompts
+from bench.structured import structured_prompts
 from launch.processes import ServeProcess
 
 
@@ -33,7 +36,9 @@ def _stack(tree: Path, module: str) -> ServeProcess:
     return ServeProcess(["--port", "0", "--admin-port", "0"], module=module, env=environment)
 
 
-async def _pairs(addresses: dict[str, str], prompts: list[str], args: argparse.Namespace) -> dict[str, Any]:
+async def _pairs(
+    addresses: dict[str, str], prompts: list[str], schemas: list[str], args: argparse.Namespace
+) -> dict[str, Any]:
     clients = {side: GrpcGenerate(address) for side, address in addresses.items()}
     pairs: dict[str, list[dict[str, Any]]] = {}
     same = True
@@ -46,7 +51,7 @@ async def _pairs(addresses: dict[str, str], prompts: list[str], args: argparse.N
                 for side in order:
                     label = f"{side} pair {number + 1}"
                     runs[side] = await run_prompts(
-                        clients[side], prompts, concurrency, args.max_new_tokens, True, label
+                        clients[side], prompts, concurrency, args.max_new_tokens, True, label, schemas=schemas
                     )
                 same = same and runs["a"].outputs() == runs["b"].outputs()
                 pair = {
@@ -81,17 +86,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--structured", action="store_true", help="each request constrained by a JSON schema")
     parser.add_argument("--out", type=Path, help="write the pairs and summary here (JSON)")
     args = parser.parse_args(argv)
-    prompts = held_out_prompts(args.prompts)
+    prompts, schemas = structured_prompts(args.prompts) if args.structured else (held_out_prompts(args.prompts), [])
     stacks = {side: _stack(getattr(args, side).resolve(), getattr(args, f"{side}_module")) for side in ("a", "b")}
     try:
-        result = asyncio.run(_pairs({side: stack.address for side, stack in stacks.items()}, prompts, args))
+        addresses = {side: stack.address for side, stack in stacks.items()}
+        result = asyncio.run(_pairs(addresses, prompts, schemas, args))
     finally:
         for stack in stacks.values():
             stack.stop()
     result["summary"] = {name: summarise(pairs) for name, pairs in result["pairs"].items()}
-    result["what"] = f"A = {args.a}, B = {args.b}; {len(prompts)} held-out prompts x {args.max_new_tokens} tokens"
+    kind = "JSON-schema" if schemas else "held-out"
+    result["what"] = f"A = {args.a}, B = {args.b}; {len(prompts)} {kind} prompts x {args.max_new_tokens} tokens"
     for name, summary in result["summary"].items():
         print(f"{name}: {json.dumps(summary)}")
     print(f"identical outputs in every pair: {result['identical_outputs']}")

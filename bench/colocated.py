@@ -21,6 +21,7 @@ from bench.harness import round_seconds_of
 from draft_server.formats import ProposalRunner, prepare_draft, propose_what_fits
 from draft_server.runner import ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
+from launch.devices import Placement
 from orchestrator.backends import (
     BackendError,
     FailureKind,
@@ -139,7 +140,8 @@ class ColocatedSettings:
     draft_dir: Path | None
     ngram: NgramSettings | None = None  # prompt lookup instead of a draft model (draft_dir None)
     hybrid: HybridSettings | None = None  # prompt lookup merged into the draft model's proposals
-    dtype: str = "float32"
+    # Where both models compute: the split stack's resolution of the same device flags (launch.devices).
+    placement: Placement = field(default_factory=lambda: Placement("cpu", "float32", "torch"))
     num_steps: int = 5
     tree: TreeShape = field(default_factory=TreeShape)  # resolved; topk 1: chains
     adaptive_k: bool = SchedulerSettings.adaptive_k
@@ -151,10 +153,12 @@ class ColocatedEngine:
     """Generate in-process: the three roles of `tandem serve` without processes or gRPC."""
 
     def __init__(self, settings: ColocatedSettings) -> None:
-        model = load_target(settings.target_dir, dtype=getattr(torch, settings.dtype))
+        placement = settings.placement
+        cache = placement.cache(settings.cache)
+        model = load_target(settings.target_dir, dtype=getattr(torch, placement.dtype), device=placement.device)
         max_context = model.config.max_position_embeddings
         grammars = Grammars(settings.target_dir, model.config.vocab_size)
-        target_runner = TargetRunner(model, settings.cache, max_context, grammars=grammars)
+        target_runner = TargetRunner(model, cache, max_context, grammars=grammars)
         replicas = ReplicaPool()
         scheduler_settings = SchedulerSettings(
             num_steps=settings.num_steps, tree=settings.tree, adaptive_k=settings.adaptive_k, hybrid=settings.hybrid
@@ -166,17 +170,18 @@ class ColocatedEngine:
                 target_address="",
                 replica_id=REPLICA_ID,
                 num_steps=settings.num_steps,
-                cache=settings.cache,
-                dtype=settings.dtype,
+                cache=cache,
+                dtype=placement.dtype,
+                device=placement.device,
             )
-            info = target_info(target_runner, settings.dtype)
+            info = target_info(target_runner, placement.dtype)
             info.tokenizer_digest = tokenizer_digest(settings.target_dir)  # as serve_target publishes it
             prepared = prepare_draft(draft_settings, info)
             # The same shards the target would stream, handed over in memory.
             for name in prepared.missing_tables:
                 table = assemble_shards(target_runner.weight_shards(name), model.config.vocab_size)
                 prepared.fill_table(name, table)
-            runner = prepared.build_proposer(settings.cache, settings.tree)
+            runner = prepared.build_proposer(cache, settings.tree)
             draft = LocalDraft(runner, RowStream(prepared.capture.indices, prepared.tokens_only))
             replicas.add(REPLICA_ID, "in-process", with_hybrid(draft, scheduler_settings))
         if settings.ngram is not None:

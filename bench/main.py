@@ -21,6 +21,7 @@ from bench.prompts import held_out_prompts
 from bench.report import write, write_requests
 from bench.settings import BenchSettings
 from bench.structured import structured_prompts
+from launch.devices import placement_of
 from launch.processes import ServeProcess
 from launch.serve_settings import ServeSettings
 from launch.stack_security import ServeSecurity
@@ -124,7 +125,7 @@ def _colocated(settings: BenchSettings, kind: DraftKind) -> ColocatedEngine:
             kind.draft_dir,
             ngram=kind.ngram,
             hybrid=kind.hybrid,
-            dtype=settings.dtype,
+            placement=placement_of(DeviceRequest(dtype=settings.dtype)),  # as the started stack resolves it
             num_steps=settings.num_steps,
             tree=kind.tree,
             adaptive_k=settings.adaptive_k,
