@@ -100,12 +100,18 @@ class GrammarState:
     def shaped(self, tree: DraftTree, room: int) -> DraftTree:
         """The drafts worth verifying: none the grammar forbids (it would mask them, so verification could only
         reject them), and on a chain, after its allowed drafts, the tokens the grammar forces (llguidance's
-        fast-forward tokens: keys, punctuation, enum tails), up to `room` tokens in all. Forced tokens are
-        deterministic drafts like any other: verification accepts them only where the target's masked choice is
-        theirs, so the output is what it would be without them."""
+        fast-forward tokens: keys, punctuation, enum tails), up to `room` tokens in all. A tree whose root the
+        grammar forces on becomes the chain of forced tokens when that reaches deeper than the tree's allowed nodes.
+        Forced tokens are deterministic drafts like any other: verification accepts them only where the target's
+        masked choice is theirs, so the output is what it would be without them."""
         if not tree.is_chain:
-            return self._trimmed(tree)
-        chosen = list(tree.tokens[: max(0, room)])
+            trimmed, forced = self._trimmed(tree), self._chain((), room)
+            return forced if len(forced) > trimmed.depth else trimmed
+        return self._chain(tree.tokens, room)
+
+    def _chain(self, drafts: Sequence[int], room: int) -> DraftTree:
+        """The chain's drafts up to the first the grammar forbids, then forced tokens, `room` in all."""
+        chosen = list(drafts[: max(0, room)])
         chosen = chosen[: self.matcher.validate_tokens(chosen)]
         self.matcher.consume_tokens(chosen)
         try:

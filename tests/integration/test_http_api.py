@@ -447,23 +447,25 @@ BOUNDED_SCHEMA = {
 }
 
 
-def test_json_schema_output_validates_and_speculation_does_not_change_it(client: openai.OpenAI) -> None:
+def json_schema_chat(client: openai.OpenAI, disable_speculation: bool) -> tuple[str, str]:
+    """A greedy chat answer constrained by BOUNDED_SCHEMA: its content and finish reason."""
     response_format = {"type": "json_schema", "json_schema": {"name": "tool", "schema": BOUNDED_SCHEMA, "strict": True}}
-    texts = []
-    for disable in (False, True):
-        completion = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Describe parse() as JSON."}],
-            max_tokens=96,
-            temperature=0,
-            response_format=response_format,  # type: ignore[arg-type]
-            extra_body={"disable_speculation": disable},
-        )
-        choice = completion.choices[0]
-        assert choice.finish_reason == "stop", choice
-        texts.append(choice.message.content or "")
-    assert texts[0] == texts[1]
-    jsonschema.validate(json.loads(texts[0]), BOUNDED_SCHEMA)
+    completion = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe parse() as JSON."}],
+        max_tokens=96,
+        temperature=0,
+        response_format=response_format,  # type: ignore[arg-type]
+        extra_body={"disable_speculation": disable_speculation},
+    )
+    choice = completion.choices[0]
+    return choice.message.content or "", choice.finish_reason
+
+
+def test_json_schema_output_validates_and_speculation_does_not_change_it(client: openai.OpenAI) -> None:
+    texts = [json_schema_chat(client, disable) for disable in (False, True)]
+    assert texts[0] == texts[1] and texts[0][1] == "stop", texts
+    jsonschema.validate(json.loads(texts[0][0]), BOUNDED_SCHEMA)
 
 
 @pytest.mark.parametrize(

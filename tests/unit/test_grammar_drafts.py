@@ -78,6 +78,17 @@ def test_a_tree_loses_the_nodes_the_grammar_forbids_with_their_subtrees(demo_gra
     assert state.shaped(tree, room=32) == DraftTree((alpha, delta), (-1, -1))
 
 
+def test_a_tree_where_the_grammar_forces_the_way_becomes_the_forced_chain(demo_grammars: Grammars) -> None:
+    state = demo_grammars.state(GRAMMAR)
+    junk = encode("hello world")[:2]
+    tree = DraftTree.of([junk[0], junk[1], junk[1]], [-1, -1, 0])  # every node forbidden: nothing to verify
+    shaped = state.shaped(tree, room=6)
+    assert shaped.is_chain and list(shaped.tokens) == encode('{"capital":"')[:6]
+    opening = encode("{")[0]
+    kept = state.shaped(DraftTree.of([opening, junk[0]], [-1, -1]), room=1)  # a tree as deep as the forced chain
+    assert kept == DraftTree((opening,), (-1,))
+
+
 @pytest.fixture(scope="module")
 def tiny_runner_parts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Grammars]:
     directory = write_tiny_target(tmp_path_factory.mktemp("target"), TinyTargetSpec())
