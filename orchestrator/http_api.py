@@ -55,6 +55,8 @@ from orchestrator.openai_protocol import (
 from orchestrator.output import Output, RequestFailed
 from orchestrator.scheduler import QueueFull
 from orchestrator.settings import OrchestratorSettings
+from orchestrator.tool_output import ChatTools, ToolReply
+from orchestrator.tool_stream import Piece
 from orchestrator.validation import InvalidRequest, client_request_id
 from tandem.auth import Unauthenticated, check_bearer
 from tandem.transport import TransportSecurity
@@ -96,10 +98,12 @@ class HttpApi:
         model_name: str,
         chat_template: str | None,
         access_checks: Sequence[AccessCheck] = (),
+        tool_call_parser: str = "auto",  # HttpSettings.tool_call_parser
     ) -> None:
         self.generation = generation
         self.model_name = model_name
         self.chat_template = chat_template
+        self.tools = ChatTools(generation.scheduler.tokenizer, chat_template, tool_call_parser)
         self.access_checks = tuple(access_checks)
         self.started = int(time.time())
 
@@ -156,16 +160,25 @@ class HttpApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_chat(await _json_body(request), self.model_name)
+        ids = await asyncio.to_thread(self._chat_prompt, parsed)
+        parsed.generate.input_ids.extend(ids)
+        tools = parsed.tools
+        reply = self.tools.reply(tools, ids, parsed.generate.stop) if tools is not None else None
+        return await self._answer(request, parsed, reply)
+
+    def _chat_prompt(self, parsed: ParsedRequest) -> list[int]:
+        """The chat's prompt ids (rendered with its tools), a forced tool choice's grammar set; off the loop."""
+        if parsed.tools is not None:
+            self.tools.prepare(parsed.tools, parsed.generate)
         limits = self.generation.limits
-        ids = await asyncio.to_thread(
-            chat_prompt_ids,
+        return chat_prompt_ids(
             self.generation.scheduler.tokenizer,
             self.chat_template,
             parsed.messages,
             limits.max_context * limits.max_chars_per_token,
+            parsed.tools.tools if parsed.tools is not None else None,
+            self.tools.arguments_as_text,
         )
-        parsed.generate.input_ids.extend(ids)
-        return await self._answer(request, parsed)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         model = {
@@ -183,7 +196,9 @@ class HttpApi:
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         return web.Response(body=self.generation.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    async def _answer(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
+    async def _answer(
+        self, request: web.Request, parsed: ParsedRequest, reply: ToolReply | None = None
+    ) -> web.StreamResponse:
         try:
             request_id = request[REQUEST_ID]
             shape = ResponseShape(parsed.chat, self.model_name, request_id, parsed.include_usage)
@@ -191,8 +206,8 @@ class HttpApi:
             shaper = LogprobShaper(tokenizer, parsed.chat) if parsed.generate.logprobs else None
             async with aclosing(self.generation.stream(parsed.generate, request_id)) as outputs:
                 if parsed.stream:
-                    return await _stream(request, outputs, shape, shaper)
-                return web.json_response(await _whole(outputs, shape, shaper))
+                    return await _stream(request, outputs, shape, shaper, reply)
+                return web.json_response(await _whole(outputs, shape, shaper, reply))
         except InvalidRequest as error:
             raise from_invalid(error, "messages" if parsed.chat else "prompt") from error
         except QueueFull as error:
@@ -223,17 +238,23 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-async def _whole(outputs: AsyncIterator[Output], shape: ResponseShape, shaper: LogprobShaper | None) -> dict[str, Any]:
-    """The answer without stream: every message's text, then the last one's finish reason and counts."""
-    texts = []
+async def _whole(
+    outputs: AsyncIterator[Output], shape: ResponseShape, shaper: LogprobShaper | None, reply: ToolReply | None
+) -> dict[str, Any]:
+    """The answer without stream: every message's text (or content and tool calls), then the last one's finish
+    reason and counts."""
+    pieces: list[Piece] = []
     logprobs = []
     async for output in outputs:
-        texts.append(output.text)
+        pieces += reply.pieces(output) if reply is not None else [output.text]
         logprobs += output.logprobs
         if output.finish_reason:
             usage = Usage(output.prompt_tokens, output.completion_tokens)
             shaped = shaper.shape(logprobs) if shaper is not None else None
-            return shape.full("".join(texts), OPENAI_FINISH_REASONS[output.finish_reason], usage, shaped)
+            reason = OPENAI_FINISH_REASONS[output.finish_reason]
+            if reply is not None:
+                return reply.full(shape, pieces, reason, usage, shaped)
+            return shape.full("".join(str(piece) for piece in pieces), reason, usage, shaped)
     raise AssertionError("a request's messages end with one that has a finish_reason")
 
 
@@ -242,8 +263,10 @@ async def _stream(
     outputs: AsyncIterator[Output],
     shape: ResponseShape,
     shaper: LogprobShaper | None,
+    reply: ToolReply | None,
 ) -> web.StreamResponse:
-    """Server-sent events: one chunk per message, the usage chunk when asked, then [DONE].
+    """Server-sent events: one chunk per message (with tools, its content and calls), the usage chunk when asked,
+    then [DONE].
 
     The response starts with the first message, so that a request refused before any token still gets its status.
     """
@@ -257,7 +280,12 @@ async def _stream(
                 await stream.prepare(request)
             finish_reason = OPENAI_FINISH_REASONS[output.finish_reason] if output.finish_reason else None
             shaped = shaper.shape(output.logprobs) if shaper is not None else None
-            await stream.write(server_sent_event(shape.chunk(output.text, finish_reason, first, shaped)))
+            if reply is None:
+                chunks = [shape.chunk(output.text, finish_reason, first, shaped)]
+            else:
+                chunks = reply.chunks(shape, output, finish_reason, first, shaped)
+            for chunk in chunks:
+                await stream.write(server_sent_event(chunk))
             if finish_reason:
                 usage = Usage(output.prompt_tokens, output.completion_tokens)
     except RequestFailed as failure:
@@ -309,7 +337,10 @@ async def serve_http_api(
     if template is None:
         LOG.warning("the tokenizer has no chat template: /v1/chat/completions answers 400 (see --chat-template)")
     checks = [bearer_check(settings.api_key)] if settings.api_key is not None else []
-    server = await start_http(HttpApi(generation, settings.model_name, template, checks), host, http.port, security)
+    api = HttpApi(generation, settings.model_name, template, checks, http.tool_call_parser)
+    tool_format = api.tools.format.name if api.tools.format is not None else "none (tools only with tool_choice none)"
+    LOG.info("tool calls: %s format", tool_format)
+    server = await start_http(api, host, http.port, security)
     if http.ready_file is not None:
         partial = http.ready_file.with_suffix(".partial")
         partial.write_text(server.url)

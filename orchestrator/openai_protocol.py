@@ -2,7 +2,8 @@
 
 A request body becomes the public GenerateRequest that gRPC clients send (orchestrator.generation runs both alike),
 and outputs become OpenAI's JSON objects and streamed chunks. Every field the server cannot honour is refused with
-400 naming it rather than ignored: n > 1, echo, suffix, tools, best_of. Structured output: orchestrator/structured.py.
+400 naming it rather than ignored: n > 1, echo, suffix, best_of. Structured output: orchestrator/structured.py; tools:
+orchestrator/tool_request.py (and the tool_* modules beside it).
 Fields that do not change the output (user, metadata, ...) are accepted and ignored, as vLLM does.
 
 Defaults follow OpenAI, not the gRPC API: temperature 1.0 (gRPC: 0, greedy). max_tokens unset means the server's
@@ -18,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.structured import from_openai
+from orchestrator.structured import FIELDS, from_openai
+from orchestrator.tool_request import ToolRequest, message_tool_fields, parse_tools
 from orchestrator.validation import InvalidRequest
 from tandem.sampling.logprobs import MAX_TOP_LOGPROBS
 from tandem.wire import orchestrator_pb2
@@ -34,8 +36,6 @@ UNSUPPORTED_UNLESS = {
     "suffix": (None, ""),
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
 }
 
@@ -85,12 +85,16 @@ class ParsedRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     chat: bool
-    messages: tuple[Mapping[str, str], ...] = ()  # chat only: role and text content of each message
+    messages: tuple[Mapping[str, Any], ...] = ()  # chat only: role, text content (and tool calls) of each message
+    tools: ToolRequest | None = None  # chat only
 
 
 def parse_completion(body: Mapping[str, Any], model_name: str) -> ParsedRequest:
     """POST /v1/completions."""
     generate = _common(body, model_name, "max_tokens")
+    for name in ("tools", "tool_choice"):
+        if body.get(name) is not None:
+            raise bad_field(name, "tools are served on /v1/chat/completions only")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
@@ -122,10 +126,15 @@ def parse_chat(body: Mapping[str, Any], model_name: str) -> ParsedRequest:
         if not generate.logprobs:
             raise bad_field("top_logprobs", "needs logprobs: true")
         generate.top_logprobs = top
-    return ParsedRequest(generate, *_stream_options(body), chat=True, messages=_messages(body.get("messages")))
+    try:
+        tools = parse_tools(body, next((name for name in FIELDS if getattr(generate, name)), None))
+    except ValueError as error:
+        raise bad_field(*str(error).split(": ", 1)) from None
+    messages = _messages(body.get("messages"))
+    return ParsedRequest(generate, *_stream_options(body), chat=True, messages=messages, tools=tools)
 
 
-def _messages(messages: Any) -> tuple[Mapping[str, str], ...]:
+def _messages(messages: Any) -> tuple[Mapping[str, Any], ...]:
     if not isinstance(messages, list) or not messages:
         raise bad_field("messages", "must be a non-empty list of {role, content} objects")
     parsed = []
@@ -136,7 +145,13 @@ def _messages(messages: Any) -> tuple[Mapping[str, str], ...]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise bad_field(f"{where}.role", "must be a non-empty string")
-        parsed.append({"role": role, "content": _content(message.get("content"), f"{where}.content")})
+        try:
+            tool_fields = message_tool_fields(message, role, where)
+        except ValueError as error:
+            raise bad_field(*str(error).split(": ", 1)) from None
+        content = message.get("content")
+        text = "" if content is None and "tool_calls" in tool_fields else _content(content, f"{where}.content")
+        parsed.append({"role": role, "content": text, **tool_fields})
     return tuple(parsed)
 
 

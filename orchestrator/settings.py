@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.tool_formats import TOOL_CALL_FORMATS
 from tandem.flags import checked, flag, nested, non_negative, optional, positive
 from tandem.settings import TreeShape, parse_size
 from tandem.transport import Insecure, TransportSecurity
@@ -223,6 +224,15 @@ class HttpSettings:
             "--chat-template",
             "Jinja chat template for /v1/chat/completions when the tokenizer has none (demo target: bundled)",
             parse=Path,
+        ),
+    )
+    # The tool-call format of chat replies (orchestrator/tool_formats.py); auto: the one the chat template writes.
+    tool_call_parser: str = field(
+        default="auto",
+        metadata=flag(
+            "--tool-call-parser",
+            "how the model writes tool calls; auto: found in the chat template",
+            choices=("auto", *TOOL_CALL_FORMATS),
         ),
     )
 

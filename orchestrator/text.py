@@ -37,11 +37,20 @@ class IncrementalDetokenizer:
         push([ world])    window [C3 A9 | world]   decodes "é world", prefix "é": emit " world"
                           window becomes [ world |]
 
-    Special tokens are skipped: they mark structure (end of sequence, turns), they are not text for the client.
+    Special tokens are skipped: they mark structure (end of sequence, turns), they are not text for the client;
+    except `kept` ones, which a reader of the text needs (the tool-call markers of a family that makes them special
+    tokens, orchestrator.tool_output).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int]) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int], kept: frozenset[int] = frozenset()
+    ) -> None:
         self._tokenizer = tokenizer
+        self._skipped: frozenset[int] = frozenset()
+        if kept:
+            special = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
+            self._skipped = frozenset(special.union(tokenizer.all_special_ids) - kept)
+        self._kept = kept
         self._window = list(prompt_ids[-PROMPT_CONTEXT_IDS:])
         # The window is self._window[:self._read_index] (prefix, already emitted) + the rest (pending).
         self._read_index = len(self._window)
@@ -71,7 +80,9 @@ class IncrementalDetokenizer:
 
     def _decode(self, token_ids: list[int]) -> str:
         # Cleanup rewrites spaces around punctuation depending on the neighbours, which would break the difference.
-        text = self._tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        if self._kept:
+            token_ids = [token for token in token_ids if token not in self._skipped]
+        text = self._tokenizer.decode(token_ids, skip_special_tokens=not self._kept, clean_up_tokenization_spaces=False)
         # A flat id list decodes to one string; the declared union also covers batches.
         assert isinstance(text, str)
         return text

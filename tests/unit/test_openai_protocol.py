@@ -131,7 +131,8 @@ def test_chat_messages_and_their_refusals() -> None:
     assert refused(parse_chat, {"messages": user, "top_logprobs": 2}).param == "top_logprobs"
     assert refused(parse_chat, {"messages": user, "logprobs": True, "top_logprobs": 21}).param == "top_logprobs"
     tools = {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}
-    assert refused(parse_chat, tools).param == "tools"
+    assert refused(parse_chat, tools).param == "tools[0].function"
+    assert refused(parse_completion, {"prompt": "x", "tools": []}).param == "tools"
 
 
 @pytest.mark.parametrize(
