@@ -17,6 +17,12 @@ PROMPT_CONTEXT_IDS = 5
 MAX_PENDING_IDS = 16
 
 
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every id decoding skips as special: the added tokens marked special and the named ones (BOS, EOS, ...)."""
+    added = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return frozenset(added.union(tokenizer.all_special_ids))
+
+
 class IncrementalDetokenizer:
     """Text of generated ids, produced piece by piece without re-decoding the whole output at every step.
 
@@ -48,8 +54,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skipped: frozenset[int] = frozenset()
         if kept:
-            special = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
-            self._skipped = frozenset(special.union(tokenizer.all_special_ids) - kept)
+            self._skipped = special_token_ids(tokenizer) - kept
         self._kept = kept
         self._window = list(prompt_ids[-PROMPT_CONTEXT_IDS:])
         # The window is self._window[:self._read_index] (prefix, already emitted) + the rest (pending).

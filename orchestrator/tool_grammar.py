@@ -17,14 +17,14 @@ import llguidance
 from transformers import PreTrainedTokenizerBase
 
 from orchestrator.structured import JSON_DEFAULTS
+from orchestrator.text import special_token_ids
 from orchestrator.tool_formats import ARGUMENTS, INDEX, NAME, NAME_JSON, ToolFormat
 from tandem.sampling.grammar import grammar_error
 
 
 def special_marker_ids(tokenizer: PreTrainedTokenizerBase, tool_format: ToolFormat) -> dict[str, int]:
     """The format's markers that are one special token of this tokenizer (decoding skips those unless kept)."""
-    special = {index for index, token in tokenizer.added_tokens_decoder.items() if token.special}
-    special.update(tokenizer.all_special_ids)
+    special = special_token_ids(tokenizer)
     found = {}
     for marker in tool_format.markers:
         ids = tokenizer.encode(marker, add_special_tokens=False)

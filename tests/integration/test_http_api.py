@@ -468,6 +468,20 @@ def test_json_schema_output_validates_and_speculation_does_not_change_it(client:
     jsonschema.validate(json.loads(texts[0][0]), BOUNDED_SCHEMA)
 
 
+def structured_completion(
+    client: openai.OpenAI, extra: dict, disable_speculation: bool, max_tokens: int
+) -> tuple[str, str]:
+    """A greedy raw completion of PROMPT with structured-output fields `extra`: its text and finish reason."""
+    completion = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={**extra, "disable_speculation": disable_speculation},
+    )
+    return completion.choices[0].text, completion.choices[0].finish_reason
+
+
 @pytest.mark.parametrize(
     ("extra", "check"),
     [
@@ -477,16 +491,7 @@ def test_json_schema_output_validates_and_speculation_does_not_change_it(client:
     ],
 )
 def test_raw_completions_follow_vllms_structured_fields(client: openai.OpenAI, extra: dict, check: object) -> None:
-    texts = []
-    for disable in (False, True):
-        completion = client.completions.create(
-            model=MODEL,
-            prompt=PROMPT,
-            max_tokens=64,
-            temperature=0,
-            extra_body={**extra, "disable_speculation": disable},
-        )
-        texts.append((completion.choices[0].text, completion.choices[0].finish_reason))
+    texts = [structured_completion(client, extra, disable, max_tokens=64) for disable in (False, True)]
     assert texts[0] == texts[1]
     text, finish_reason = texts[0]
     if finish_reason == "stop" or "response_format" not in extra:  # an object may still be open at max_tokens

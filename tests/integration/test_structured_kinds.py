@@ -13,7 +13,7 @@ import pytest
 
 from tandem.settings import DEMO_CHAT_TEMPLATE, DEMO_DRAFT, DEMO_TARGET
 from tests.integration.stack import Stack, generate, serve
-from tests.integration.test_http_api import BOUNDED_SCHEMA, MODEL, PROMPT, json_schema_chat
+from tests.integration.test_http_api import BOUNDED_SCHEMA, PROMPT, json_schema_chat, structured_completion
 
 TREE = ["--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8", "--speculative-num-steps", "3"]
 KINDS = {
@@ -35,16 +35,8 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
 def test_json_schema_and_json_object_validate_and_speculation_does_not_change_them(stack: Stack) -> None:
     client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
     chats = [json_schema_chat(client, disable) for disable in (False, True)]
-    objects = []
-    for disable in (False, True):
-        raw = client.completions.create(
-            model=MODEL,
-            prompt=PROMPT,
-            max_tokens=48,
-            temperature=0,
-            extra_body={"response_format": {"type": "json_object"}, "disable_speculation": disable},
-        )
-        objects.append((raw.choices[0].text, raw.choices[0].finish_reason))
+    json_object = {"response_format": {"type": "json_object"}}
+    objects = [structured_completion(client, json_object, disable, max_tokens=48) for disable in (False, True)]
     assert chats[0] == chats[1] and objects[0] == objects[1]
     text, finish_reason = chats[0]
     assert finish_reason == "stop"
