@@ -1,14 +1,14 @@
 """An interleaved A/B of two code trees (CONTRIBUTING.md: a latency feature stays only when it beats the noise).
 
     python -m bench.ab --a DIR [--a-module launch.cli] --b DIR [--pairs 10] [--concurrency 1 8] [--structured]
-                       [--out FILE]
+                       [--penalties] [--out FILE]
 
 Both trees serve the demo pair with `tandem serve` at once (each its own three processes, started from its own
 source with PYTHONPATH), and the held-out prompts run greedy against one, then the other, the order alternating from
 pair to pair, so that a slow spell of a shared machine falls on both sides alike. It prints and writes (JSON) each
 pair's tok/s and mean acceptance length, the medians, the B/A ratio's median and range, how often B won, and whether
 the two trees' completions were the same tokens in every pair. With --structured every request carries its prompt's
-JSON schema (bench/structured.py).
+JSON schema (bench/structured.py); with --penalties every request carries PENALTIES.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from bench.harness import GrpcGenerate, RunResult, run_prompts
 from bench.prompts import held_out_prompts
 from bench.structured import structured_prompts
 from launch.processes import ServeProcess
+
+# What --penalties sends: OpenAI's presence and frequency penalties as its docs suggest against repetition.
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5}
 
 
 def _stack(tree: Path, module: str) -> ServeProcess:
@@ -51,8 +54,9 @@ async def _pairs(
                 for side in order:
                     label = f"{side} pair {number + 1}"
                     runs[side] = await run_prompts(
-                        clients[side], prompts, concurrency, args.max_new_tokens, True, label, schemas=schemas
-                    )
+                        clients[side], prompts, concurrency, args.max_new_tokens, True, label, schemas=schemas,
+                        options=PENALTIES if args.penalties else {},
+                    )  # fmt: skip
                 same = same and runs["a"].outputs() == runs["b"].outputs()
                 pair = {
                     side: [round(run.tokens_per_second, 1), round(run.mean_acceptance_length, 2)]
@@ -87,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--structured", action="store_true", help="each request constrained by a JSON schema")
+    parser.add_argument("--penalties", action="store_true", help="each request with presence and frequency penalties")
     parser.add_argument("--out", type=Path, help="write the pairs and summary here (JSON)")
     args = parser.parse_args(argv)
     prompts, schemas = structured_prompts(args.prompts) if args.structured else (held_out_prompts(args.prompts), [])
@@ -99,7 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack.stop()
     result["summary"] = {name: summarise(pairs) for name, pairs in result["pairs"].items()}
     kind = "JSON-schema" if schemas else "held-out"
+    with_penalties = f", {PENALTIES}" if args.penalties else ""
     result["what"] = f"A = {args.a}, B = {args.b}; {len(prompts)} {kind} prompts x {args.max_new_tokens} tokens"
+    result["what"] += with_penalties
     for name, summary in result["summary"].items():
         print(f"{name}: {json.dumps(summary)}")
     print(f"identical outputs in every pair: {result['identical_outputs']}")

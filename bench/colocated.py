@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,10 +45,11 @@ from tandem.models.registry import load_target
 from tandem.models.tokenizer_digest import tokenizer_digest
 from tandem.parallel.vocab import assemble_shards
 from tandem.sampling.grammar import Grammars
+from tandem.sampling.processing import Shaping
 from tandem.settings import KVCacheSettings, TreeShape
 from tandem.wire import orchestrator_pb2
 from target_server import items as target_items
-from target_server.items import MAX_DRAFT_TOKENS, TARGET_ONLY, CapturedRows, ItemStatus, RowStream
+from target_server.items import MAX_DRAFT_TOKENS, TARGET_ONLY, CapturedRows, ItemStatus, RowStream, TargetRequest
 from target_server.main import target_info
 from target_server.runner import TargetRunner
 
@@ -62,6 +63,7 @@ class LocalDraft:
         self.runner = runner
         self.stream = stream  # what the target sends it of each committed position
         self.rows: dict[tuple[str, int], TargetRows] = {}
+        self.requests: Mapping[str, TargetRequest] = {}  # the target's, for their options (draft_server.shaping)
 
     def deliver(self, rows: CapturedRows, round_number: int) -> None:
         key = (rows.request_id, round_number)
@@ -70,10 +72,18 @@ class LocalDraft:
         self.rows[key] = earlier.followed_by(arrived) if earlier is not None else arrived
 
     async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch:
-        inputs = [ProposeInput(t.request_id, self._take(t.request_id, t.round), t.num_steps) for t in tasks]
+        inputs = [self._input(t.request_id, self._take(t.request_id, t.round), t.num_steps) for t in tasks]
         started = time.perf_counter()
         drafts, exhausted = propose_what_fits(self.runner, inputs)
         return ProposedBatch(drafts, exhausted, time.perf_counter() - started)
+
+    def _input(self, request_id: str, rows: TargetRows, num_steps: int) -> ProposeInput:
+        """The rows with the request's options and its tokens up to them, as a replica hands them its runner."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return ProposeInput(request_id, rows, num_steps)
+        tokens = request.tokens[: rows.start_position + len(rows.next_tokens) + 1]
+        return ProposeInput(request_id, rows, num_steps, Shaping.of(request.sampling, request.prompt_length, tokens))
 
     def _take(self, request_id: str, round_number: int) -> TargetRows:
         """The request's rows of this round, after those of earlier rounds it drafted nothing for (k = 0), as a
@@ -96,6 +106,8 @@ class LocalTarget:
     def __init__(self, runner: TargetRunner, draft: LocalDraft | None) -> None:
         self.runner = runner
         self.draft = draft
+        if draft is not None:
+            draft.requests = runner.requests
 
     async def step(self, items: Sequence[StepItem], preempt: Sequence[str]) -> StepOutcome:
         started = time.perf_counter()

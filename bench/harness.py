@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -132,9 +132,11 @@ async def run_prompts(
     label: str,
     kind: str = "",
     schemas: Sequence[str] = (),
+    options: Mapping[str, object] = {},
 ) -> RunResult:
     """Greedy completions of every prompt, `concurrency` at a time; wall time covers the whole set. With `schemas`
-    (one JSON schema per prompt) each request is constrained by its prompt's and ends with its document."""
+    (one JSON schema per prompt) each request is constrained by its prompt's and ends with its document; `options`
+    are more GenerateRequest fields for every request (penalties)."""
     queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
     for item in enumerate(prompts):
         queue.put_nowait(item)
@@ -154,6 +156,11 @@ async def run_prompts(
                 disable_speculation=not speculative,
                 json_schema=schemas[index] if schemas else "",
             )
+            for name, value in options.items():
+                if isinstance(value, Mapping):  # logit_bias
+                    getattr(request, name).update(value)
+                else:
+                    setattr(request, name, value)
             results.append(await _one(generate, request, index))
             progress.update()
 

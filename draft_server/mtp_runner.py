@@ -46,9 +46,11 @@ from dataclasses import dataclass
 import torch
 
 from draft_server.runner import DraftRequestError, ProposeInput
+from draft_server.shaping import shape_logits
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
 from tandem.layers.matmul import prepack
 from tandem.models.mtp import HiddenFlow, MTPModel
+from tandem.sampling.processing import Shaping
 from tandem.settings import KVCacheSettings
 
 
@@ -191,7 +193,8 @@ class MTPRunner:
             for index, stream in zip(working, streams, strict=True):
                 produced[index] = stream
             if layer == 0:  # every request has new rows, so every request ran layer 0
-                first_tokens = self.model.compute_logits(last_normed, 0).argmax(dim=-1).tolist()
+                shapings = [item.shaping for item in inputs]
+                first_tokens = self._choose(last_normed, 0, shapings, [[] for _ in inputs])
         for request, item in zip(requests, inputs, strict=True):
             request.committed += len(item.rows.next_tokens)
         return first_tokens
@@ -217,11 +220,24 @@ class MTPRunner:
                 assert hidden.shape[0] == len(token_ids), "backlog and carried rows must cover positions c_j..P"
                 work.append(LayerWork(request.layers[layer], token_ids, hidden))
             streams, last_normed = self._run(layer, work)
-            tokens = self.model.compute_logits(last_normed, layer).argmax(dim=-1).tolist()
+            shapings = [inputs[index].shaping for index in active]
+            tokens = self._choose(last_normed, layer, shapings, [proposals[index] for index in active])
             for index, stream, token in zip(active, streams, tokens, strict=True):
                 carried[index] = stream  # the update: the next layer consumes this layer's output, not its input
                 proposals[index].append(token)
         return proposals
+
+    def _choose(
+        self,
+        normed: torch.Tensor,  # [rows, hidden] the rows that draft
+        layer: int,
+        shapings: Sequence[Shaping | None],  # per row, its request's options (draft_server.shaping)
+        paths: Sequence[Sequence[int]],  # per row, the drafts before its choice
+    ) -> list[int]:
+        """Each row's draft: the argmax of the layer's logits, shaped by the request's options."""
+        logits = self.model.compute_logits(normed, layer)
+        vocab = self.model.embed_tokens.num_embeddings
+        return shape_logits(logits, shapings, paths, lambda ids: ids, vocab).argmax(dim=-1).tolist()
 
     def _run(self, layer: int, work: Sequence[LayerWork]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One packed forward of MTP layer `layer`; returns each item's rows to hand on (self.flow) and the normed last

@@ -18,12 +18,14 @@ from typing import Protocol, TypeVar
 import torch
 from torch import nn
 
+from draft_server.shaping import shape_logits
 from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.cuda_graphs import GraphedForward, GraphsFactory, Tensors, recorded_graphs, run_step
 from tandem.layers.kv_cache import CacheLayout, OutOfKVBlocks, PagedKVCache, SequenceKV
 from tandem.layers.matmul import prepack
 from tandem.layers.page_table import PageTable
 from tandem.models.eagle3 import DraftStep
+from tandem.sampling.processing import Shaping
 from tandem.settings import KVCacheSettings
 
 
@@ -38,6 +40,8 @@ class DraftModel(Protocol):
 
     @property
     def config(self) -> DraftModelConfig: ...
+    @property
+    def embed_tokens(self) -> nn.Embedding: ...  # the target's vocabulary
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
     def modules(self) -> Iterator[nn.Module]: ...
     def project_features(self, features: torch.Tensor) -> torch.Tensor: ...  # [n, feature width] -> [n, hidden]
@@ -99,6 +103,7 @@ class ProposeInput:
     request_id: str
     rows: TargetRows
     num_steps: int
+    shaping: Shaping | None = None  # the request's penalties, logit_bias, min_tokens (draft_server.shaping)
 
 
 @dataclass
@@ -128,6 +133,7 @@ class DraftRunner:
         self.check_rows(inputs)
         self.check_blocks(inputs)
         requests, hidden, logits = self.ingest(inputs)
+        logits = self.shaped(logits, [item.shaping for item in inputs], [[] for _ in inputs])
         tokens = self.model.to_target_ids(logits.argmax(dim=-1))  # [num_requests]
         proposals: list[list[int]] = [[int(t)] for t in tokens.tolist()]
         device = self.cache.device
@@ -142,7 +148,8 @@ class DraftRunner:
                 active = [active[row] for row in kept]
                 selector = torch.tensor(kept, device=device)
                 hidden, tokens = hidden[selector], tokens[selector]
-            hidden, tokens = self._step(self.cache.plan_table([(requests[i].kv, 1) for i in active]), tokens, hidden)
+            table = self.cache.plan_table([(requests[i].kv, 1) for i in active])
+            hidden, tokens = self._step(table, tokens, hidden, [inputs[i].shaping for i in active], proposals, active)
             for i, token in zip(active, tokens.tolist(), strict=True):
                 proposals[i].append(int(token))
         return proposals
@@ -152,16 +159,30 @@ class DraftRunner:
         table: PageTable,
         tokens: torch.Tensor,  # [b] the previous step's drafts, target vocabulary
         hidden: torch.Tensor,  # [b, hidden] the previous step's hidden rows
+        shapings: Sequence[Shaping | None],  # [b]
+        proposals: Sequence[Sequence[int]],  # every request's drafts so far
+        active: Sequence[int],  # [b] the requests of the rows
     ) -> tuple[torch.Tensor, torch.Tensor]:  # -> hidden [b, hidden], drafts [b]
         """One draft step of one row per request: from a recorded shape when CUDA graphs are on
         (tandem.layers.cuda_graphs), else as planned."""
         inputs = {"tokens": tokens, "hidden": hidden}
         outputs = run_step(self.graphs, self.cache, table, inputs, "step", self._step_outputs)
-        return outputs["hidden"], outputs["tokens"]
+        if all(shaping is None for shaping in shapings):
+            return outputs["hidden"], outputs["tokens"]
+        logits = self.shaped(outputs["logits"], shapings, [proposals[i] for i in active])
+        return outputs["hidden"], self.model.to_target_ids(logits.argmax(dim=-1))
 
     def _step_outputs(self, inputs: Tensors, metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
         step = self.model(inputs["tokens"], inputs["hidden"], metadata, self.cache)
-        return {"hidden": step.hidden, "tokens": self.model.to_target_ids(step.logits.argmax(dim=-1))}
+        tokens = self.model.to_target_ids(step.logits.argmax(dim=-1))
+        return {"hidden": step.hidden, "tokens": tokens, "logits": step.logits}
+
+    def shaped(
+        self, logits: torch.Tensor, shapings: Sequence[Shaping | None], paths: Sequence[Sequence[int]]
+    ) -> torch.Tensor:  # [rows, draft vocab] -> the same
+        """Draft logits shaped by their requests' options (draft_server.shaping)."""
+        vocab = self.model.embed_tokens.num_embeddings
+        return shape_logits(logits, shapings, paths, self.model.to_target_ids, vocab)
 
     def check_rows(self, inputs: Sequence[ProposeInput]) -> None:
         """Raises DraftRequestError unless every item's rows continue the KV its request holds."""

@@ -24,6 +24,7 @@ from draft_server.ahead import DraftedAhead, Key, drafting_failure, settle, time
 from draft_server.formats import PreparedDraft, ProposalRunner, propose_what_fits
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
+from draft_server.shaping import RequestShaping
 from tandem.background import in_background
 from tandem.grpc_util import CallFailed
 from tandem.leases import Leases, leased_call, leased_stream
@@ -32,6 +33,7 @@ from tandem.sampling.draft_tree import DraftTree
 from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2
 from tandem.wire.codec import tensor_from_proto
 from tandem.wire.drafts import tree_to_proto
+from tandem.wire.sampling import sampling_from_proto
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,6 +58,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         # Requests released, by when: rows of theirs that arrive after the release (in flight, or overtaken by it)
         # are not drafted ahead, which would hold their KV again. A Propose for one (after a preemption) clears it.
         self._released: dict[str, float] = {}
+        # Requests whose options shape drafts (HiddenStates.shaping), with their committed tokens.
+        self._shaping: dict[str, RequestShaping] = {}
         self.model_thread = model_thread  # every runner call goes through it, one at a time
         self.leases = Leases(settings.cache.orphan_timeout_s)  # which orchestrator session drafts which request
         self.propose_listeners: list[Callable[[float], None]] = []  # called with each Propose's compute seconds
@@ -81,6 +85,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             # The target runs the request, so its orchestrator is alive, though it may not call this replica for a
             # while (and its stream here may have dropped).
             self.leases.seen(owner, time.monotonic())
+        self._note_tokens(message)
         rows = TargetRows(message.start_position, list(message.next_tokens), tensor_from_proto(message.features))
         key = (message.request_id, message.round)
         earlier = self._rows.get(key)
@@ -98,6 +103,24 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         if message.step_end and self._ahead_wanted:
             self._start_ahead(self._ahead_wanted)
             self._ahead_wanted = {}
+
+    def _note_tokens(self, message: target_pb2.HiddenStates) -> None:
+        """Keeps the committed tokens of a request whose options shape its drafts (draft_server.shaping)."""
+        request_id = message.request_id
+        if message.HasField("shaping"):  # rows that start the request over
+            options = message.shaping
+            sampling = sampling_from_proto(options.sampling)
+            self._shaping[request_id] = RequestShaping(sampling, options.prompt_length, [options.first_token])
+        shaping = self._shaping.get(request_id)
+        if shaping is not None and not shaping.add(message.start_position, message.next_tokens):
+            LOG.warning("request %s: rows at %d leave a gap: drafts unshaped", request_id, message.start_position)
+            del self._shaping[request_id]
+
+    def _input(self, request_id: str, rows: TargetRows, num_steps: int) -> ProposeInput:
+        """What the runner drafts from for a request: its rows, and its options with the tokens up to them."""
+        shaping = self._shaping.get(request_id)
+        end = rows.start_position + len(rows.next_tokens)
+        return ProposeInput(request_id, rows, num_steps, shaping.at(end) if shaping is not None else None)
 
     def _start_ahead(self, wanted: Mapping[Key, int]) -> None:
         """Takes the rows of `wanted` (key -> steps) and drafts them as one batch on the model thread. Runs under
@@ -119,7 +142,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             batch[key].done.set_result(None)
         if not live:
             return
-        inputs = [ProposeInput(key[0], ahead.rows, ahead.num_steps) for key, ahead in live.items()]
+        inputs = [self._input(key[0], ahead.rows, ahead.num_steps) for key, ahead in live.items()]
         computing = self.model_thread.start(timed_proposals, self.runner, inputs)
         computing.add_done_callback(lambda done: settle(live, done))
 
@@ -208,7 +231,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             if isinstance(taken, DraftedAhead):
                 ahead[item.request_id] = taken
             else:
-                inputs.append(ProposeInput(item.request_id, taken, steps[item.request_id]))
+                inputs.append(self._input(item.request_id, taken, steps[item.request_id]))
         return ahead, inputs
 
     async def _from_ahead(
@@ -233,7 +256,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 drafts[request_id] = usable
                 self.drafted_ahead += 1
             else:  # another length than drafted ahead: draft again from the same rows
-                inputs.append(ProposeInput(request_id, made.rows, steps[request_id]))
+                inputs.append(self._input(request_id, made.rows, steps[request_id]))
         return drafts, exhausted, ahead_seconds
 
     async def _drafted(self, request_id: str, made: DraftedAhead) -> None:
@@ -268,6 +291,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             now = time.monotonic()
             self._released.update((request_id, now) for request_id in released)
             self._dropped.difference_update(released)
+            for request_id in released:
+                self._shaping.pop(request_id, None)
             for key in [key for key in self._rows if key[0] in released]:
                 del self._rows[key]
             for key in [key for key in self._ahead if key[0] in released]:

@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows, check_batch_fits, release_requests
+from draft_server.shaping import shape_logits
 from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.cuda_graphs import GraphedForward, GraphsFactory, Tensors, recorded_graphs, run_step
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.layers.matmul import prepack
-from tandem.layers.page_table import PageTable
 from tandem.models.registry import TargetModel
+from tandem.sampling.processing import Shaping
 from tandem.settings import KVCacheSettings
 
 
@@ -103,7 +104,10 @@ class StandaloneRunner:
         metadata = self.cache.plan([(request.kv, len(feed)) for request, feed in zip(requests, feeds, strict=True)])
         device = self.cache.device
         input_ids = torch.tensor([token for feed in feeds for token in feed], dtype=torch.long, device=device)
-        tokens = self._greedy(input_ids, metadata, metadata.page_table.last_rows())  # [num_requests]
+        output = self.model(input_ids, metadata, self.cache)
+        logits = self.model.compute_logits(output.normed[metadata.page_table.last_rows()])  # [num_requests, vocab]
+        shapings = [item.shaping for item in inputs]
+        tokens = self._shaped(logits, shapings, [[] for _ in inputs]).argmax(dim=-1).cpu()  # [num_requests]
         proposals: list[list[int]] = [[token] for token in tokens.tolist()]
         active = list(range(len(inputs)))
         for step_index in range(1, max((item.num_steps for item in inputs), default=0)):
@@ -115,29 +119,37 @@ class StandaloneRunner:
             tokens = tokens[torch.tensor(kept_rows, device=tokens.device)]
             for i, token in zip(active, tokens.tolist(), strict=True):
                 requests[i].tokens.append(token)
-            tokens = self._step(self.cache.plan_table([(requests[i].kv, 1) for i in active]), tokens.to(device))
+            shapings, paths = [inputs[i].shaping for i in active], [proposals[i] for i in active]
+            tokens = self._step([requests[i] for i in active], tokens.to(device), shapings, paths)
             for i, token in zip(active, tokens.tolist(), strict=True):
                 proposals[i].append(token)
         return proposals
 
-    def _step(self, table: PageTable, tokens: torch.Tensor) -> torch.Tensor:  # [b] -> [b] on the CPU
+    def _step(
+        self,
+        requests: Sequence[StandaloneRequest],
+        tokens: torch.Tensor,  # [b] the previous step's drafts
+        shapings: Sequence[Shaping | None],  # [b] the requests' options (draft_server.shaping)
+        paths: Sequence[Sequence[int]],  # [b] their drafts so far
+    ) -> torch.Tensor:  # -> [b] on the CPU
         """One draft step of one token per request: from a recorded shape when CUDA graphs are on
         (tandem.layers.cuda_graphs), else as planned."""
-        return run_step(self.graphs, self.cache, table, {"tokens": tokens}, "step", self._next)["tokens"].cpu()
+        table = self.cache.plan_table([(request.kv, 1) for request in requests])
+        outputs = run_step(self.graphs, self.cache, table, {"tokens": tokens}, "step", self._next)
+        if all(shaping is None for shaping in shapings):
+            return outputs["tokens"].cpu()
+        return self._shaped(outputs["logits"], shapings, paths).argmax(dim=-1).cpu()
 
     def _next(self, inputs: Tensors, metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
         output = self.model(inputs["tokens"], metadata, self.cache)
-        return {"tokens": self.model.compute_logits(output.normed).argmax(dim=-1)}
+        logits = self.model.compute_logits(output.normed)
+        return {"tokens": logits.argmax(dim=-1), "logits": logits}
 
-    def _greedy(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        metadata: AttentionMetadata,
-        rows: torch.Tensor,  # [num_rows] rows whose next token is wanted
-    ) -> torch.Tensor:  # -> [num_rows] on the CPU
-        """The argmax token after each of `rows` of one packed forward."""
-        output = self.model(input_ids, metadata, self.cache)
-        return self.model.compute_logits(output.normed[rows]).argmax(dim=-1).cpu()
+    def _shaped(
+        self, logits: torch.Tensor, shapings: Sequence[Shaping | None], paths: Sequence[Sequence[int]]
+    ) -> torch.Tensor:  # [rows, vocab] -> the same
+        """Logits shaped by their requests' options (draft_server.shaping)."""
+        return shape_logits(logits, shapings, paths, lambda ids: ids, self.model.config.vocab_size)
 
     def _check_blocks(self, inputs: Sequence[ProposeInput], kept: Sequence[int]) -> None:
         """Raises OutOfKVBlocks before any change if the batch, its ingest and every draft step, does not fit."""

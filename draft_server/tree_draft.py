@@ -50,6 +50,14 @@ class _Expansion:
         self.frontier.append(len(self.nodes))
         self.nodes.append(node)
 
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root down to `node`, itself included."""
+        tokens = []
+        while node >= 0:
+            tokens.append(self.nodes[node].token)
+            node = self.nodes[node].parent
+        return tokens[::-1]
+
 
 def select_tree(scores: Sequence[float], parents: Sequence[int], count: int) -> list[int]:
     """The `count` best nodes by score (ties: earlier first), in creation order; raises if the choice would drop a
@@ -99,6 +107,7 @@ def propose_trees(
     # The largest expansion step rewrites the ingest's end onwards: K rows per step after the first at most.
     runner.check_blocks(inputs, rows_per_step=topk)
     requests, hidden, logits = runner.ingest(inputs)  # hidden [b, hidden], logits [b, draft vocab]
+    logits = runner.shaped(logits, [item.shaping for item in inputs], [[] for _ in inputs])
     expansions = _first_frontiers(runner.model, hidden, logits, topk)
     for step_index in range(1, max(item.num_steps for item in inputs)):
         active = [i for i, item in enumerate(inputs) if item.num_steps > step_index]
@@ -163,7 +172,10 @@ def _run_expanded(
     selector = torch.tensor(frontier_rows, dtype=torch.long, device=cache.device)
     input_ids = torch.tensor(tokens, dtype=torch.long, device=cache.device)  # target vocabulary ids
     step = model(input_ids, torch.stack(hiddens), metadata, cache, selector)
-    child_log_probs, child_ids = torch.log_softmax(step.logits.float(), dim=-1).topk(topk, dim=-1)  # [a * K, K]
+    shapings = [item.shaping for item in inputs for _ in range(topk)]
+    paths = [expansion.path(node) for expansion in expansions for node in expansion.frontier]
+    logits = runner.shaped(step.logits, shapings, paths)  # [a * K, draft vocab]
+    child_log_probs, child_ids = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)  # [a * K, K]
     child_targets = model.to_target_ids(child_ids.flatten()).view_as(child_ids).tolist()
     return _Children(step.hidden[selector], child_log_probs.tolist(), child_targets)
 

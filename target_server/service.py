@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -18,11 +18,12 @@ import grpc
 from tandem.grpc_util import CallFailed, on_call_end
 from tandem.leases import Leases, leased_call, leased_stream
 from tandem.model_thread import ModelThread
+from tandem.sampling.processing import Shaping
 from tandem.wire import target_pb2, target_pb2_grpc
 from tandem.wire.codec import DEFAULT_CHUNK_BYTES, ShardOf, iter_weight_chunks, tensor_to_proto
 from tandem.wire.drafts import tree_from_proto
 from tandem.wire.logprobs import logprobs_to_proto
-from tandem.wire.sampling import sampling_from_proto
+from tandem.wire.sampling import sampling_from_proto, sampling_to_proto
 from target_server.items import (
     MAX_DRAFT_TOKENS,
     TARGET_ONLY,
@@ -32,6 +33,7 @@ from target_server.items import (
     RowStream,
     StepItem,
     StepResult,
+    TargetRequest,
 )
 from target_server.ranks import SHARED_TABLES
 from target_server.runner import TargetRunner
@@ -190,6 +192,11 @@ class TargetService(target_pb2_grpc.TargetServicer):
         subscriber = self.subscribers.get(replica) if replica else None
         if replica and subscriber is not None and result.captured is not None:
             chunks = hidden_messages(result.captured, message.round)
+            request = self.runner.requests.get(message.request_id)
+            if result.captured.start_position <= 0 and request is not None:  # rows that start the request over
+                shaping = draft_shaping(request)
+                if shaping is not None:
+                    chunks[0].shaping.CopyFrom(shaping)
             if message.draft_ahead > 0 and result.new_tokens:  # the round's rows are complete: it may draft now
                 chunks[-1].draft_ahead = message.draft_ahead
             outbox.setdefault(replica, []).extend(chunks)
@@ -331,3 +338,16 @@ def hidden_messages(
         )
         for start in range(0, max(count, 1), per_message)
     ]
+
+
+def draft_shaping(request: TargetRequest) -> target_pb2.DraftShaping | None:
+    """What the request's draft needs to shape its drafts as the rows are shaped (draft_server.shaping); None when
+    the request's options leave rows as they are (the grammar shapes drafts on the target: GrammarState.shaped)."""
+    shaping = Shaping.of(request.sampling, request.prompt_length, request.tokens[:1])
+    if shaping is None:
+        return None
+    return target_pb2.DraftShaping(
+        sampling=sampling_to_proto(replace(shaping.sampling, grammar="")),
+        prompt_length=shaping.prompt_length,
+        first_token=shaping.tokens[0],
+    )

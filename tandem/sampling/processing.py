@@ -20,6 +20,7 @@ Example: new tokens [5, 5], a chain of drafts [7, 5], frequency_penalty 0.5: row
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -74,3 +75,25 @@ def _path_counts(
             ids = torch.tensor(list(path), dtype=torch.long, device=device)
             counts[row].index_add_(0, ids, torch.ones_like(ids))
     return counts
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """A request's options that change its rows (bias, penalties, min_tokens; no grammar) and its committed tokens at
+    one point: what a draft needs to choose its drafts as the target's rows will be shaped."""
+
+    sampling: SamplingParams
+    prompt_length: int  # tokens[:prompt_length] are the prompt
+    tokens: tuple[int, ...]  # the committed tokens x[0..]
+
+    @classmethod
+    def of(cls, sampling: SamplingParams, prompt_length: int, tokens: Sequence[int]) -> Shaping | None:
+        """None when the options leave rows as they are (a grammar shapes drafts on the target)."""
+        if not sampling.processes_rows and not (sampling.min_tokens and sampling.stop_token_ids):
+            return None
+        return cls(sampling, prompt_length, tuple(tokens))
+
+    def row(self, logits: torch.Tensor, path: Sequence[int]) -> torch.Tensor:  # [vocab] -> [vocab]
+        """One row deciding the token after the committed tokens and then `path` (drafts)."""
+        tokens = (*self.tokens, *path)
+        return process_rows(logits.unsqueeze(0), DraftTree(), self.sampling, tokens, self.prompt_length)[0]

@@ -138,7 +138,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., capture_indices: _Optional[_Iterable[int]] = ..., tokens_only: _Optional[bool] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
-    __slots__ = ("request_id", "round", "start_position", "next_tokens", "features", "draft_ahead", "step_end", "released")
+    __slots__ = ("request_id", "round", "start_position", "next_tokens", "features", "draft_ahead", "step_end", "released", "shaping")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class HiddenStates(_message.Message):
     DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     STEP_END_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    SHAPING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     start_position: int
@@ -155,7 +156,18 @@ class HiddenStates(_message.Message):
     draft_ahead: int
     step_end: bool
     released: bool
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ahead: _Optional[int] = ..., step_end: _Optional[bool] = ..., released: _Optional[bool] = ...) -> None: ...
+    shaping: DraftShaping
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ahead: _Optional[int] = ..., step_end: _Optional[bool] = ..., released: _Optional[bool] = ..., shaping: _Optional[_Union[DraftShaping, _Mapping]] = ...) -> None: ...
+
+class DraftShaping(_message.Message):
+    __slots__ = ("sampling", "prompt_length", "first_token")
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    sampling: _common_pb2.SamplingParams
+    prompt_length: int
+    first_token: int
+    def __init__(self, sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_length: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class HiddenBatch(_message.Message):
     __slots__ = ("rows",)

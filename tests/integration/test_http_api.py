@@ -403,6 +403,16 @@ def test_logit_bias_bans_the_favourite_tokens_with_and_without_speculation(stack
     assert not set(banned_ids) & set(first[:6])
 
 
+def test_drafts_are_shaped_by_the_bias_so_they_are_accepted(stack: Stack) -> None:
+    """The draft replica shapes its logits by the request's options as the target does (draft_server.shaping): a
+    token lifted far above the rest is what the target chooses everywhere, and what every draft proposes."""
+    lifted = generate(stack.address, prompt=PROMPT, max_new_tokens=4, ignore_eos=True).token_ids[3]
+    completion = generate(stack.address, prompt=PROMPT, max_new_tokens=24, ignore_eos=True, logit_bias={lifted: 100})
+    assert set(completion.token_ids) == {lifted}
+    assert completion.stats.draft_tokens > 0
+    assert completion.stats.accepted_tokens == completion.stats.draft_tokens
+
+
 def test_repetition_penalty_is_transformers_generate(stack: Stack) -> None:
     completion = generate(stack.address, prompt=PROMPT, max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3)
     tokenizer = AutoTokenizer.from_pretrained(str(DEMO_TARGET))

@@ -22,10 +22,17 @@ from tandem.models.eagle3 import load_eagle3
 from tandem.models.registry import load_target
 from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
+from tandem.sampling.processing import Shaping
 from tandem.settings import KVCacheSettings
 from target_server.items import StepItem, StepResult
 from target_server.runner import TargetRunner
-from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
+from tests.helpers.checkpoints import (
+    TinyEagle3Spec,
+    TinyTargetSpec,
+    target_ids_of_draft,
+    write_tiny_eagle3,
+    write_tiny_target,
+)
 from tests.helpers.eager_recorder import EagerGraphs
 from tests.helpers.target_rows import random_rows
 
@@ -174,12 +181,19 @@ def test_draft_runner_replays_the_same_proposals(tmp_path: Path, target_dir: Pat
     graphs = EagerGraphs()
     graphed = DraftRunner(load_eagle3(draft_dir)[0], GRAPHED, graphs=graphs)
     plain = DraftRunner(load_eagle3(draft_dir)[0], PLAIN)
+    # c's options lift one token far above the others (draft_server.shaping): the steps replayed from a recorded
+    # shape hand out their logits, shaped outside the replay.
+    lifted = target_ids_of_draft(draft_dir)[5]
+    options = Shaping(SamplingParams(logit_bias=((lifted, 50.0),)), 1, (1, *random_rows(0, 9, seed=4).next_tokens))
     batches = [
         [ProposeInput("a", random_rows(0, 6, seed=1), 4), ProposeInput("b", random_rows(0, 3, seed=2), 2)],
-        [ProposeInput("a", random_rows(7, 2, seed=3), 5), ProposeInput("c", random_rows(0, 9, seed=4), 5)],
+        [ProposeInput("a", random_rows(7, 2, seed=3), 5), ProposeInput("c", random_rows(0, 9, seed=4), 5, options)],
     ]
+    proposals = []
     for batch in batches:
-        assert graphed.propose(batch) == plain.propose(batch)
+        proposals.append(graphed.propose(batch))
+        assert proposals[-1] == plain.propose(batch)
+    assert proposals[1][1] == [lifted] * 5 and proposals[1][0] != [lifted] * 5
     assert graphs.recorder is not None
     assert graphs.recorder.recorded == [2, 1]  # both requests, then a alone (b stops at 2 steps)
     assert graphs.recorder.replays == 1 + 2 + 4  # first batch: one step of 2, two of 1; second: four of 2
