@@ -36,10 +36,17 @@ def observe_target_cost(
     target_seconds: float,
 ) -> None:
     """Feeds the cost line one decoding step: its rows and the time of one forward pass."""
-    # A multi-token decode ran one forward pass per token: the cost model is of one pass.
+    # A multi-token decode ran one forward pass per token, but for the tokens a grammar forced (accepted, verified
+    # in one pass): the cost model is of one pass.
     passes = max(
-        (len(result.new_tokens) for item, result in zip(items, outcome.results, strict=True) if item.decode_steps > 1),
-        default=1,
+        [
+            1,
+            *(
+                len(result.new_tokens) - result.accepted
+                for item, result in zip(items, outcome.results, strict=True)
+                if item.decode_steps > 1
+            ),
+        ]
     )
     # A paused batch's passes beside its probe's verification (batching._multi_step): the first pass computed more
     # than the others, so the step is no sample of one pass of its size.

@@ -98,9 +98,10 @@ class Admission:
             self.cache.truncate(entry.request.kv, entry.start_length)
 
     def _shaped(self, item: StepItem, request: TargetRequest, start: int) -> StepItem:
-        """A constrained request's item with its drafts as its grammar shapes them (GrammarState.shaped): forced
+        """A constrained request's item with its drafts as its grammar shapes them (GrammarState.shaped), an item
+        without drafts included once it reaches the last committed token (k = 0, a paused batch, target-only): forced
         tokens fill at most the KV blocks the item's own drafts need, so the orchestrator's block count holds."""
-        if request.grammar is None or not item.drafts.tokens:
+        if request.grammar is None or start + item.num_tokens < len(request.tokens):
             return item
         end = start + item.num_tokens + len(item.drafts)
         block_room = -(-end // self.cache.block_size) * self.cache.block_size - end

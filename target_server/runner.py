@@ -124,6 +124,8 @@ class TargetRunner:
         """Whether a multi-token decode item takes another token after `done_steps` forward passes."""
         if result.status is not ItemStatus.OK or item.drafts.tokens or done_steps >= item.decode_steps:
             return False
+        if result.accepted:  # its grammar forced tokens (admission's shaping): as many as its KV room took
+            return False
         request = self.requests.get(item.request_id)
         return (
             request is not None

@@ -17,6 +17,7 @@ from tandem.sampling.grammar import Grammars, GrammarState
 from tandem.sampling.params import SamplingParams
 from tandem.settings import DEMO_TARGET, KVCacheSettings
 from tandem.wire.orchestrator_pb2 import GenerateRequest
+from target_server.items import StepItem
 from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.helpers.tokenizer import write_tokenizer
@@ -96,15 +97,26 @@ def tiny_runner_parts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, G
     return directory, Grammars(directory, 320)
 
 
-def constrained_tokens(parts: tuple[Path, Grammars], drafts: list[int], count: int) -> tuple[list[int], list[int]]:
-    """`count` new tokens of greedy constrained decoding, verifying `drafts` each round; the tokens and each
-    round's accepted count."""
+def constrained_runner(parts: tuple[Path, Grammars], shaping: bool = True) -> TargetRunner:
+    """A runner with the request "a" prefilled under GRAMMAR; without `shaping` its items are verified as sent (the
+    grammar only masks), the reference."""
     directory, grammars = parts
     runner = TargetRunner(
         load_target(directory), KVCacheSettings(num_blocks=32, block_size=16), max_context=256, grammars=grammars
     )
-    tokens = runner.prefill("a", [1, 40, 41, 42], SamplingParams(grammar=GRAMMAR)).new_tokens
-    accepted: list[int] = []
+    if not shaping:
+        runner.admission._shaped = lambda item, request, start: item  # type: ignore[method-assign]
+    return runner
+
+
+def constrained_tokens(
+    parts: tuple[Path, Grammars], drafts: list[int], count: int, shaping: bool = True
+) -> tuple[list[int], list[int]]:
+    """`count` new tokens of greedy constrained decoding, verifying `drafts` each round; the tokens and each
+    round's accepted count (the prompt's round first)."""
+    runner = constrained_runner(parts, shaping)
+    first = runner.prefill("a", [1, 40, 41, 42], SamplingParams(grammar=GRAMMAR))
+    tokens, accepted = list(first.new_tokens), [first.accepted]
     while len(tokens) < count:
         result = runner.verify("a", drafts)
         tokens += result.new_tokens
@@ -113,13 +125,31 @@ def constrained_tokens(parts: tuple[Path, Grammars], drafts: list[int], count: i
 
 
 def test_constrained_greedy_with_shaped_drafts_equals_target_only(tiny_runner_parts: tuple[Path, Grammars]) -> None:
-    plain, _ = constrained_tokens(tiny_runner_parts, [], 24)
+    plain, unforced = constrained_tokens(tiny_runner_parts, [], 24, shaping=False)
+    assert not any(unforced)
     for drafts in ([5, 6, 7], [300, 301]):  # junk the grammar forbids: it is cut, forced tokens take its place
         speculative, accepted = constrained_tokens(tiny_runner_parts, drafts, 24)
         assert speculative == plain
         assert max(accepted) > len(drafts)  # forced tokens beyond the drafts were verified and accepted
     text = grammars_text(tiny_runner_parts, plain)
     assert text.startswith('{"capital":"'), text
+
+
+def test_rounds_without_drafts_take_the_forced_tokens(tiny_runner_parts: tuple[Path, Grammars]) -> None:
+    """k = 0 (a paused batch, target-only requests): the prompt's last chunk and every decode item verify what the
+    grammar forces; a multi-token decode stops after a pass that took forced tokens (their KV filled its room)."""
+    plain, _ = constrained_tokens(tiny_runner_parts, [], 24, shaping=False)
+    forced, accepted = constrained_tokens(tiny_runner_parts, [], 24)
+    assert forced == plain and accepted[0] > 0  # '{"capital":"' forced right after the prompt
+    runner = constrained_runner(tiny_runner_parts)
+    tokens = list(runner.prefill("a", [1, 40, 41, 42], SamplingParams(grammar=GRAMMAR)).new_tokens)
+    passes = []
+    while len(tokens) < 24:
+        (result,) = runner.step([StepItem("a", 1, decode_steps=4)])
+        tokens += result.new_tokens
+        passes.append(len(result.new_tokens) - result.accepted)
+        assert result.accepted == 0 or passes[-1] == 1
+    assert tokens[:24] == plain and sum(passes) < len(tokens)  # fewer forward passes than tokens
 
 
 def grammars_text(parts: tuple[Path, Grammars], tokens: list[int]) -> str:

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from orchestrator.accounting import observe_target_cost
+from orchestrator.backends import StepItem, StepOutcome, StepResult
 from orchestrator.metrics import SchedulerCollector
 from orchestrator.speculation import (
     EXPLORE_EVERY,
@@ -363,3 +365,19 @@ def test_metrics_show_each_measured_batch_sizes_settled_k_and_its_changes() -> N
     settled, changes = collector._adaptive_k("m")
     assert [(s.labels["batch_size"], s.value) for s in settled.samples] == [("1", 5), ("32", 0)]
     assert [(s.labels["batch_size"], s.value) for s in changes.samples] == [("1", 0), ("32", 1)]
+
+
+def test_a_multi_token_decode_is_timed_per_forward_pass_forced_tokens_not_counted() -> None:
+    """observe_target_cost feeds the cost line one pass: a decode of 4 passes is a quarter of the step's time, and
+    tokens a grammar forced (accepted, verified in one pass beside the first) are no passes."""
+    seen: list[tuple[int, float]] = []
+    policy = SimpleNamespace(observe_target=lambda rows, seconds: seen.append((rows, seconds)))
+    items = [StepItem("a", 1, 1, decode_steps=4), StepItem("b", 1, 1, decode_steps=4)]
+
+    def observe(*results: StepResult) -> tuple[int, float]:
+        observe_target_cost(policy, items, StepOutcome(list(results), 1.0), False, 1.0)  # type: ignore[arg-type]
+        return seen.pop()
+
+    assert observe(StepResult("a", None, 0, [5, 6, 7, 8]), StepResult("b", None, 0, [5, 6])) == (2, 0.25)
+    assert observe(StepResult("a", None, 3, [5, 6, 7, 8]), StepResult("b", None, 0, [5, 6])) == (2, 0.5)
+    assert observe(StepResult("a", None, 0, []), StepResult("b", None, 0, [])) == (2, 1.0)  # failed: one pass
