@@ -73,7 +73,8 @@ def count_round(
     stats = request.output.stats
     depth = item.drafts.depth
     stats.count_round(len(item.drafts), depth, result.accepted)
-    speculation.observe_round(depth, result.accepted)
+    # What k is chosen by is the drafter's acceptance: tokens a grammar forced come at any k, k = 0 included.
+    speculation.observe_round(depth, item.drafts.matched(result.new_tokens[: result.accepted]))
     draft_compute = timing.compute_seconds if timing else 0.0
     stats.draft_seconds += draft_compute
     stats.draft_ahead_seconds += timing.ahead_seconds if timing else 0.0

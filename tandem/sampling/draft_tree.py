@@ -63,6 +63,12 @@ class DraftTree:
             paths.append((*paths[parent + 1], token))
         return paths
 
+    def matched(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` (committed after the root) run along a path of the tree: the accepted drafts that
+        were the drafter's. A constrained request may accept more, tokens its grammar forced in
+        (tandem.sampling.grammar.GrammarState.shaped). Example: chain [5, 6, 7], tokens [5, 6, 9] -> 2."""
+        return max((len(path) for path in self.paths() if tuple(tokens[: len(path)]) == path), default=0)
+
     def children(self) -> list[list[int]]:
         """children[0] are the root's children, children[1 + i] node i's, each in index order."""
         children: list[list[int]] = [[] for _ in range(len(self.parents) + 1)]

@@ -156,3 +156,12 @@ def grammars_text(parts: tuple[Path, Grammars], tokens: list[int]) -> str:
     from transformers import AutoTokenizer
 
     return str(AutoTokenizer.from_pretrained(str(parts[0])).decode(tokens))
+
+
+def test_the_drafters_acceptance_leaves_out_the_forced_tokens() -> None:
+    """Adaptive k weighs what drafting adds (orchestrator/accounting.py): of a constrained round's accepted tokens,
+    those along a path of the drafts sent, not those the grammar forced in."""
+    chain, tree = DraftTree.chain([5, 6, 7]), DraftTree.of([5, 8, 6, 9], [-1, -1, 0, 1])
+    assert [chain.matched(tokens) for tokens in ([], [5, 6], [5, 6, 7, 3, 4], [9, 6])] == [0, 2, 3, 0]
+    assert [tree.matched(tokens) for tokens in ([8, 9, 1], [5, 6], [5, 9])] == [2, 2, 1]
+    assert DraftTree().matched([4, 4]) == 0

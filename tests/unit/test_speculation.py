@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.accounting import observe_target_cost
+from orchestrator.accounting import StepTimes, count_round, observe_target_cost
 from orchestrator.backends import StepItem, StepOutcome, StepResult
 from orchestrator.metrics import SchedulerCollector
+from orchestrator.output import Stats
 from orchestrator.speculation import (
     EXPLORE_EVERY,
     MIN_PROPOSES,
@@ -20,6 +21,7 @@ from orchestrator.speculation import (
     SpeculationPolicy,
     bucket,
 )
+from tandem.sampling.draft_tree import DraftTree
 
 ACCEPTANCE = (0.8, 0.68, 0.6, 0.53, 0.49)  # per position, each given all earlier ones accepted
 
@@ -381,3 +383,16 @@ def test_a_multi_token_decode_is_timed_per_forward_pass_forced_tokens_not_counte
     assert observe(StepResult("a", None, 0, [5, 6, 7, 8]), StepResult("b", None, 0, [5, 6])) == (2, 0.25)
     assert observe(StepResult("a", None, 3, [5, 6, 7, 8]), StepResult("b", None, 0, [5, 6])) == (2, 0.5)
     assert observe(StepResult("a", None, 0, []), StepResult("b", None, 0, [])) == (2, 1.0)  # failed: one pass
+
+
+def test_the_cost_model_counts_the_drafts_accepted_not_the_forced_tokens() -> None:
+    rounds: list[tuple[int, int]] = []
+    policy = SimpleNamespace(observe_round=lambda depth, accepted: rounds.append((depth, accepted)))
+    request = SimpleNamespace(output=SimpleNamespace(stats=Stats()))
+    item = StepItem("a", 1, 1, drafts=DraftTree.chain([5, 6, 7]))
+    times = StepTimes(0.0, 0.0, 0.0)
+    for accepted, new_tokens in ((5, [5, 30, 31, 32, 33, 34]), (3, [5, 6, 7, 8])):  # junk cut at 6; all accepted
+        result = StepResult("a", None, accepted, new_tokens)
+        count_round(policy, request, item, result, None, StepOutcome([result], 0.0), times)  # type: ignore[arg-type]
+    assert rounds == [(3, 1), (3, 3)]
+    assert request.output.stats.accepted_tokens == 8  # what the request reports counts every accepted token
