@@ -235,9 +235,8 @@ class MTPRunner:
         paths: Sequence[Sequence[int]],  # per row, the drafts before its choice
     ) -> list[int]:
         """Each row's draft: the argmax of the layer's logits, shaped by the request's options."""
-        logits = self.model.compute_logits(normed, layer)
-        vocab = self.model.embed_tokens.num_embeddings
-        return shape_logits(logits, shapings, paths, lambda ids: ids, vocab).argmax(dim=-1).tolist()
+        logits = self.model.compute_logits(normed, layer)  # over the target's vocabulary
+        return shape_logits(logits, shapings, paths).argmax(dim=-1).tolist()
 
     def _run(self, layer: int, work: Sequence[LayerWork]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One packed forward of MTP layer `layer`; returns each item's rows to hand on (self.flow) and the normed last

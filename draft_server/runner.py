@@ -181,8 +181,11 @@ class DraftRunner:
         self, logits: torch.Tensor, shapings: Sequence[Shaping | None], paths: Sequence[Sequence[int]]
     ) -> torch.Tensor:  # [rows, draft vocab] -> the same
         """Draft logits shaped by their requests' options (draft_server.shaping)."""
-        vocab = self.model.embed_tokens.num_embeddings
-        return shape_logits(logits, shapings, paths, self.model.to_target_ids, vocab)
+        vocab, draft_vocab = self.model.embed_tokens.num_embeddings, logits.shape[1]
+        if draft_vocab == vocab or all(shaping is None for shaping in shapings):
+            return shape_logits(logits, shapings, paths)
+        target_ids = self.model.to_target_ids(torch.arange(draft_vocab, device=logits.device))  # [draft vocab]
+        return shape_logits(logits, shapings, paths, (target_ids, vocab))
 
     def check_rows(self, inputs: Sequence[ProposeInput]) -> None:
         """Raises DraftRequestError unless every item's rows continue the KV its request holds."""

@@ -13,7 +13,7 @@ Example: logit_bias {42: 100} makes the target choose 42 at every position; a dr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,16 +48,12 @@ def shape_logits(
     logits: torch.Tensor,  # [rows, draft vocab]
     shapings: Sequence[Shaping | None],  # per row: its request's, None for a request without options
     paths: Sequence[Sequence[int]],  # per row: the drafts (target ids) between the committed tokens and its choice
-    to_target_ids: Callable[[torch.Tensor], torch.Tensor],  # [n] draft ids -> [n] target ids
-    target_vocab: int,
+    columns: tuple[torch.Tensor, int] | None = None,  # a draft vocabulary of its own: each column's target id
+    # ([draft vocab]) and the target's vocabulary size; None: the columns are the target's ids
 ) -> torch.Tensor:  # [rows, draft vocab]
     """The logits with each shaped row processed as the target processes it; `logits` itself when no row is."""
     if all(shaping is None for shaping in shapings):
         return logits
-    draft_vocab = logits.shape[1]
-    columns = None
-    if draft_vocab != target_vocab:
-        columns = to_target_ids(torch.arange(draft_vocab, device=logits.device))  # [draft vocab]
     shaped = logits.clone()
     for row, (shaping, path) in enumerate(zip(shapings, paths, strict=True)):
         if shaping is None:
@@ -65,7 +61,8 @@ def shape_logits(
         if columns is None:
             shaped[row] = shaping.row(logits[row], path)
             continue
+        target_ids, target_vocab = columns
         full = logits.new_zeros(target_vocab)
-        full[columns] = logits[row]
-        shaped[row] = shaping.row(full, path)[columns]
+        full[target_ids] = logits[row]
+        shaped[row] = shaping.row(full, path)[target_ids]
     return shaped

@@ -107,7 +107,7 @@ class StandaloneRunner:
         output = self.model(input_ids, metadata, self.cache)
         logits = self.model.compute_logits(output.normed[metadata.page_table.last_rows()])  # [num_requests, vocab]
         shapings = [item.shaping for item in inputs]
-        tokens = self._shaped(logits, shapings, [[] for _ in inputs]).argmax(dim=-1).cpu()  # [num_requests]
+        tokens = shape_logits(logits, shapings, [[] for _ in inputs]).argmax(dim=-1).cpu()  # [num_requests]
         proposals: list[list[int]] = [[token] for token in tokens.tolist()]
         active = list(range(len(inputs)))
         for step_index in range(1, max((item.num_steps for item in inputs), default=0)):
@@ -138,18 +138,12 @@ class StandaloneRunner:
         outputs = run_step(self.graphs, self.cache, table, {"tokens": tokens}, "step", self._next)
         if all(shaping is None for shaping in shapings):
             return outputs["tokens"].cpu()
-        return self._shaped(outputs["logits"], shapings, paths).argmax(dim=-1).cpu()
+        return shape_logits(outputs["logits"], shapings, paths).argmax(dim=-1).cpu()
 
     def _next(self, inputs: Tensors, metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
         output = self.model(inputs["tokens"], metadata, self.cache)
         logits = self.model.compute_logits(output.normed)
         return {"tokens": logits.argmax(dim=-1), "logits": logits}
-
-    def _shaped(
-        self, logits: torch.Tensor, shapings: Sequence[Shaping | None], paths: Sequence[Sequence[int]]
-    ) -> torch.Tensor:  # [rows, vocab] -> the same
-        """Logits shaped by their requests' options (draft_server.shaping)."""
-        return shape_logits(logits, shapings, paths, lambda ids: ids, self.model.config.vocab_size)
 
     def _check_blocks(self, inputs: Sequence[ProposeInput], kept: Sequence[int]) -> None:
         """Raises OutOfKVBlocks before any change if the batch, its ingest and every draft step, does not fit."""

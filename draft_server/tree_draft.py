@@ -173,7 +173,7 @@ def _run_expanded(
     input_ids = torch.tensor(tokens, dtype=torch.long, device=cache.device)  # target vocabulary ids
     step = model(input_ids, torch.stack(hiddens), metadata, cache, selector)
     shapings = [item.shaping for item in inputs for _ in range(topk)]
-    paths = [expansion.path(node) for expansion in expansions for node in expansion.frontier]
+    paths = [expansion.path(node) for expansion in expansions for node in expansion.frontier] if any(shapings) else []
     logits = runner.shaped(step.logits, shapings, paths)  # [a * K, draft vocab]
     child_log_probs, child_ids = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)  # [a * K, K]
     child_targets = model.to_target_ids(child_ids.flatten()).view_as(child_ids).tolist()

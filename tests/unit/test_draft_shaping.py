@@ -131,11 +131,11 @@ def test_a_reduced_vocabulary_is_shaped_in_the_targets_columns() -> None:
     logits = torch.randn(2, 5, generator=torch.Generator().manual_seed(1))
     full = torch.randn(2, 12, generator=torch.Generator().manual_seed(2))
     full[:, target_ids] = logits
-    shaped = shape_logits(logits, [shaping, None], [[4], []], lambda ids: target_ids[ids], 12)
+    shaped = shape_logits(logits, [shaping, None], [[4], []], (target_ids, 12))
     expected = process_rows(full[:1], DraftTree(), sampling, (3, 4, 2, 9, 9, 4), 3)[0, target_ids]
     assert torch.equal(shaped[0], expected)
     assert torch.equal(shaped[1], logits[1])  # a request without options is left as it is
-    assert shape_logits(logits, [None, None], [[], []], lambda ids: ids, 12) is logits
+    assert shape_logits(logits, [None, None], [[], []], (target_ids, 12)) is logits
 
 
 def test_the_replica_follows_committed_tokens_through_rows() -> None:
