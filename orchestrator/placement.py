@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from orchestrator.backends import BackendError
 from orchestrator.batching import ActiveRequest, Drafting
@@ -30,8 +30,11 @@ class Placement:
         speculation: SpeculationPolicy,
         requests: Callable[[], Iterable[ActiveRequest]],  # every request not yet released: running, then waiting
         wake: Callable[[], None],  # runs the scheduler loop now
+        # Frees requests on a replica (Releases.release_on): what fails is owed there and sent again until it lands.
+        forget: Callable[[str, Sequence[str]], Awaitable[None]],
     ) -> None:
         self.replicas = replicas
+        self.forget = forget
         self.settings = settings
         self.speculation = speculation
         self.requests = requests
@@ -63,17 +66,9 @@ class Placement:
             self.replicas.release(replica_id)
             request.start_over(self.assign())
         # What the replica still holds of them is of no use now; a live but slow replica frees it.
-        in_background(self.forget_on(replica_id, [request.request_id for request in moved]))
+        in_background(self.forget(replica_id, [request.request_id for request in moved]))
         if replica_id not in self._probes:
             self._probes[replica_id] = asyncio.get_running_loop().create_task(self._reprobe(replica_id))
-
-    async def forget_on(self, replica_id: str, request_ids: Sequence[str]) -> None:
-        replica = self.replicas.get(replica_id)
-        if replica is not None and request_ids:
-            try:
-                await replica.backend.release(request_ids)
-            except BackendError as error:
-                LOG.info("replica %s could not release moved requests: %s", replica_id, error)
 
     async def _reprobe(self, replica_id: str) -> None:
         wait = self.settings.reprobe_s
@@ -116,7 +111,7 @@ class Placement:
         self.requests_paused += len(attached) - 1
         LOG.info("adaptive k is 0 at %d requests: %d go on without drafts", len(wanting), len(attached) - 1)
         for replica_id, request_ids in forget.items():
-            in_background(self.forget_on(replica_id, request_ids))
+            in_background(self.forget(replica_id, request_ids))
         return batch
 
     def return_orphans(self, running: Iterable[ActiveRequest]) -> None:

@@ -88,9 +88,10 @@ class Scheduler:
         self.target_failure: str | None = None  # why the target's last step or release failed; None once it answers
         self.speculation = SpeculationPolicy(settings.num_steps, settings.adaptive_k)
         self.k_in_use = settings.num_steps  # the last step's k (metrics)
-        self.placement = Placement(replicas, settings, self.speculation, self._requests, self.wake)
-        self.proposer = Proposer(self.placement, self.speculation, facts.vocab_size, settings.max_tree_drafts)
         self.releases = Releases(target, replicas, self._target_answered)
+        forget = self.releases.release_on
+        self.placement = Placement(replicas, settings, self.speculation, self._requests, self.wake, forget)
+        self.proposer = Proposer(self.placement, self.speculation, facts.vocab_size, settings.max_tree_drafts)
         self._wake = asyncio.Event()
 
     def submit(self, params: ValidatedRequest) -> ActiveRequest:
