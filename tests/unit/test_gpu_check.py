@@ -18,6 +18,7 @@ def test_the_dry_run_checks_what_travels_and_runs_the_stack_step(tmp_path: Path)
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "run 1: tree + 8 wheels" in done.stdout and "of 64.0 MiB: fits" in done.stdout
+    assert "run 2: tree + 8 wheels" in done.stdout and "OVER" not in done.stdout
     assert "wheel set: 8 wheels cover pyproject beside the image" in done.stdout
     assert "- stack (tiny shape, CPU): passed" in done.stdout
     assert "greedy tokens identical: yes (32 tokens)" in (tmp_path / "log.txt").read_text()
@@ -28,6 +29,34 @@ def test_a_tree_over_the_limit_does_not_fit(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setattr(gpu_check, "LIMIT_BYTES", 2**20)
     fits, lines = gpu_check.size_report(tmp_path)
     assert not fits and "OVER by" in lines[1]
+
+
+def test_run_2_is_judged_with_run_1s_wheels_and_flashinfers(tmp_path: Path) -> None:
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "a.whl").write_bytes(b"x" * 2**20)
+    (tmp_path / "flashinfer").mkdir()
+    (tmp_path / "flashinfer" / "b.tar.xz").write_bytes(b"x" * 2**20)
+    fits, lines = gpu_check.size_report(tmp_path)
+    tree = gpu_check.tree_bytes()
+    assert fits and f"travelling {gpu_check.mib(tree + 2 * 2**20)}" in lines[2], lines
+
+
+def test_a_repacked_wheel_unpacks_to_the_wheels_files(tmp_path: Path) -> None:
+    import tarfile
+    import zipfile
+
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    files = {"pkg/__init__.py": b"VALUE = 1\n", "pkg/data/kernel.cu": b"// a kernel\n" * 100}
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in {**files, "pkg-1.0.dist-info/METADATA": b"Name: pkg\n"}.items():
+            archive.writestr(name, data)
+    repacked = gpu_check.repack(wheel)
+    assert repacked.name == "pkg-1.0.tar.xz" and not wheel.exists()
+    with tarfile.open(repacked) as archive:
+        archive.extractall(tmp_path / "site", filter="data")
+    for name, data in files.items():
+        assert (tmp_path / "site" / name).read_bytes() == data
+    assert (tmp_path / "site" / "pkg-1.0.dist-info" / "METADATA").exists()
 
 
 def test_every_wheel_is_a_version_pyproject_allows() -> None:
