@@ -190,7 +190,9 @@ def run_all(args: argparse.Namespace) -> int:
 
     machine = f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA'}, torch {torch.__version__}"
     record.add(Result("machine", torch.cuda.is_available(), 0.0, f"{machine}, flashinfer: {flashinfer_brought()}"))
+    # In one process, without pyproject's addopts: the image has no pytest-xdist for its `-n`.
     pytest = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/cuda", "-p", "no:cacheprovider"]
+    pytest += ["-o", "addopts=-ra", "-p", "no:xdist"]
     record.step("tests/cuda", 75, pytest)
     note = f"Llama-3.1-8B widths, {args.layers} of 32 layers, float32"
     result = record.step(

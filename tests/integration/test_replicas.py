@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import psutil
 
 from tandem.grpc_util import channel_options
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
@@ -18,17 +19,18 @@ from tests.integration.stack import Stack, draft_info, generate, serve, service_
 PROMPTS = [f"def function_{index}(value):\n    return" for index in range(16)]
 
 
-def replica_pid(replica_id: str) -> int:
-    """The pid of the `tandem draft --replica-id REPLICA_ID` process (read from /proc)."""
+def replica_pid(stack: Stack, replica_id: str) -> int:
+    """The pid of this stack's `tandem draft --replica-id REPLICA_ID` process: one of the serve process's children,
+    so that another stack on the machine (a parallel test run) with a replica of the same name is never taken."""
     pids = []
-    for entry in Path("/proc").iterdir():
+    for child in psutil.Process(stack.process.pid).children(recursive=True):
         try:
-            arguments = (entry / "cmdline").read_bytes().split(b"\0")
-        except (FileNotFoundError, PermissionError, NotADirectoryError, ProcessLookupError):
+            arguments = child.cmdline()
+        except psutil.NoSuchProcess:
             continue
-        flag = arguments.index(b"--replica-id") if b"--replica-id" in arguments else -1
-        if b"draft" in arguments and flag >= 0 and arguments[flag + 1] == replica_id.encode():
-            pids.append(int(entry.name))
+        flag = arguments.index("--replica-id") if "--replica-id" in arguments else -1
+        if "draft" in arguments and flag >= 0 and arguments[flag + 1] == replica_id:
+            pids.append(child.pid)
     assert len(pids) == 1, f"expected one process for {replica_id}, found {pids}"
     return pids[0]
 
@@ -48,6 +50,12 @@ def greedy(address: str, prompt: str, max_new_tokens: int, disable_speculation: 
     return completion.token_ids
 
 
+def target_only(address: str, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """The prompts' target-only greedy outputs, all at once (greedy output does not depend on the batch)."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda prompt: greedy(address, prompt, max_new_tokens, True), prompts))
+
+
 def test_sigkilled_replica_costs_no_request(llama_target: Path, random_draft: Path) -> None:
     with serve(llama_target, random_draft, "--draft-replicas", "2", "--speculative-num-steps", "3") as stack:
         replicas = admin(stack).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
@@ -55,15 +63,15 @@ def test_sigkilled_replica_costs_no_request(llama_target: Path, random_draft: Pa
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = [pool.submit(greedy, stack.address, prompt, 120) for prompt in PROMPTS]
             time.sleep(1.0)  # the streams are running
-            os.kill(replica_pid("draft-1"), signal.SIGKILL)
+            os.kill(replica_pid(stack, "draft-1"), signal.SIGKILL)
             speculative = [future.result(timeout=300) for future in futures]
         # The dead replica is demoted, holds no request, and is probed until it answers (it never will).
         replicas = admin(stack).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
         states = sorted((r.replica_id, r.state, r.outstanding) for r in replicas)
         demotions = [line for line in stack.log if "demoted" in line]
         assert states == [("draft-0", "serving", 0), ("draft-1", "demoted", 0)], demotions
-        target_only = [greedy(stack.address, prompt, 120, disable_speculation=True) for prompt in PROMPTS]
-    assert speculative == target_only
+        reference = target_only(stack.address, PROMPTS, 120)
+    assert speculative == reference
 
 
 def test_last_replica_lost_then_a_new_one_joins(tmp_path: Path, llama_target: Path, random_draft: Path) -> None:
@@ -82,7 +90,7 @@ def test_last_replica_lost_then_a_new_one_joins(tmp_path: Path, llama_target: Pa
             with ThreadPoolExecutor(4) as pool:
                 futures = [pool.submit(greedy, stack.address, prompt, 400) for prompt in PROMPTS[:4]]
                 time.sleep(1.0)
-                os.kill(replica_pid("draft-0"), signal.SIGKILL)
+                os.kill(replica_pid(stack, "draft-0"), signal.SIGKILL)
                 time.sleep(0.5)  # the running requests go on target-only
                 status = admin(stack).AddReplica(orchestrator_pb2.AddReplicaRequest(address=new_address))
                 assert (status.replica_id, status.state) == ("draft-new", "serving")
@@ -94,8 +102,7 @@ def test_last_replica_lost_then_a_new_one_joins(tmp_path: Path, llama_target: Pa
                 switched_back = draft_info(new_address).running_requests
                 speculative = [future.result(timeout=300) for future in futures]
             assert switched_back > 0
-            target_only = [greedy(stack.address, prompt, 400, disable_speculation=True) for prompt in PROMPTS[:4]]
-            assert speculative == target_only
+            assert speculative == target_only(stack.address, PROMPTS[:4], 400)
             # New requests use the newcomer too.
             completion = generate(stack.address, prompt="def x():", max_new_tokens=20, ignore_eos=True)
             assert completion.stats.draft_tokens > 0
@@ -132,6 +139,6 @@ def test_scale_1_to_3_to_1_under_16_streams(llama_target: Path, random_draft: Pa
             speculative = [future.result(timeout=300) for future in futures]
         replicas = admin(stack).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
         assert [r.replica_id for r in replicas] == ["draft-0"]
-        target_only = [greedy(stack.address, prompt, 300, disable_speculation=True) for prompt in PROMPTS]
+        reference = target_only(stack.address, PROMPTS, 300)
         assert not any("exited with code" in line for line in stack.log)
-    assert speculative == target_only
+    assert speculative == reference
