@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import grpc
 
 from launch.processes import ServeProcess
 from tandem.grpc_util import channel_options
+from tandem.settings import DEMO_CHAT_TEMPLATE
 from tandem.wire import (
     common_pb2,
     draft_pb2,
@@ -30,6 +32,10 @@ from tandem.wire import (
 
 READY_TIMEOUT_S = 180.0
 READY_LINE = re.compile(r"tandem ready: Generate on (\S+)")
+# The flags of the stacks several modules share (SharedStacks): the demo pair's HTTP API with its chat template, and
+# the tree shape the tree, hybrid and structured-output tests draft with.
+DEMO_HTTP = ("--http-port", "0", "--chat-template", str(DEMO_CHAT_TEMPLATE))
+TREE = ("--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8", "--speculative-num-steps", "3")
 
 
 def tandem_command(*arguments: str) -> list[str]:
@@ -46,15 +52,52 @@ def serve(target: Path, draft: Path | None, *extra: str) -> Iterator[ServeProces
     k is fixed (--no-adaptive-k) unless `extra` says otherwise: the tests' random drafts are rarely accepted, so the
     adaptive choice would soon stop drafting, and the tests are about what drafting does.
     """
-    fixed_k = [] if any(option.endswith("adaptive-k") for option in extra) else ["--no-adaptive-k"]
-    arguments = ["--target", str(target), "--port", "0", "--admin-port", "0", *fixed_k, *extra]
-    if draft is not None:
-        arguments += ["--draft", str(draft)]
-    stack = ServeProcess(arguments, ready_timeout_s=READY_TIMEOUT_S)
+    stack = start(target, draft, *extra)
     try:
         yield stack
     finally:
         stack.stop()
+
+
+def start(target: Path, draft: Path | None, *extra: str) -> ServeProcess:
+    """`serve` without the context: the caller stops the stack."""
+    fixed_k = [] if any(option.endswith("adaptive-k") for option in extra) else ["--no-adaptive-k"]
+    arguments = ["--target", str(target), "--port", "0", "--admin-port", "0", *fixed_k, *extra]
+    if draft is not None:
+        arguments += ["--draft", str(draft)]
+    return ServeProcess(arguments, ready_timeout_s=READY_TIMEOUT_S)
+
+
+class SharedStacks:
+    """`tandem serve` stacks shared by every test that needs the same (target, draft, flags), started on first use.
+
+    The tests that share a stack use their own requests and check their own results; a test that kills, scales or
+    breaks a stack starts its own with `serve`. At most `capacity` stay running (each is four processes, about
+    1.3 GB); the least recently used one is stopped to make room, and started again if asked for later. Tests that
+    share stacks run on one pytest-xdist worker, one module after another (tests/conftest.py, RUN_WITH).
+    """
+
+    def __init__(self, capacity: int = 4) -> None:
+        self.capacity = capacity
+        self.started = 0  # stacks started so far (a restarted one counts again)
+        self._running: OrderedDict[tuple[str, ...], ServeProcess] = OrderedDict()
+
+    def get(self, target: Path, draft: Path | None, *extra: str) -> ServeProcess:
+        key = (str(target), str(draft), *extra)
+        stack = self._running.get(key)
+        if stack is not None and stack.process.poll() is not None:
+            raise RuntimeError(f"a shared stack exited with code {stack.process.returncode}:\n{''.join(stack.log)}")
+        if stack is None:
+            while len(self._running) >= self.capacity:
+                self._running.popitem(last=False)[1].stop()
+            self.started += 1
+            stack = self._running[key] = start(target, draft, *extra)
+        self._running.move_to_end(key)
+        return stack
+
+    def stop(self) -> None:
+        while self._running:
+            self._running.popitem()[1].stop()
 
 
 def run_to_exit(arguments: Sequence[str], timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
-from tests.integration.stack import draft_info, generate, serve, service_addresses, target_info
+from tests.integration.stack import SharedStacks, draft_info, generate, serve, service_addresses, target_info
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -51,20 +51,22 @@ def run_concurrently(address: str, disable_speculation: bool) -> list[list[int]]
         return list(pool.map(one, PROMPTS))
 
 
-def test_random_draft_matches_target_only_and_transformers(llama_target: Path, random_draft: Path) -> None:
+def test_random_draft_matches_target_only_and_transformers(
+    llama_target: Path, random_draft: Path, stacks: SharedStacks
+) -> None:
     expected = [reference_greedy(llama_target, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
-    with serve(llama_target, random_draft, "--speculative-num-steps", "4") as stack:
-        speculative = run_concurrently(stack.address, disable_speculation=False)
-        target_only = run_concurrently(stack.address, disable_speculation=True)
-        # Alone and without drafts, a request decodes 4 tokens per target step (--num-scheduler-steps): the first
-        # token comes with the prefill, the other 23 in 6 steps.
-        alone = generate(
-            stack.address, prompt=PROMPTS[0], max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, disable_speculation=True
-        )
-        assert alone.token_ids == expected[0]
-        assert alone.stats.rounds == 6, alone.stats
-        # Output-of-layer ids [1, 3, 5] (first id 1) resolve to capture indices [2, 4, 6].
-        assert list(draft_info(service_addresses(stack.log)["draft"]).capture_indices) == [2, 4, 6]
+    stack = stacks.get(llama_target, random_draft, "--speculative-num-steps", "4")
+    speculative = run_concurrently(stack.address, disable_speculation=False)
+    target_only = run_concurrently(stack.address, disable_speculation=True)
+    # Alone and without drafts, a request decodes 4 tokens per target step (--num-scheduler-steps): the first
+    # token comes with the prefill, the other 23 in 6 steps.
+    alone = generate(
+        stack.address, prompt=PROMPTS[0], max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, disable_speculation=True
+    )
+    assert alone.token_ids == expected[0]
+    assert alone.stats.rounds == 6, alone.stats
+    # Output-of-layer ids [1, 3, 5] (first id 1) resolve to capture indices [2, 4, 6].
+    assert list(draft_info(service_addresses(stack.log)["draft"]).capture_indices) == [2, 4, 6]
     assert target_only == expected
     assert speculative == expected
 

@@ -8,7 +8,6 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 
 import jsonschema
 import openai
@@ -17,8 +16,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tandem.settings import DEMO_CHAT_TEMPLATE, DEMO_DRAFT, DEMO_TARGET
-from tests.integration.stack import Stack, generate, serve
+from tandem.settings import DEMO_DRAFT, DEMO_TARGET
+from tests.integration.stack import DEMO_HTTP, SharedStacks, Stack, generate
 from tests.integration.test_logprobs import reference_logprobs
 
 PROMPT = "def parse(text):"
@@ -27,9 +26,8 @@ WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    with serve(DEMO_TARGET, DEMO_DRAFT, "--http-port", "0", "--chat-template", str(DEMO_CHAT_TEMPLATE)) as running:
-        yield running
+def stack(stacks: SharedStacks) -> Stack:
+    return stacks.get(DEMO_TARGET, DEMO_DRAFT, *DEMO_HTTP)
 
 
 @pytest.fixture(scope="module")

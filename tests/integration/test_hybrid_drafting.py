@@ -14,11 +14,12 @@ import pytest
 
 from tandem.settings import DEMO_DRAFT, DEMO_TARGET
 from tandem.wire import orchestrator_pb2
-from tests.integration.stack import generate, run_to_exit, serve
+from tests.integration.stack import DEMO_HTTP, TREE, SharedStacks, generate, run_to_exit, serve
 
 STEPS = 3
 CHAIN = ["--hybrid-ngram", "--speculative-num-steps", str(STEPS)]
-TREE = [*CHAIN, "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
+HYBRID_TREE = ["--hybrid-ngram", *TREE]  # test_structured_kinds' "hybrid tree": one shared stack
+RUN_WITH = "tests.integration.test_http_api"  # its demo stacks (tests/conftest.py)
 DEMO_PROMPTS = [
     "def fibonacci(n):",
     "import os\nimport sys\nimport re\nimport json\n",
@@ -61,12 +62,12 @@ def check_stats_by_depth(results: list[Result]) -> None:
         assert stats.rounds + stats.accepted_tokens == NEW_TOKENS - 1
 
 
-@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
-def test_hybrid_on_the_demo_pair_matches_target_only(shape: list[str]) -> None:
+@pytest.mark.parametrize("shape", [CHAIN, HYBRID_TREE], ids=["chain", "tree"])
+def test_hybrid_on_the_demo_pair_matches_target_only(shape: list[str], stacks: SharedStacks) -> None:
     prompts: list[dict[str, object]] = [{"prompt": prompt} for prompt in DEMO_PROMPTS]
-    with serve(DEMO_TARGET, DEMO_DRAFT, *shape) as stack:
-        hybrid = run_concurrently(stack.address, prompts, disable_speculation=False)
-        target_only = run_concurrently(stack.address, prompts, disable_speculation=True)
+    stack = stacks.get(DEMO_TARGET, DEMO_DRAFT, *shape, *DEMO_HTTP)
+    hybrid = run_concurrently(stack.address, prompts, disable_speculation=False)
+    target_only = run_concurrently(stack.address, prompts, disable_speculation=True)
     assert [tokens for tokens, _ in hybrid] == [tokens for tokens, _ in target_only]
     assert sum(stats.accepted_tokens for _, stats in hybrid) > 0
     check_stats_by_depth(hybrid)

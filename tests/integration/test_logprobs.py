@@ -12,11 +12,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.grpc_util import channel_options
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
-from tests.integration.stack import Completion, generate, serve
+from tests.integration.stack import Completion, SharedStacks, generate
 
 PROMPT = "def fibonacci(n):"
 TOP = 5
 TOLERANCE = 1e-4
+
+RUN_WITH = "tests.integration.test_greedy_equivalence"  # its stack (tests/conftest.py)
 
 
 def reference_logprobs(model_dir: Path, prompt: str, new_tokens: list[int]) -> torch.Tensor:
@@ -47,22 +49,24 @@ def logprob_request(**fields: object) -> dict[str, object]:
     return {"prompt": PROMPT, "max_new_tokens": 16, "ignore_eos": True, "logprobs": True, "top_logprobs": TOP, **fields}
 
 
-def test_logprobs_equal_transformers_with_and_without_drafts(llama_target: Path, random_draft: Path) -> None:
-    with serve(llama_target, random_draft, "--speculative-num-steps", "4") as stack:
-        speculative = generate(stack.address, **logprob_request())
-        target_only = generate(stack.address, **logprob_request(disable_speculation=True))
-        plain = generate(stack.address, prompt=PROMPT, max_new_tokens=4, ignore_eos=True)
-        with grpc.insecure_channel(stack.address, options=channel_options()) as channel:
-            stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-            request = orchestrator_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=2, top_logprobs=3)
-            with pytest.raises(grpc.RpcError) as caught:
-                list(stub.Generate(request, timeout=60))
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert caught.value.details().startswith("top_logprobs: 3 needs logprobs")
-            named = orchestrator_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=2)
-            call = stub.Generate(named, timeout=60, metadata=(("x-request-id", "client-7"),))
-            assert [response.finish_reason for response in call][-1] == "length"
-            assert dict(call.initial_metadata())["x-request-id"] == "client-7"
+def test_logprobs_equal_transformers_with_and_without_drafts(
+    llama_target: Path, random_draft: Path, stacks: SharedStacks
+) -> None:
+    stack = stacks.get(llama_target, random_draft, "--speculative-num-steps", "4")
+    speculative = generate(stack.address, **logprob_request())
+    target_only = generate(stack.address, **logprob_request(disable_speculation=True))
+    plain = generate(stack.address, prompt=PROMPT, max_new_tokens=4, ignore_eos=True)
+    with grpc.insecure_channel(stack.address, options=channel_options()) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        request = orchestrator_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=2, top_logprobs=3)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(request, timeout=60))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details().startswith("top_logprobs: 3 needs logprobs")
+        named = orchestrator_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=2)
+        call = stub.Generate(named, timeout=60, metadata=(("x-request-id", "client-7"),))
+        assert [response.finish_reason for response in call][-1] == "length"
+        assert dict(call.initial_metadata())["x-request-id"] == "client-7"
     assert speculative.token_ids == target_only.token_ids
     assert speculative.stats.draft_tokens > 0
     assert plain.logprobs == []

@@ -5,17 +5,16 @@ JSON validates and is the same with and without speculation, and constrained req
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import jsonschema
 import openai
 import pytest
 
-from tandem.settings import DEMO_CHAT_TEMPLATE, DEMO_DRAFT, DEMO_TARGET
-from tests.integration.stack import Stack, generate, serve
+from tandem.settings import DEMO_DRAFT, DEMO_TARGET
+from tests.integration.stack import DEMO_HTTP, TREE, SharedStacks, Stack, generate
 from tests.integration.test_http_api import BOUNDED_SCHEMA, PROMPT, json_schema_chat, structured_completion
 
-TREE = ["--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8", "--speculative-num-steps", "3"]
+RUN_WITH = "tests.integration.test_http_api"  # and test_tree_drafting, test_hybrid_drafting
 KINDS = {
     "eagle3 tree": (DEMO_DRAFT, TREE),
     "ngram": (None, ["--draft", "ngram"]),
@@ -24,12 +23,9 @@ KINDS = {
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
-def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+def stack(request: pytest.FixtureRequest, stacks: SharedStacks) -> Stack:
     draft, arguments = KINDS[request.param]
-    with serve(
-        DEMO_TARGET, draft, *arguments, "--http-port", "0", "--chat-template", str(DEMO_CHAT_TEMPLATE)
-    ) as running:
-        yield running
+    return stacks.get(DEMO_TARGET, draft, *arguments, *DEMO_HTTP)
 
 
 def test_json_schema_and_json_object_validate_and_speculation_does_not_change_them(stack: Stack) -> None:

@@ -8,15 +8,14 @@ same with and without speculation, streamed and not.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 
-from tandem.settings import DEMO_CHAT_TEMPLATE, DEMO_DRAFT, DEMO_TARGET
-from tests.integration.stack import Stack, serve
+from tandem.settings import DEMO_DRAFT, DEMO_TARGET
+from tests.integration.stack import DEMO_HTTP, SharedStacks, Stack
 
 MODEL = DEMO_TARGET.name
 READ_LINES = {
@@ -36,10 +35,12 @@ MESSAGES: list[Any] = [{"role": "user", "content": "Where is parse() defined?"}]
 NAMED = {"type": "function", "function": {"name": "read_lines"}}
 
 
+RUN_WITH = "tests.integration.test_http_api"  # its stack (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
-    with serve(DEMO_TARGET, DEMO_DRAFT, "--http-port", "0", "--chat-template", str(DEMO_CHAT_TEMPLATE)) as stack:
-        yield _client(stack)
+def client(stacks: SharedStacks) -> openai.OpenAI:
+    return _client(stacks.get(DEMO_TARGET, DEMO_DRAFT, *DEMO_HTTP))
 
 
 def _client(stack: Stack) -> openai.OpenAI:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tandem.settings import DEMO_DRAFT, DEMO_TARGET
 from tandem.wire import orchestrator_pb2
-from tests.integration.stack import generate, serve
+from tests.integration.stack import DEMO_HTTP, TREE, SharedStacks, generate, serve
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -18,8 +18,8 @@ PROMPTS = [
     "for i in range(10):",
 ]
 MAX_NEW_TOKENS = 32
-TREE = ["--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8", "--speculative-num-steps", "3"]
-CHAIN = ["--speculative-num-steps", "3"]
+CHAIN = ("--speculative-num-steps", "3")
+RUN_WITH = "tests.integration.test_http_api"  # its demo stacks (tests/conftest.py)
 
 
 def run_concurrently(address: str, disable_speculation: bool) -> list[tuple[list[int], orchestrator_pb2.GenerateStats]]:
@@ -45,10 +45,10 @@ def mean_acceptance_length(results: list[tuple[list[int], orchestrator_pb2.Gener
     return 1 + accepted / rounds
 
 
-def test_tree_on_the_demo_pair_matches_target_only_and_accepts_at_least_the_chain() -> None:
-    with serve(DEMO_TARGET, DEMO_DRAFT, *TREE) as stack:
-        tree = run_concurrently(stack.address, disable_speculation=False)
-        target_only = run_concurrently(stack.address, disable_speculation=True)
+def test_tree_on_the_demo_pair_matches_target_only_and_accepts_at_least_the_chain(stacks: SharedStacks) -> None:
+    stack = stacks.get(DEMO_TARGET, DEMO_DRAFT, *TREE, *DEMO_HTTP)
+    tree = run_concurrently(stack.address, disable_speculation=False)
+    target_only = run_concurrently(stack.address, disable_speculation=True)
     assert [tokens for tokens, _ in tree] == [tokens for tokens, _ in target_only]
     # Trees of 7 drafts were verified; acceptance is counted per depth (accepted_per_position), at most the 3 steps.
     for _, stats in tree:
@@ -57,8 +57,7 @@ def test_tree_on_the_demo_pair_matches_target_only_and_accepts_at_least_the_chai
         assert sum(stats.accepted_per_position) == stats.accepted_tokens
         depths = list(stats.accepted_per_position)
         assert depths == sorted(depths, reverse=True)  # a path accepted to depth d was accepted at every depth above
-    with serve(DEMO_TARGET, DEMO_DRAFT, *CHAIN) as stack:
-        chain = run_concurrently(stack.address, disable_speculation=False)
+    chain = run_concurrently(stacks.get(DEMO_TARGET, DEMO_DRAFT, *CHAIN, *DEMO_HTTP).address, disable_speculation=False)
     assert [tokens for tokens, _ in chain] == [tokens for tokens, _ in target_only]
     tree_length, chain_length = mean_acceptance_length(tree), mean_acceptance_length(chain)
     print(f"mean acceptance length on the demo pair: tree {tree_length:.3f}, chain {chain_length:.3f}")
