@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import torch
 
 from tandem.sampling.draft_tree import DraftTree
@@ -60,6 +59,8 @@ class Grammars:
 
     def _llg_tokenizer(self) -> Any:
         if self._tokenizer is None:
+            # Here, with the tokenizer: llguidance.hf imports transformers, which a target needs for nothing else.
+            import llguidance.hf
             from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
             hf = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
