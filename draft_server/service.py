@@ -55,6 +55,9 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         # Requests dropped for lack of KV room: this replica holds none of their state until their rows start over
         # (a replay), so rows that continue them are not drafted (a batch with them would fail as a whole).
         self._dropped: set[str] = set()
+        # Requests whose state was dropped when the hidden-state stream from the target broke (`lose_all`): their
+        # next Propose answers at once that they need a replay, rather than wait for rows lost with the stream.
+        self._lost: set[str] = set()
         # Requests released, by when: rows of theirs that arrive after the release (in flight, or overtaken by it)
         # are not drafted ahead, which would hold their KV again. A Propose for one (after a preemption) clears it.
         self._released: dict[str, float] = {}
@@ -66,13 +69,12 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         # Called with the seconds each Propose waited for the target's hidden rows of its requests (see _propose).
         self.rows_wait_listeners: list[Callable[[float], None]] = []
 
-    async def consume(self, stream: AsyncIterator[target_pb2.HiddenBatch]) -> None:
-        """Stores the target's rows as they arrive, keyed by (request id, round)."""
-        async for batch in stream:
-            async with self._arrived:
-                for message in batch.rows:
-                    self._store(message)
-                self._arrived.notify_all()
+    async def store(self, batch: target_pb2.HiddenBatch) -> None:
+        """Stores a batch of the target's rows (draft_server.startup.follow_target), keyed by (request id, round)."""
+        async with self._arrived:
+            for message in batch.rows:
+                self._store(message)
+            self._arrived.notify_all()
 
     def _store(self, message: target_pb2.HiddenStates) -> None:
         """Keeps one message's rows (under the rows' lock), or frees a request the target freed; the step's last
@@ -189,10 +191,11 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             # state it made (the drafting runs on) to that orchestrator's session, which frees it.
             self.leases.own(session, item.request_id, now)
         steps = {item.request_id: item.num_steps or self.settings.num_steps for item in request.items}
-        ahead, inputs = await self._take_all(request, steps)
+        ahead, inputs, lost = await self._take_all(request, steps)
         for listener in self.rows_wait_listeners:
             listener(time.perf_counter() - arrived)
         drafts, exhausted, ahead_seconds = await self._from_ahead(ahead, steps, arrived, inputs)
+        exhausted.update(dict.fromkeys(lost, "its state was dropped when the target's hidden-state stream broke"))
         ahead_waited = max((made.finished for made in ahead.values()), default=arrived) - arrived
         started = time.perf_counter()
         if inputs:
@@ -218,21 +221,25 @@ class DraftService(draft_pb2_grpc.DraftServicer):
 
     async def _take_all(
         self, request: draft_pb2.ProposeRequest, steps: Mapping[str, int]
-    ) -> tuple[dict[str, DraftedAhead], list[ProposeInput]]:
-        """Each request's rows for this round, or what was drafted ahead from them."""
+    ) -> tuple[dict[str, DraftedAhead], list[ProposeInput], set[str]]:
+        """Each request's rows for this round, or what was drafted ahead from them; and the requests lost with the
+        target's stream (`lose_all`), which have neither."""
         ahead: dict[str, DraftedAhead] = {}
         inputs = []
+        lost: set[str] = set()
         for item in request.items:
             self._released.pop(item.request_id, None)  # asked for again (after a preemption): it is live
             try:
                 taken = await self._take_rows(item.request_id, item.round, item.rows_end)
             except DraftRequestError as error:
                 raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, f"request {item.request_id!r}: {error}") from None
-            if isinstance(taken, DraftedAhead):
+            if taken is None:
+                lost.add(item.request_id)
+            elif isinstance(taken, DraftedAhead):
                 ahead[item.request_id] = taken
             else:
                 inputs.append(self._input(item.request_id, taken, steps[item.request_id]))
-        return ahead, inputs
+        return ahead, inputs, lost
 
     async def _from_ahead(
         self,
@@ -272,7 +279,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             raise drafting_failure(request_id, error) from None
 
     def _no_room(self, reason: str) -> CallFailed:
-        """What a request this replica had no KV room for answers (it dropped the request's state)."""
+        """What a request whose state this replica dropped answers (no KV room for it, or its rows were lost with
+        the target's stream): the orchestrator replays it."""
         return CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"draft {self.settings.replica_id}: {reason}")
 
     async def Release(
@@ -286,11 +294,28 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         the model thread finishes what it is drafting."""
         in_background(self._release({request_id}))
 
+    async def lose_all(self) -> int:
+        """Drops every request's state after the hidden-state stream from the target broke (rows went missing
+        with it); each is answered at its next Propose as needing a replay. Returns how many there were."""
+        held = await self._run(lambda: list(self.runner.requests))  # the model thread's own view
+        async with self._arrived:
+            lost = {*held, *(key[0] for key in self._rows), *(key[0] for key in self._ahead)}
+            self._rows.clear()
+            self._ahead.clear()
+            self._ahead_wanted = {}
+            self._shaping.clear()
+            self._lost |= lost
+            self._dropped |= lost  # rows that continue them are not drafted ahead
+            self._arrived.notify_all()  # a Propose waiting for their rows answers now
+        await self._run(self.runner.release, list(lost))
+        return len(lost)
+
     async def _release(self, released: set[str]) -> None:
         async with self._arrived:
             now = time.monotonic()
             self._released.update((request_id, now) for request_id in released)
             self._dropped.difference_update(released)
+            self._lost.difference_update(released)
             for request_id in released:
                 self._shaping.pop(request_id, None)
             for key in [key for key in self._rows if key[0] in released]:
@@ -315,17 +340,17 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     async def stop(self) -> None:
         self.model_thread.shutdown()
 
-    async def _take_rows(self, request_id: str, round_number: int, rows_end: int) -> TargetRows | DraftedAhead:
+    async def _take_rows(self, request_id: str, round_number: int, rows_end: int) -> TargetRows | DraftedAhead | None:
         """The request's rows up to this round: those of rounds it was not asked to draft for (the orchestrator
         chose k = 0 then) come first. Waits until this round's rows reach position `rows_end` (they may come in
         several messages: prompt chunks, a replay, bounded chunks of many rows), or takes the drafts made ahead from
         them, checked under the same lock as the wait so that a batch drafting ahead cannot take the rows between the
-        two. Raises DraftRequestError when they do not join up, CallFailed when the round's rows do not arrive in
-        time."""
+        two. None for a request lost with the target's stream, at once or while waiting. Raises DraftRequestError
+        when they do not join up, CallFailed when the round's rows do not arrive in time."""
         key = (request_id, round_number)
 
         def arrived() -> bool:
-            if key in self._ahead:
+            if key in self._ahead or request_id in self._lost:
                 return True
             entry = self._rows.get(key)
             return entry is not None and entry[0].start_position + len(entry[0].next_tokens) >= rows_end
@@ -343,6 +368,11 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 ) from None
             finally:
                 self._asked.discard(key)
+            if request_id in self._lost:
+                self._lost.discard(request_id)  # answered once as needing a replay; rows from 0 clear _dropped
+                for stale in [k for k in self._rows if k[0] == request_id and k[1] <= round_number]:
+                    del self._rows[stale]  # rows that arrived since the loss: of no use now
+                return None
             made = self._ahead.pop(key, None)
             return made[0] if made is not None else self._pop_rows(request_id, round_number)
 

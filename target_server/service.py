@@ -258,12 +258,16 @@ class TargetService(target_pb2_grpc.TargetServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"capture_indices: {index} is outside 0..{num_layers + 1} (the target has {num_layers} layers)",
                 )
-        if request.replica_id in self.subscribers:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"replica_id: {request.replica_id!r} is subscribed")
+        # The newest subscription of a replica id wins: a replica subscribes again when its stream broke, and on a
+        # link that went silent this side may not have seen the old stream end yet.
+        replaced = self.subscribers.get(request.replica_id)
+        if replaced is not None:
+            replaced.queue.put_nowait(None)
         subscriber = Subscriber(RowStream(capture, request.tokens_only))
         self.subscribers[request.replica_id] = subscriber
         what = "tokens only" if request.tokens_only else f"capture indices {list(capture)}"
-        LOG.info("draft replica %s subscribed, %s", request.replica_id, what)
+        again = " again (its earlier stream ended here)" if replaced is not None else ""
+        LOG.info("draft replica %s subscribed%s, %s", request.replica_id, again, what)
         on_call_end(context, lambda: self._unsubscribe(request.replica_id, subscriber))
         while (message := await subscriber.queue.get()) is not None:
             yield message

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.grpc_util import channel_options
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
+from tests.helpers.fault_proxy import FaultProxy
 from tests.integration.stack import Completion, Service, draft_info, generate, service, tandem_command, target_info
 
 BLOCK_SIZE = 8
@@ -246,4 +247,43 @@ def test_malformed_and_oversized_messages_are_refused_and_the_stack_serves_on(st
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
         assert "larger than max" in caught.value.details()  # type: ignore[attr-defined]
         assert speculative(run.address, 8).finish_reason == "length"
+    assert_nothing_held(stack)
+
+
+def test_a_replica_whose_target_stream_resets_subscribes_again_and_outputs_stay_right(stack: Stack) -> None:
+    # A second replica reaches the target through a fault proxy; resetting every connection through it breaks its
+    # hidden-state stream (and its channel) mid-request. It drops what it held, subscribes again, and its requests
+    # are replayed to it: outputs stay the target's, the replica never exits, and it drafts again afterwards.
+    proxy = FaultProxy(stack.target.address)
+    proxied_command = tandem_command(
+        "draft", "--model", str(stack.draft_model), "--target-address", proxy.address, "--port", "0",
+        "--replica-id", "draft-proxied", "--speculative-num-steps", "3", "--kv-blocks", "64",
+        "--block-size", str(BLOCK_SIZE), "--orphan-timeout", ORPHAN_TIMEOUT,
+    )  # fmt: skip
+    try:
+        with (
+            service("proxied-draft", proxied_command, stack.workdir) as proxied,
+            orchestrator(stack, [proxied.address]) as run,
+        ):
+            expected = reference(run.address, 60)
+            with ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(speculative, run.address, 60) for _ in range(4)]
+                wait_for(lambda: draft_info(proxied.address).running_requests > 0, "the streams reach the replica")
+                assert proxy.reset() > 0
+                completions = [future.result(timeout=120) for future in futures]
+            assert [c.token_ids for c in completions] == [expected] * 4
+            assert proxied.process.poll() is None, "".join(proxied.log[-20:])
+            wait_for(
+                lambda: any("hidden-state stream from the target broke" in line for line in proxied.log),
+                "the replica notices that its stream broke",
+            )
+            wait_for(lambda: speculative(run.address, 16).stats.draft_tokens > 0, "the replica drafts again")
+
+            def proxied_idle() -> bool:
+                info = draft_info(proxied.address)
+                return (info.running_requests, info.kv_blocks_free) == (0, info.kv_blocks_total)
+
+            wait_for(proxied_idle, "the proxied replica holds no request and its pool is whole again")
+    finally:
+        proxy.close()
     assert_nothing_held(stack)

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
+import grpc
 import pytest
 
 from draft_server.formats import prepare_draft
@@ -85,7 +86,11 @@ class Replica:
         prepared = prepare_draft(settings, target_info(runner, "float32"))
         self.service = DraftService(prepared.build_runner(cache), settings, prepared, ModelThread("draft-test", 1))
         self.stream = Stream()
-        self.consumer = asyncio.create_task(self.service.consume(self.stream.messages()))
+        self.consumer = asyncio.create_task(self._consume())
+
+    async def _consume(self) -> None:
+        async for batch in self.stream.messages():
+            await self.service.store(batch)
 
     async def send(self, *messages: target_pb2.HiddenStates) -> None:
         """Writes the messages as the target writes a step's rows: in one batch."""
@@ -290,6 +295,32 @@ def test_a_request_dropped_for_kv_room_is_answered_as_needing_a_replay(draft_dir
     assert "needs a replay" in second.results[1].error.message
     assert second.ahead_seconds > 0  # the batch's, not the undrafted request's nothing
     assert [(r.request_id, r.HasField("error")) for r in third.results] == [("b", False)]
+
+
+def test_requests_lost_with_the_targets_stream_answer_at_once_as_needing_a_replay(
+    draft_dir: Path, target_dir: Path
+) -> None:
+    async def scenario() -> tuple[draft_pb2.ProposeResponse, draft_pb2.ProposeResponse, int, draft_pb2.ProposeResponse]:
+        async with Replica(target_dir, draft_dir) as replica:
+            await replica.send(message("a", 1, random_rows(0, 6, seed=21), ahead=0, step_end=True))
+            first = await replica.service._propose(propose_request("a", 1, 3, 6), SESSION)
+            # A Propose waits for the next round's rows; the stream breaks and they are lost with it...
+            waiting = asyncio.create_task(replica.service._propose(propose_request("a", 2, 3, 7), SESSION))
+            await asyncio.sleep(0.01)
+            assert await replica.service.lose_all() == 1
+            second = await asyncio.wait_for(waiting, 5)  # ...so it answers at once, not after rows_timeout_s
+            held = len(replica.service.runner.requests)
+            # The replay its orchestrator sends (rows from position 0) is drafted as usual.
+            await replica.send(message("a", 3, random_rows(0, 7, seed=22), ahead=0, step_end=True))
+            third = await replica.service._propose(propose_request("a", 3, 3, 7), SESSION)
+            return first, second, held, third
+
+    first, second, held, third = asyncio.run(scenario())
+    assert not first.results[0].HasField("error")
+    assert second.results[0].HasField("error") and "stream broke" in second.results[0].error.message
+    assert second.results[0].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert held == 0
+    assert not third.results[0].HasField("error") and len(third.results[0].drafts.tokens) == 3
 
 
 async def until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
