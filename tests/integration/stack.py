@@ -74,7 +74,7 @@ class SharedStacks:
     The tests that share a stack use their own requests and check their own results; a test that kills, scales or
     breaks a stack starts its own with `serve`. At most `capacity` stay running (each is four processes, about
     1.3 GB); the least recently used one is stopped to make room, and started again if asked for later. Tests that
-    share stacks run on one pytest-xdist worker, one module after another (tests/conftest.py, RUN_WITH).
+    share stacks run on one pytest-xdist worker, one module after another (RUN_WITH in tests/conftest.py).
     """
 
     def __init__(self, capacity: int = 4) -> None:

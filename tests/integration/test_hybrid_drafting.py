@@ -19,7 +19,6 @@ from tests.integration.stack import DEMO_HTTP, TREE, SharedStacks, generate, run
 STEPS = 3
 CHAIN = ["--hybrid-ngram", "--speculative-num-steps", str(STEPS)]
 HYBRID_TREE = ["--hybrid-ngram", *TREE]  # test_structured_kinds' "hybrid tree": one shared stack
-RUN_WITH = "tests.integration.test_http_api"  # its demo stacks (tests/conftest.py)
 DEMO_PROMPTS = [
     "def fibonacci(n):",
     "import os\nimport sys\nimport re\nimport json\n",

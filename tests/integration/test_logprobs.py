@@ -18,8 +18,6 @@ PROMPT = "def fibonacci(n):"
 TOP = 5
 TOLERANCE = 1e-4
 
-RUN_WITH = "tests.integration.test_greedy_equivalence"  # its stack (tests/conftest.py)
-
 
 def reference_logprobs(model_dir: Path, prompt: str, new_tokens: list[int]) -> torch.Tensor:
     """transformers' log_softmax for each new token's row, [len(new_tokens), vocab], float32."""

@@ -38,8 +38,6 @@ PROMPT = "def fibonacci(n):"
 MAX_NEW_TOKENS = 16
 SERVER_NAME = "tandem.ray.test"  # the only name in the user's certificate
 ACTORS = ("target", "draft-0", "orchestrator")
-# One Ray test module at a time on the machine: actor_dirs looks at every actor's directory (tests/conftest.py).
-RUN_WITH = "tests.integration.test_ray"
 
 
 def actor_dirs() -> set[Path]:

@@ -14,7 +14,6 @@ from tandem.settings import DEMO_DRAFT, DEMO_TARGET
 from tests.integration.stack import DEMO_HTTP, TREE, SharedStacks, Stack, generate
 from tests.integration.test_http_api import BOUNDED_SCHEMA, PROMPT, json_schema_chat, structured_completion
 
-RUN_WITH = "tests.integration.test_http_api"  # and test_tree_drafting, test_hybrid_drafting
 KINDS = {
     "eagle3 tree": (DEMO_DRAFT, TREE),
     "ngram": (None, ["--draft", "ngram"]),

@@ -35,9 +35,6 @@ MESSAGES: list[Any] = [{"role": "user", "content": "Where is parse() defined?"}]
 NAMED = {"type": "function", "function": {"name": "read_lines"}}
 
 
-RUN_WITH = "tests.integration.test_http_api"  # its stack (tests/conftest.py)
-
-
 @pytest.fixture(scope="module")
 def client(stacks: SharedStacks) -> openai.OpenAI:
     return _client(stacks.get(DEMO_TARGET, DEMO_DRAFT, *DEMO_HTTP))

@@ -19,7 +19,6 @@ PROMPTS = [
 ]
 MAX_NEW_TOKENS = 32
 CHAIN = ("--speculative-num-steps", "3")
-RUN_WITH = "tests.integration.test_http_api"  # its demo stacks (tests/conftest.py)
 
 
 def run_concurrently(address: str, disable_speculation: bool) -> list[tuple[list[int], orchestrator_pb2.GenerateStats]]:
