@@ -1,4 +1,4 @@
-"""The whole suite: how pytest-xdist spreads it over workers (`-n 3` in pyproject.toml's addopts).
+"""The whole suite: how pytest-xdist spreads it over workers (`-n 2` in pyproject.toml's addopts).
 
 Each test module is one unit of work, run on one worker from its first test to its last, so that a module's fixtures
 (a stack, a checkpoint) start once. A module in RUN_WITH joins the unit of the module it names: modules that use the
