@@ -1,5 +1,5 @@
 """A TCP proxy that breaks a link the way networks do, for fault tests: put it between two services (give the client
-its address instead of the server's) and reset every connection through it, delay its bytes, or blackhole it.
+its address instead of the server's) and reset every connection through it.
 
 Threads, not asyncio: the tests drive it from plain code while real services talk through it.
 """
@@ -10,7 +10,6 @@ import contextlib
 import socket
 import struct
 import threading
-import time
 from dataclasses import dataclass, field
 
 
@@ -23,9 +22,6 @@ class _Link:
 @dataclass
 class FaultProxy:
     upstream: str  # host:port of the server
-    delay_s: float = 0.0  # added before each chunk is passed on
-    blackholed: bool = False  # bytes are read and dropped; connections stay open
-    resets: int = 0  # connections reset so far
     _links: list[_Link] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -41,7 +37,6 @@ class FaultProxy:
         for link in links:
             for end in (link.client, link.server):
                 _abort(end)
-        self.resets += len(links)
         return len(links)
 
     def close(self) -> None:
@@ -76,10 +71,6 @@ class FaultProxy:
             if not chunk:
                 _abort(sink)
                 return
-            if self.delay_s:
-                time.sleep(self.delay_s)
-            if self.blackholed:
-                continue
             try:
                 sink.sendall(chunk)
             except OSError:

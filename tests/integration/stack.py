@@ -79,7 +79,6 @@ class SharedStacks:
 
     def __init__(self, capacity: int = 4) -> None:
         self.capacity = capacity
-        self.started = 0  # stacks started so far (a restarted one counts again)
         self._running: OrderedDict[tuple[str, ...], ServeProcess] = OrderedDict()
 
     def get(self, target: Path, draft: Path | None, *extra: str) -> ServeProcess:
@@ -90,7 +89,6 @@ class SharedStacks:
         if stack is None:
             while len(self._running) >= self.capacity:
                 self._running.popitem(last=False)[1].stop()
-            self.started += 1
             stack = self._running[key] = start(target, draft, *extra)
         self._running.move_to_end(key)
         return stack

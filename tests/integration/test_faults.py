@@ -31,6 +31,7 @@ BLOCK_SIZE = 8
 ORPHAN_TIMEOUT = "1"
 TARGET_TIMEOUT = "3"
 DRAFT_TIMEOUT = "1"
+CACHE = ("--block-size", str(BLOCK_SIZE), "--orphan-timeout", ORPHAN_TIMEOUT)  # target's and replicas' alike
 
 
 def orchestrator_command(target: Service, drafts: list[str], tokenizer: Path) -> list[str]:
@@ -40,6 +41,20 @@ def orchestrator_command(target: Service, drafts: list[str], tokenizer: Path) ->
     for address in drafts:
         arguments += ["--draft-address", address]
     return tandem_command(*arguments)
+
+
+def draft_command(model: Path, target_address: str, replica_id: str, kv_blocks: int) -> list[str]:
+    """`tandem draft` with this module's CACHE settings and 3 steps."""
+    return tandem_command(
+        "draft", "--model", str(model), "--target-address", target_address, "--port", "0",
+        "--replica-id", replica_id, "--speculative-num-steps", "3", "--kv-blocks", str(kv_blocks), *CACHE,
+    )  # fmt: skip
+
+
+def replica_idle(address: str) -> bool:
+    """Whether the replica holds no request and its pool is whole."""
+    info = draft_info(address)
+    return (info.running_requests, info.kv_blocks_free) == (0, info.kv_blocks_total)
 
 
 @dataclass
@@ -58,17 +73,14 @@ def stack(llama_target: Path, random_draft: Path, tmp_path_factory: pytest.TempP
     # A pool sized by memory: 24 blocks of the target's float32 KV.
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     block_bytes = config["num_hidden_layers"] * BLOCK_SIZE * config["num_key_value_heads"] * 2 * head_dim * 4
-    cache = ["--block-size", str(BLOCK_SIZE), "--orphan-timeout", ORPHAN_TIMEOUT]
     target_command = tandem_command(
-        "target", "--model", str(llama_target), "--port", "0", "--kv-cache-memory", str(24 * block_bytes), *cache
+        "target", "--model", str(llama_target), "--port", "0", "--kv-cache-memory", str(24 * block_bytes), *CACHE
     )
-    with service("target", target_command, workdir) as target:
-        draft_command = tandem_command(
-            "draft", "--model", str(random_draft), "--target-address", target.address, "--port", "0",
-            "--replica-id", "draft-0", "--speculative-num-steps", "3", "--kv-blocks", "64", *cache,
-        )  # fmt: skip
-        with service("draft", draft_command, workdir) as draft:
-            yield Stack(target, draft, workdir, llama_target, random_draft)
+    with (
+        service("target", target_command, workdir) as target,
+        service("draft", draft_command(random_draft, target.address, "draft-0", 64), workdir) as draft,
+    ):
+        yield Stack(target, draft, workdir, llama_target, random_draft)
 
 
 @contextmanager
@@ -173,11 +185,7 @@ def test_a_draft_out_of_kv_costs_rounds_without_drafts_not_the_replica(stack: St
     # A second replica whose pool holds 5 blocks (40 positions): one request of 6 + 30 tokens plus its 3 drafts
     # fits, three at once do not. Those that do not fit go without drafts for the round (RESOURCE_EXHAUSTED from the
     # replica, per request), are replayed later; the replica stays in service and every output stays the target's.
-    small_command = tandem_command(
-        "draft", "--model", str(stack.draft_model), "--target-address", stack.target.address, "--port", "0",
-        "--replica-id", "draft-small", "--speculative-num-steps", "3", "--kv-blocks", "5",
-        "--block-size", str(BLOCK_SIZE), "--orphan-timeout", ORPHAN_TIMEOUT,
-    )  # fmt: skip
+    small_command = draft_command(stack.draft_model, stack.target.address, "draft-small", 5)
     with service("small-draft", small_command, stack.workdir) as small, orchestrator(stack, [small.address]) as run:
         expected = reference(run.address, 30)
         with ThreadPoolExecutor(3) as pool:
@@ -188,12 +196,7 @@ def test_a_draft_out_of_kv_costs_rounds_without_drafts_not_the_replica(stack: St
         assert "demoted" not in log, log[-2000:]
         assert sum(c.stats.draft_tokens for c in completions) > 0
         assert speculative(run.address, 16).stats.draft_tokens > 0  # the replica still drafts
-
-        def small_idle() -> bool:
-            info = draft_info(small.address)
-            return (info.running_requests, info.kv_blocks_free) == (0, info.kv_blocks_total)
-
-        wait_for(small_idle, "the small replica holds no request and its pool is whole again")
+        wait_for(lambda: replica_idle(small.address), "the small replica holds no request and its pool is whole again")
     assert_nothing_held(stack)
 
 
@@ -255,11 +258,7 @@ def test_a_replica_whose_target_stream_resets_subscribes_again_and_outputs_stay_
     # hidden-state stream (and its channel) mid-request. It drops what it held, subscribes again, and its requests
     # are replayed to it: outputs stay the target's, the replica never exits, and it drafts again afterwards.
     proxy = FaultProxy(stack.target.address)
-    proxied_command = tandem_command(
-        "draft", "--model", str(stack.draft_model), "--target-address", proxy.address, "--port", "0",
-        "--replica-id", "draft-proxied", "--speculative-num-steps", "3", "--kv-blocks", "64",
-        "--block-size", str(BLOCK_SIZE), "--orphan-timeout", ORPHAN_TIMEOUT,
-    )  # fmt: skip
+    proxied_command = draft_command(stack.draft_model, proxy.address, "draft-proxied", 64)
     try:
         with (
             service("proxied-draft", proxied_command, stack.workdir) as proxied,
@@ -278,12 +277,7 @@ def test_a_replica_whose_target_stream_resets_subscribes_again_and_outputs_stay_
                 "the replica notices that its stream broke",
             )
             wait_for(lambda: speculative(run.address, 16).stats.draft_tokens > 0, "the replica drafts again")
-
-            def proxied_idle() -> bool:
-                info = draft_info(proxied.address)
-                return (info.running_requests, info.kv_blocks_free) == (0, info.kv_blocks_total)
-
-            wait_for(proxied_idle, "the proxied replica holds no request and its pool is whole again")
+            wait_for(lambda: replica_idle(proxied.address), "the proxied replica holds nothing and its pool is whole")
     finally:
         proxy.close()
     assert_nothing_held(stack)
