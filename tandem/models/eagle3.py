@@ -49,6 +49,8 @@ from tandem.weights.loader import (
     checkpoint_files,
     iter_tensors,
     load_weights,
+    materialized,
+    on_meta,
 )
 
 # Checkpoint prefixes -> module names; specific renames first (first match wins).
@@ -267,9 +269,7 @@ def load_eagle3(model_dir: Path, dtype: torch.dtype = torch.float32, device: str
     """Loads an EAGLE3 head of any layer kind; returns (model, has_embedding). Without an embedding in the
     checkpoint the caller must fill `embed_tokens` from the target."""
     config = Eagle3Config.from_hf(read_hf_config(model_dir))
-    with torch.device("meta"):
-        model = Eagle3Draft(config)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialized(on_meta(lambda: Eagle3Draft(config)), device, dtype)
     # The embedding usually comes from the target; d2t may be absent when the draft vocabulary is the full one.
     full_vocabulary = config.draft_vocab_size == config.vocab_size
     optional = frozenset({"embed_tokens.weight", "d2t"} if full_vocabulary else {"embed_tokens.weight"})

@@ -57,7 +57,7 @@ from tandem.models.eagle3 import DraftStep, checkpoint_has
 from tandem.models.llama import LlamaDecoderLayer
 from tandem.models.registry import keep_float32, target_architecture
 from tandem.models.step3p5_mtp import Step3p5MTPConfig, Step3p5Rotaries, step3p5_mtp_block
-from tandem.weights.loader import CheckpointError, NameMap, iter_tensors, load_weights
+from tandem.weights.loader import CheckpointError, NameMap, iter_tensors, load_weights, materialized, on_meta
 
 MTPStyle = Literal["nextn", "chained"]
 HiddenFlow = Literal["post_norm", "pre_norm"]
@@ -377,9 +377,7 @@ def load_mtp(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = 
             for i in range(config.num_mtp_layers)
         )
         config = replace(config, own_heads=tuple(checkpoint_has(model_dir, name) for name in owned))
-    with torch.device("meta"):
-        model = MTPModel(config)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialized(on_meta(lambda: MTPModel(config)), device, dtype)
     keep_float32(model, target_architecture(config.target.architecture).float32_buffers)
     model.tie_shared()
     skip = partial(skips_tensor, config)

@@ -50,7 +50,7 @@ from tandem.models.step3p5 import CHECKPOINT_NAMES as STEP3P5_NAMES
 from tandem.models.step3p5 import Step3p5ForCausalLM
 from tandem.models.step3p5_config import Step3p5Config
 from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
-from tandem.weights.loader import NameMap, iter_tensors, load_weights
+from tandem.weights.loader import NameMap, iter_tensors, load_weights, materialized, on_meta
 
 LOG = logging.getLogger(__name__)
 
@@ -217,8 +217,7 @@ def check_tensor_parallel(model_dir: Path, tp: int) -> None:
     Builds rank 0's model on the meta device (no memory, no weights, no process group).
     """
     hf = read_hf_config(model_dir)
-    with torch.device("meta"):
-        _architecture(hf).build(hf, ParallelGroup(rank=0, world_size=tp))
+    on_meta(lambda: _architecture(hf).build(hf, ParallelGroup(rank=0, world_size=tp)))
 
 
 def load_target(
@@ -230,11 +229,10 @@ def load_target(
     """Builds this rank's model and reads its shard of the checkpoint (all of it with one rank)."""
     hf = read_target_config(model_dir)
     architecture = _architecture(hf)
-    with torch.device("meta"):
-        model = architecture.build(hf, group)
+    model = on_meta(lambda: architecture.build(hf, group))
     # Every family is an nn.Module; the protocol only lists what the servers use.
     assert isinstance(model, nn.Module)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialized(model, device, dtype)
     keep_float32(model, architecture.float32_buffers)
     tied = model.config.tie_word_embeddings
     if tied:
