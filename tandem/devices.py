@@ -7,14 +7,16 @@ index, so `cuda` puts ranks 0..tp-1 on GPUs 0..tp-1). `--dtype auto` is bfloat16
 
 Asking for CUDA where there is none is a StartupError with one line naming the flag; nothing falls back silently.
 The flags are the options of DeviceRequest (tandem.flags), parsed torch-free (the CLI builds its parser without
-torch); resolving imports torch. Settings hold the resolved values and have no device options of their own: a
-launcher hands a child its resolved values as a request (DeviceRequest.of), which resolves to itself.
+torch); resolving imports torch, except `auto` on a machine with no GPU device at all. Settings hold the resolved
+values and have no device options of their own: a launcher hands a child its resolved values as a request
+(DeviceRequest.of), which resolves to itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,10 +95,12 @@ def resolve_device(requested: str, ranks: int = 1) -> str:
 
     `ranks` GPUs are needed from N on (a tensor-parallel target puts rank r on GPU N + r).
     """
+    requested = device_flag(requested)
+    if requested == "cpu" or (requested == AUTO and not _gpu_device_nodes()):
+        return "cpu"
     import torch
 
-    requested = device_flag(requested)
-    if requested == "cpu" or (requested == AUTO and not torch.cuda.is_available()):
+    if requested == AUTO and not torch.cuda.is_available():
         return "cpu"
     if not torch.cuda.is_available():
         raise StartupError(
@@ -109,6 +113,15 @@ def resolve_device(requested: str, ranks: int = 1) -> str:
         need = f"GPUs {index}..{index + ranks - 1}" if ranks > 1 else f"GPU {index}"
         raise StartupError(f"--device {requested}: needs {need}, this process sees {count} GPU(s)")
     return f"cuda:{index}"
+
+
+# What a GPU driver puts in /dev or /proc (NVIDIA, NVIDIA under WSL, AMD's ROCm); none of them: no torch build sees
+# a GPU. Checked before `import torch`, which costs a launcher that computes nothing about 1.4 s of CPU.
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
+
+
+def _gpu_device_nodes() -> bool:
+    return any(os.path.exists(path) for path in GPU_DEVICE_NODES)
 
 
 def resolve_dtype(requested: str, device: str) -> str:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from tandem import devices
 from tandem.devices import (
+    GPU_DEVICE_NODES,
     device_flag,
     pinned_host_copies,
     rank_device,
@@ -38,6 +41,26 @@ def test_auto_is_the_cpu_without_cuda() -> None:
     assert resolve_device("auto", ranks=4) == "cpu"
     assert resolve_dtype("auto", "cpu") == "float32"
     assert resolve_attention_backend("auto", "cpu", "float32") == "torch"
+
+
+@pytest.mark.skipif(any(map(os.path.exists, GPU_DEVICE_NODES)), reason="this machine has a GPU device node")
+def test_auto_without_any_gpu_device_node_needs_no_torch() -> None:
+    # The launcher resolves --device auto for every child; torch's import would be about 1.4 s of its CPU.
+    script = (
+        "import sys; from tandem.devices import resolve_device; print(resolve_device('auto'), 'torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.split() == ["cpu", "False"]
+
+
+@pytest.mark.parametrize(("available", "expected"), [(False, "cpu"), (True, "cuda:0")])
+def test_auto_with_a_gpu_device_node_asks_torch(
+    monkeypatch: pytest.MonkeyPatch, available: bool, expected: str
+) -> None:
+    monkeypatch.setattr(devices, "_gpu_device_nodes", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("auto") == expected
 
 
 @NO_CUDA
