@@ -90,8 +90,12 @@ class RunResult:
         rounds = max(1, self.rounds)
         return {
             **{part: 1000 * seconds / rounds for part, seconds in self.round_seconds.items()},
-            # Wall time of a round as the client saw it: from the first token (the prompt's step) to the last.
+            # Wall time of a round as the client saw it: from the first token (the prompt's step) to the last. The
+            # first round starts when the first token leaves the orchestrator, before the client has it: a client
+            # that gets it late (a loaded machine) sees rounds shorter than their compute.
             "round": 1000 * sum(r.latency_seconds - r.first_token_seconds for r in self.requests) / rounds,
+            # The same from the request's start (prompt and queue included): the bound the compute always fits in.
+            "request": 1000 * sum(r.latency_seconds for r in self.requests) / rounds,
         }
 
 

@@ -29,3 +29,4 @@ def test_the_round_time_is_the_wall_time_after_the_first_token_over_the_rounds()
 
     run = RunResult("split", True, 2, 1.0, (request(0.35, 0.05, 15), request(0.40, 0.10, 15)))
     assert run.per_round_milliseconds()["round"] == pytest.approx(1000 * (0.30 + 0.30) / 30)
+    assert run.per_round_milliseconds()["request"] == pytest.approx(1000 * (0.35 + 0.40) / 30)
