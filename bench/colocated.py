@@ -135,7 +135,9 @@ class LocalTarget:
             item.request_id,
             item.num_tokens,
             item.drafts,
-            None if opened is None else target_items.OpenRequest(opened.prompt, opened.sampling, opened.end_token_ids),
+            None
+            if opened is None
+            else target_items.OpenRequest(opened.prompt, opened.sampling, opened.end_token_ids, opened.generated),
             stream if opened is not None or item.move else None,
             replay=item.replay,
             top_logprobs=item.top_logprobs,
@@ -144,6 +146,9 @@ class LocalTarget:
 
     async def release(self, request_ids: Sequence[str]) -> None:
         self.runner.release(request_ids)
+
+    async def answer(self) -> bool:
+        return False  # the runner lives in this process: it is never replaced
 
 
 @dataclass(frozen=True)

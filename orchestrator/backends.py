@@ -37,6 +37,7 @@ class OpenRequest:
     prompt: Sequence[int]
     sampling: SamplingParams
     end_token_ids: frozenset[int] = frozenset()  # a multi-token decode stops after one of these
+    generated: Sequence[int] = ()  # tokens generated before: a request resumed on a restarted target
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,12 @@ class TargetBackend(Protocol):
         ...
 
     async def release(self, request_ids: Sequence[str]) -> None: ...
+
+    async def answer(self) -> bool:
+        """Asks the target who answers now: True when it is another instance than the one the backend's steps
+        went to (a target restarted at the same address, holding none of their requests; later steps go to the new
+        one), False when it is the same. Raises BackendError when none answers."""
+        ...
 
 
 class DraftBackend(Protocol):

@@ -24,6 +24,8 @@ from tandem.wire.drafts import tree_from_proto, tree_to_proto
 from tandem.wire.logprobs import logprobs_from_proto
 from tandem.wire.sampling import sampling_to_proto
 
+PROBE_S = 2.0  # a probe of a target that may be gone waits this long for its answer
+
 _KINDS = {
     grpc.StatusCode.INVALID_ARGUMENT: FailureKind.INVALID,
     grpc.StatusCode.FAILED_PRECONDITION: FailureKind.INVALID,
@@ -139,16 +141,21 @@ class GrpcTarget:
     """The target over gRPC. `session` names this orchestrator to the target (tandem.leases): when it goes away,
     the target frees its requests."""
 
-    def __init__(self, stub: target_pb2_grpc.TargetStub, timeout_s: float, session: str = "") -> None:
+    def __init__(
+        self, stub: target_pb2_grpc.TargetStub, timeout_s: float, session: str = "", instance: str = ""
+    ) -> None:
         self.stub = stub
         self.timeout_s = timeout_s
         self.metadata = session_metadata(session) if session else ()
+        self.instance = instance  # TargetInfo.instance of the target the steps go to; "": any
         self._step: CallStream[target_pb2.StepResponse] = CallStream(
             lambda: stub.StepStream(metadata=self.metadata), "target step", timeout_s
         )
 
     async def step(self, items: Sequence[StepItem], preempt: Sequence[str]) -> StepOutcome:
-        request = target_pb2.StepRequest(items=[_step_item(item) for item in items], preempt=preempt)
+        request = target_pb2.StepRequest(
+            items=[_step_item(item) for item in items], preempt=preempt, target_instance=self.instance
+        )
         response = await self._step.call(request, self.timeout_s)
         results = [
             StepResult(
@@ -170,6 +177,15 @@ class GrpcTarget:
             )
         except grpc.aio.AioRpcError as error:
             raise _backend_error(error, "target release") from None
+
+    async def answer(self) -> bool:
+        try:
+            info = await self.stub.GetInfo(target_pb2.TargetInfoRequest(), timeout=min(self.timeout_s, PROBE_S))
+        except grpc.aio.AioRpcError as error:
+            raise _backend_error(error, "target probe") from None
+        replaced = info.instance != self.instance
+        self.instance = info.instance
+        return replaced
 
 
 def _step_item(item: StepItem) -> target_pb2.StepItem:
@@ -193,6 +209,7 @@ def _step_item(item: StepItem) -> target_pb2.StepItem:
                 prompt=item.open.prompt,
                 sampling=sampling_to_proto(sampling),
                 end_token_ids=sorted(item.open.end_token_ids),
+                generated=item.open.generated,
             )
         )
     return message

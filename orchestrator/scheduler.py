@@ -12,8 +12,9 @@ messages of one round and are joined by the draft). The scheduler talks to Targe
 
 Failures stay with the request they belong to: an item the target refuses fails that request alone; an item that
 finds no KV room waits for the next step; a replica that fails, times out or proposes bad tokens is demoted
-(orchestrator.placement). Drafts come from orchestrator.proposing, releases go out through orchestrator.releases,
-and a step's costs and statistics are counted by orchestrator.accounting.
+(orchestrator.placement); a target that stops answering costs time only: every request starts over on the target
+that answers next (orchestrator.recovery). Drafts come from orchestrator.proposing, releases go out through
+orchestrator.releases, and a step's costs and statistics are counted by orchestrator.accounting.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from orchestrator.batching import ActiveRequest, Drafting, KVPool, OnTarget, Pla
 from orchestrator.output import RequestFailed, RequestOutput
 from orchestrator.placement import Placement
 from orchestrator.proposing import Drafts, Proposer
+from orchestrator.recovery import TargetGone, reach_target
 from orchestrator.releases import RELEASE_RETRY_S, Releases
 from orchestrator.replicas import ReplicaPool
 from orchestrator.settings import SchedulerSettings
@@ -198,7 +200,9 @@ class Scheduler:
     async def _plan(self) -> StepPlan | None:
         """Chooses the step's requests (orchestrator.batching), preempts and admits; None when nothing fits."""
         plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings, self.k_in_use)
-        await self._preempt(plan.preempted)
+        if plan.preempted:
+            LOG.info("KV pool full: preempting %d requests (newest first)", len(plan.preempted))
+            await self._preempt(plan.preempted)
         for request in plan.admitted:
             self.waiting.remove(request)
             self.running[request.request_id] = request
@@ -212,21 +216,39 @@ class Scheduler:
         return None
 
     async def _run_target(self, plan: StepPlan, items: list[StepItem]) -> StepOutcome | None:
-        """The target's step; None when the call failed, which fails every request of the step."""
+        """The target's step; None when the call failed: every request starts over once a target answers
+        (orchestrator.recovery), or the step's requests fail when the call itself was wrong."""
         try:
             outcome = await self.target.step(items, [request.request_id for request in plan.preempted])
         except BackendError as error:
             scheduled = [entry.request for entry in plan.entries()]
             if error.kind is FailureKind.UNAVAILABLE:
-                self.target_failure = str(error)
-                # The step may still run on the target once it answers again (a timed-out call): release every
-                # request of it there, opened or not (releasing an id the target does not hold does nothing).
+                # The step may have run on the target (a timed-out call, a lost answer): its requests count as held.
                 for request in scheduled:
                     request.held()
-            self._fail(scheduled, RequestFailed(error.kind, str(error)))
+                await self._start_over(str(error))
+            else:
+                self._fail(scheduled, RequestFailed(error.kind, str(error)))
             return None
         self.target_failure = None
         return outcome
+
+    async def _start_over(self, cause: str) -> None:
+        """Waits for a target that holds none of the requests, then queues every request to be reopened on it from
+        its committed tokens; fails them all when none answers within --target-wait."""
+        self.target_failure = cause
+        running, requests = list(self.running.values()), list(self._requests())
+        LOG.warning("the target failed (%s): %d requests wait for a target to start over on", cause, len(requests))
+        try:
+            await reach_target(self.target, [r.request_id for r in requests if r.opened], cause, self.settings)
+        except TargetGone as gone:
+            self.waiting.clear()
+            self._fail(requests, RequestFailed(FailureKind.UNAVAILABLE, str(gone)))
+            return
+        self.target_failure = None
+        for request in requests:
+            request.on_target = OnTarget.NOTHING  # its next item reopens it with every committed token
+        await self._preempt(running[::-1])
 
     def _applied(self, request: ActiveRequest, item: StepItem, result: StepResult, sent_to: str | None) -> bool:
         """Takes what the target did with the request's item into its state; False when the item failed or waits
@@ -270,7 +292,7 @@ class Scheduler:
             round=request.round + 1,
             num_tokens=entry.num_tokens,
             drafts=drafts,
-            open=None if request.opened else OpenRequest(params.input_ids, params.sampling, self._end_tokens(params)),
+            open=None if request.opened else self._opening(request),
             replica=rows_to,
             move=request.needs_move,
             replay=request.needs_move and rows_to is not None,
@@ -278,6 +300,10 @@ class Scheduler:
             decode_steps=entry.decode_steps,
             draft_ahead=self._draft_ahead(entry, rows_to, ahead_k),
         )
+
+    def _opening(self, request: ActiveRequest) -> OpenRequest:
+        params, generated = request.params, tuple(request.output.generated)
+        return OpenRequest(params.input_ids, params.sampling, self._end_tokens(params), generated)
 
     def _draft_ahead(self, entry: PlannedItem, rows_to: str | None, ahead_k: int) -> int:
         """Steps the request's replica may draft for its next round once this step's rows reach it: `ahead_k`,
@@ -312,17 +338,13 @@ class Scheduler:
         return None if replica is not None and not replica.hidden_rows else replica_id
 
     async def _preempt(self, requests: Sequence[ActiveRequest]) -> None:
-        """Frees the KV of preempted requests on their drafts now (the target frees it with the step) and queues
-        them first; they are recomputed from their tokens when they are admitted again."""
-        if not requests:
-            return
-        LOG.info("KV pool full: preempting %d requests (newest first)", len(requests))
+        """Frees the KV of running requests (newest first) on their drafts now (the target frees it with the step,
+        or holds none) and queues them first; they are recomputed from their tokens when they are admitted again."""
         for request in requests:
             del self.running[request.request_id]
             request.kv_length = 0
-            # The replica starts over from the recomputed rows. A pending move stays: the target still holds the
-            # request and sends its rows where the last move told it to (a replica since demoted, or any at all for
-            # a paused request) until a move says otherwise; with no KV it replays nothing.
+            # The replica starts over from the recomputed rows. A pending move stays: the target sends the rows where
+            # the last move told it to until a move says otherwise; with no KV it replays nothing.
             if request.drafting is Drafting.DRAFTING:  # its replica forgets it and ingests it anew
                 request.drafting = Drafting.JOINING
         await self.releases.release_on_replicas(requests)

@@ -143,7 +143,7 @@ async def start_orchestrator(
     if tokenizer.eos_token_id is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
     facts = TargetFacts(info.vocab_size, KVPool(info.kv_blocks_total, info.kv_block_size), info.max_draft_tokens)
-    target = GrpcTarget(target_stub, settings.scheduler.target_timeout_s, session)
+    target = GrpcTarget(target_stub, settings.scheduler.target_timeout_s, session, info.instance)
     scheduler = Scheduler(target, replicas, tokenizer, eos_ids, settings.scheduler, facts)
     limits = Limits(info.vocab_size, info.max_context, settings.default_max_new_tokens)
     metrics = Metrics(scheduler, settings.model_name)

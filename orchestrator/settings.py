@@ -100,8 +100,17 @@ class SchedulerSettings:
             parse=positive,
         ),
     )
-    # A target step or release that takes longer fails its requests.
+    # A target step or release that takes longer counts as a target that stopped answering (orchestrator/recovery.py).
     target_timeout_s: float = field(default=300.0, metadata=flag("--target-timeout", "seconds per target step"))
+    # How long requests wait for a target that stopped answering, or is restarting, before they fail.
+    target_wait_s: float = field(
+        default=60.0,
+        metadata=flag(
+            "--target-wait",
+            "seconds requests wait for a target that stopped answering or restarts, then start over on it (longer: "
+            "they fail with UNAVAILABLE)",
+        ),
+    )
     # A Propose that takes longer costs its round's drafts and demotes the replica.
     draft_timeout_s: float = field(default=10.0, metadata=flag("--draft-timeout", "seconds per Propose"))
     reprobe_s: float = 1.0  # first wait before a demoted replica is probed again (doubling, up to 30 s)

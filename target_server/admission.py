@@ -114,22 +114,30 @@ class Admission:
         assert item.open is not None
         if item.request_id in self.requests:
             raise RequestError(f"request_id: {item.request_id!r} is already running")
-        prompt = list(item.open.prompt)
-        if not 0 < len(prompt) < self.max_context:
-            raise RequestError(f"prompt: {len(prompt)} tokens, the context holds {self.max_context}")
+        prompt, generated = list(item.open.prompt), list(item.open.generated)
+        if not prompt or len(prompt) + len(generated) >= self.max_context:
+            resumed = f" and {len(generated)} generated" if generated else ""
+            raise RequestError(f"prompt: {len(prompt)} tokens{resumed}, the context holds {self.max_context}")
         self._check_ids("prompt", prompt)
+        self._check_ids("generated", generated)
         sampling = item.open.sampling
         self._check_ids("sampling.stop_token_ids", sampling.stop_token_ids)
         self._check_ids("sampling.logit_bias", [token for token, _ in sampling.logit_bias])
+        grammar = self._grammar(sampling.grammar)
+        if grammar is not None:
+            try:
+                grammar.commit(generated)
+            except RuntimeError as error:
+                raise RequestError(f"generated: {error}") from None
         return TargetRequest(
             item.request_id,
-            prompt,
+            prompt + generated,
             sampling,
             make_generator(sampling),
             TARGET_ONLY,
             prompt_length=len(prompt),
             end_token_ids=item.open.end_token_ids,
-            grammar=self._grammar(sampling.grammar),
+            grammar=grammar,
         )
 
     def _grammar(self, grammar: str) -> GrammarState | None:

@@ -92,6 +92,7 @@ class OpenRequest:
     prompt: Sequence[int]
     sampling: SamplingParams
     end_token_ids: frozenset[int] = frozenset()  # tokens that end the request (EOS, stop ids)
+    generated: Sequence[int] = ()  # tokens it generated before: a request resumed on a restarted target
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import torch
 
@@ -43,6 +44,7 @@ def target_info(runner: TargetRunner, dtype: str) -> target_pb2.TargetInfo:
         dtype=dtype,
         eos_token_ids=list(config.eos_token_ids),
         tp_size=runner.ranks.group.world_size,
+        instance=uuid.uuid4().hex,
     )
 
 

@@ -94,6 +94,12 @@ class TargetService(target_pb2_grpc.TargetServicer):
             yield response
 
     async def _step(self, request: target_pb2.StepRequest, session: str) -> target_pb2.StepResponse:
+        if request.target_instance and request.target_instance != self.info.instance:
+            raise CallFailed(
+                grpc.StatusCode.ABORTED,
+                f"this target is instance {self.info.instance}, not {request.target_instance}: it started since and "
+                "holds none of that one's requests",
+            )
         items: list[StepItem | None] = []
         refused: dict[int, target_pb2.StepResult] = {}
         for index, message in enumerate(request.items):
@@ -157,7 +163,10 @@ class TargetService(target_pb2_grpc.TargetServicer):
         open_request = None
         if message.HasField("open"):
             sampling = sampling_from_proto(message.open.sampling)
-            open_request = OpenRequest(list(message.open.prompt), sampling, frozenset(message.open.end_token_ids))
+            opened = message.open
+            open_request = OpenRequest(
+                list(opened.prompt), sampling, frozenset(opened.end_token_ids), list(opened.generated)
+            )
         sets_replica = open_request is not None or message.set_replica
         subscriber = self._subscriber(message.draft_replica) if sets_replica else None
         return StepItem(

@@ -12,7 +12,7 @@ class TargetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "max_context", "dtype", "eos_token_ids", "tp_size", "running_requests", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "max_draft_tokens", "tokenizer_digest")
+    __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "max_context", "dtype", "eos_token_ids", "tp_size", "running_requests", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "max_draft_tokens", "tokenizer_digest", "instance")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class TargetInfo(_message.Message):
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     hidden_size: int
     vocab_size: int
@@ -41,17 +42,20 @@ class TargetInfo(_message.Message):
     kv_block_size: int
     max_draft_tokens: int
     tokenizer_digest: str
-    def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ...) -> None: ...
+    instance: str
+    def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "end_token_ids")
+    __slots__ = ("prompt", "sampling", "end_token_ids", "generated")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FIELD_NUMBER: _ClassVar[int]
     prompt: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     end_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    generated: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepItem(_message.Message):
     __slots__ = ("request_id", "round", "open", "num_tokens", "drafts", "draft_replica", "set_replica", "replay", "logprobs", "top_logprobs", "decode_steps", "draft_ahead")
@@ -82,12 +86,14 @@ class StepItem(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., open: _Optional[_Union[OpenRequest, _Mapping]] = ..., num_tokens: _Optional[int] = ..., drafts: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., draft_replica: _Optional[str] = ..., set_replica: _Optional[bool] = ..., replay: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., decode_steps: _Optional[int] = ..., draft_ahead: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("items", "preempt")
+    __slots__ = ("items", "preempt", "target_instance")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[StepItem]
     preempt: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., preempt: _Optional[_Iterable[str]] = ...) -> None: ...
+    target_instance: str
+    def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., preempt: _Optional[_Iterable[str]] = ..., target_instance: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("request_id", "error", "accepted", "new_tokens", "streaming", "logprobs")

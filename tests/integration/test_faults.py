@@ -34,8 +34,8 @@ DRAFT_TIMEOUT = "1"
 CACHE = ("--block-size", str(BLOCK_SIZE), "--orphan-timeout", ORPHAN_TIMEOUT)  # target's and replicas' alike
 
 
-def orchestrator_command(target: Service, drafts: list[str], tokenizer: Path) -> list[str]:
-    arguments = ["orchestrator", "--target-address", target.address, "--tokenizer", str(tokenizer)]
+def orchestrator_command(target: Service, drafts: list[str], tokenizer: Path, *flags: str) -> list[str]:
+    arguments = ["orchestrator", "--target-address", target.address, "--tokenizer", str(tokenizer), *flags]
     arguments += ["--speculative-num-steps", "3", "--no-adaptive-k", "--port", "0", "--admin-port", "0"]
     arguments += ["--target-timeout", TARGET_TIMEOUT, "--draft-timeout", DRAFT_TIMEOUT]
     for address in drafts:
@@ -84,9 +84,10 @@ def stack(llama_target: Path, random_draft: Path, tmp_path_factory: pytest.TempP
 
 
 @contextmanager
-def orchestrator(stack: Stack, drafts: list[str] | None = None) -> Iterator[Service]:
+def orchestrator(stack: Stack, drafts: list[str] | None = None, *flags: str) -> Iterator[Service]:
     addresses = [stack.draft.address] if drafts is None else drafts
-    with service("orchestrator", orchestrator_command(stack.target, addresses, stack.tokenizer), stack.workdir) as run:
+    command = orchestrator_command(stack.target, addresses, stack.tokenizer, *flags)
+    with service("orchestrator", command, stack.workdir) as run:
         yield run
 
 
@@ -159,7 +160,9 @@ def test_a_stopped_draft_costs_rounds_without_drafts_then_rejoins(stack: Stack) 
 
 
 def test_a_hung_target_fails_its_requests_loudly_and_health_says_so(stack: Stack) -> None:
-    with orchestrator(stack) as run:
+    # Hung past --target-timeout, then past --target-wait (tests/integration/test_target_faults.py: a target that
+    # answers within the wait costs time only).
+    with orchestrator(stack, None, "--target-wait", "2") as run:
         expected = reference(run.address, 24)
         assert health(run.address) == health_pb2.HealthCheckResponse.SERVING
         os.kill(stack.target.process.pid, signal.SIGSTOP)
@@ -173,9 +176,9 @@ def test_a_hung_target_fails_its_requests_loudly_and_health_says_so(stack: Stack
         finally:
             os.kill(stack.target.process.pid, signal.SIGCONT)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
-        assert f"target step: DEADLINE_EXCEEDED: no answer within {float(TARGET_TIMEOUT)} s" in (
-            caught.value.details()  # type: ignore[attr-defined]
-        )
+        details = caught.value.details()  # type: ignore[attr-defined]
+        assert "no target answered within 2 s (--target-wait)" in details, details
+        assert f"after target step: DEADLINE_EXCEEDED: no answer within {float(TARGET_TIMEOUT)} s" in details, details
         wait_for(lambda: health(run.address) == health_pb2.HealthCheckResponse.SERVING, "SERVING again")
         assert speculative(run.address, 24).token_ids == expected
         assert_nothing_held(stack)

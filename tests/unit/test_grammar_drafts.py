@@ -17,7 +17,7 @@ from tandem.sampling.grammar import Grammars, GrammarState
 from tandem.sampling.params import SamplingParams
 from tandem.settings import DEMO_TARGET, KVCacheSettings
 from tandem.wire.orchestrator_pb2 import GenerateRequest
-from target_server.items import StepItem
+from target_server.items import TARGET_ONLY, ItemStatus, OpenRequest, StepItem
 from target_server.runner import TargetRunner
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.helpers.tokenizer import write_tokenizer
@@ -150,6 +150,26 @@ def test_rounds_without_drafts_take_the_forced_tokens(tiny_runner_parts: tuple[P
         passes.append(len(result.new_tokens) - result.accepted)
         assert result.accepted == 0 or passes[-1] == 1
     assert tokens[:24] == plain and sum(passes) < len(tokens)  # fewer forward passes than tokens
+
+
+def test_a_constrained_request_reopened_with_its_generated_tokens_goes_on_under_its_grammar(
+    tiny_runner_parts: tuple[Path, Grammars],
+) -> None:
+    """A request resumed on a restarted target (OpenRequest.generated): its grammar is advanced past them, so it goes
+    on as before; generated tokens the grammar forbids are refused naming them."""
+    plain, _ = constrained_tokens(tiny_runner_parts, [], 24)
+    prompt, sampling = [1, 40, 41, 42], SamplingParams(grammar=GRAMMAR)
+    runner = constrained_runner(tiny_runner_parts)
+    opening = OpenRequest(prompt, sampling, generated=plain[:10])
+    (result,) = runner.step([StepItem("b", len(prompt) + 10, open=opening, stream=TARGET_ONLY)])
+    tokens = plain[:10] + result.new_tokens
+    while len(tokens) < 24:
+        tokens += runner.verify("b", []).new_tokens
+    assert tokens[:24] == plain
+    refused = OpenRequest(prompt, sampling, generated=[plain[0], 5])  # 5 is not what the grammar allows there
+    (bad,) = runner.step([StepItem("c", len(prompt) + 2, open=refused, stream=TARGET_ONLY)])
+    assert bad.status is ItemStatus.INVALID and bad.message.startswith("generated: grammar: token 5"), bad.message
+    assert "c" not in runner.requests
 
 
 def grammars_text(parts: tuple[Path, Grammars], tokens: list[int]) -> str:

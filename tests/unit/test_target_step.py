@@ -165,3 +165,37 @@ def test_a_multi_token_decode_stops_after_an_end_token_or_without_kv_room(target
     (result,) = small.step([StepItem("a", 1, decode_steps=10)])
     assert result.status is ItemStatus.OK and result.new_tokens == reference[1:6]
     assert small.cache.num_free_blocks == 0 and small.requests["a"].kv.length == 12
+
+
+def test_a_request_reopened_with_its_generated_tokens_goes_on_where_it_was(target: LlamaForCausalLM) -> None:
+    # What a restarted target is given (OpenRequest.generated): the same next tokens as the target that generated
+    # them, because they count as generated for the penalties, not as prompt.
+    penalised = SamplingParams(presence_penalty=2.0, frequency_penalty=2.0)
+    first = TargetRunner(target, CACHE, max_context=64)
+    first.step([StepItem("a", len(PROMPT), open=OpenRequest(PROMPT, penalised), stream=TARGET_ONLY)])
+    for _ in range(5):
+        first.step([StepItem("a", 1)])
+    generated = first.requests["a"].tokens[len(PROMPT) :]
+    following = [token for _ in range(3) for token in first.step([StepItem("a", 1)])[0].new_tokens]
+
+    def reopened(opening: OpenRequest) -> list[int]:
+        runner = TargetRunner(target, CACHE, max_context=64)
+        (result,) = runner.step([StepItem("b", len(PROMPT) + len(generated), open=opening, stream=TARGET_ONLY)])
+        return [*result.new_tokens, *(t for _ in range(2) for t in runner.step([StepItem("b", 1)])[0].new_tokens)]
+
+    assert reopened(OpenRequest(PROMPT, penalised, generated=generated)) == following
+    assert reopened(OpenRequest([*PROMPT, *generated], penalised)) != following  # the penalties see the difference
+
+
+def test_a_reopened_request_past_the_context_or_outside_the_vocabulary_is_refused(target: LlamaForCausalLM) -> None:
+    runner = TargetRunner(target, CACHE, max_context=16)
+    too_long, bad_id = runner.step(
+        [
+            StepItem("a", 1, open=OpenRequest(PROMPT, GREEDY, generated=[5] * 9), stream=TARGET_ONLY),
+            StepItem("b", 1, open=OpenRequest(PROMPT, GREEDY, generated=[5, VOCAB]), stream=TARGET_ONLY),
+        ]
+    )
+    assert too_long.status is bad_id.status is ItemStatus.INVALID
+    assert too_long.message == "prompt: 7 tokens and 9 generated, the context holds 16"
+    assert "generated" in bad_id.message and str(VOCAB) in bad_id.message, bad_id.message
+    assert not runner.requests and runner.cache.num_free_blocks == CACHE.num_blocks

@@ -1,0 +1,229 @@
+"""A target that goes away under 8 streams: killed and restarted at its address, or its link to the orchestrator
+reset. Every stream goes on where it was and ends with the tokens of a run without the fault (none repeated or
+missing); nothing stays held on the target or the replica. A target that does not come back within --target-wait
+fails each request naming why, and the next request after it returns is served.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tandem.grpc_util import channel_options
+from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
+from tests.helpers.fault_proxy import FaultProxy
+from tests.integration.stack import Service, draft_info, generate, service, tandem_command, target_info
+
+STREAMS = 8
+NEW_TOKENS = 64
+PROMPTS = [[1, 17 + i, 42, 99, 5, 23 + 3 * i] for i in range(STREAMS)]
+CACHE = ("--block-size", "8", "--orphan-timeout", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class Stream:
+    """One Generate call read on its own thread: every streamed token in order, and how it ended."""
+
+    address: str
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    error: grpc.RpcError | None = None
+    started: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        request = orchestrator_pb2.GenerateRequest(input_ids=self.prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        try:
+            with grpc.insecure_channel(self.address, options=channel_options()) as channel:
+                for response in orchestrator_pb2_grpc.OrchestratorStub(channel).Generate(request, timeout=120):
+                    self.tokens.extend(response.token_ids)
+                    self.started.set()
+                    self.finish_reason = response.finish_reason or self.finish_reason
+        except grpc.RpcError as error:
+            self.error = error
+        finally:
+            self.started.set()
+            self.done.set()
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.05)
+
+
+@dataclass
+class Stack:
+    workdir: Path
+    model: Path
+    port: int
+    services: ExitStack
+    target: Service
+    draft: Service
+    proxy: FaultProxy  # the orchestrator's link to the target
+    orchestrator: Service
+    expected: list[list[int]]  # each prompt's tokens from the target alone
+
+    @property
+    def target_address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def restart_target(self, name: str) -> None:
+        """Kills the target (SIGKILL) and starts a new one at its address."""
+        self.target.process.kill()
+        self.target.process.wait()
+        self.target = start_target(self, name)
+
+
+def orchestrator_command(model: Path, draft: Service, target_address: str, *flags: str) -> list[str]:
+    return tandem_command(
+        "orchestrator", "--target-address", target_address, "--tokenizer", str(model),
+        "--draft-address", draft.address, "--speculative-num-steps", "3", "--no-adaptive-k",
+        "--port", "0", "--admin-port", "0", "--target-timeout", "5", "--draft-timeout", "2", *flags,
+    )  # fmt: skip
+
+
+def start_target(stack: Stack, name: str) -> Service:
+    command = tandem_command("target", "--model", str(stack.model), "--port", str(stack.port), *CACHE)
+    return stack.services.enter_context(service(name, command, stack.workdir))
+
+
+@pytest.fixture(scope="module")
+def stack(llama_target: Path, random_draft: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Target, one draft replica on the target's own address, and an orchestrator that reaches the target through a
+    fault proxy."""
+    workdir = tmp_path_factory.mktemp("target-faults")
+    port = free_port()
+    with ExitStack() as services:
+        command = tandem_command("target", "--model", str(llama_target), "--port", str(port), *CACHE)
+        target = services.enter_context(service("target", command, workdir))
+        draft_command = tandem_command(
+            "draft", "--model", str(random_draft), "--target-address", target.address, "--port", "0",
+            "--replica-id", "draft-0", "--speculative-num-steps", "3", *CACHE,
+        )  # fmt: skip
+        draft = services.enter_context(service("draft", draft_command, workdir))
+        proxy = FaultProxy(target.address)
+        services.callback(proxy.close)
+        command = orchestrator_command(llama_target, draft, proxy.address)
+        orchestrator = services.enter_context(service("orchestrator", command, workdir))
+        expected = [
+            generate(
+                orchestrator.address, input_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                disable_speculation=True,
+            ).token_ids
+            for p in PROMPTS
+        ]  # fmt: skip
+        yield Stack(workdir, llama_target, port, services, target, draft, proxy, orchestrator, expected)
+
+
+def streams_through(address: str, fault: Callable[[], None]) -> list[Stream]:
+    """STREAMS streams; `fault` runs once every one of them has streamed a token; returns them once all ended."""
+    streams = [Stream(address, prompt) for prompt in PROMPTS]
+    for stream in streams:
+        assert stream.started.wait(60)
+    assert not any(stream.done.is_set() for stream in streams), "a stream ended before the fault"
+    fault()
+    for stream in streams:
+        assert stream.done.wait(120)
+    return streams
+
+
+def assert_streams_whole(streams: list[Stream], expected: list[list[int]]) -> None:
+    assert [stream.error for stream in streams] == [None] * STREAMS
+    assert [stream.finish_reason for stream in streams] == ["length"] * STREAMS
+    assert [stream.tokens for stream in streams] == expected  # no token repeated, missing or changed
+
+
+def assert_nothing_held(stack: Stack) -> None:
+    def idle() -> bool:
+        t, d = target_info(stack.target_address), draft_info(stack.draft.address)
+        return (t.running_requests, t.kv_blocks_free, d.running_requests, d.kv_blocks_free) == (
+            0,
+            t.kv_blocks_total,
+            0,
+            d.kv_blocks_total,
+        )
+
+    wait_for(idle, "every request and KV block back on target and replica", 30)
+
+
+def test_a_reset_link_to_the_target_costs_time_only(stack: Stack) -> None:
+    def reset() -> None:
+        assert stack.proxy.reset() > 0
+
+    streams = streams_through(stack.orchestrator.address, reset)
+    assert_streams_whole(streams, stack.expected)
+    # A reset between steps costs a new stream; one during a step, a start over on the same target (told to free
+    # the requests first), never a new instance.
+    assert not any("a new target instance answers" in line for line in stack.orchestrator.log)
+    assert_nothing_held(stack)
+
+
+def test_a_target_paused_past_its_timeout_costs_time_only(stack: Stack) -> None:
+    # Stopped (SIGSTOP) past --target-timeout (5 s): the step in flight times out, and once the target answers again
+    # it is the same instance, told to free the requests before they start over on it.
+    def pause() -> None:
+        os.kill(stack.target.process.pid, signal.SIGSTOP)
+        time.sleep(7)
+        os.kill(stack.target.process.pid, signal.SIGCONT)
+
+    streams = streams_through(stack.orchestrator.address, pause)
+    assert_streams_whole(streams, stack.expected)
+    log = "".join(stack.orchestrator.log)
+    assert "target step: DEADLINE_EXCEEDED" in log and "requests wait for a target to start over on" in log
+    assert "a new target instance answers" not in log
+    assert_nothing_held(stack)
+
+
+def test_a_target_killed_and_restarted_at_its_address_resumes_every_stream(stack: Stack) -> None:
+    instance = target_info(stack.target_address).instance
+    streams = streams_through(stack.orchestrator.address, lambda: stack.restart_target("target-restarted"))
+    assert target_info(stack.target_address).instance != instance
+    assert_streams_whole(streams, stack.expected)
+    assert any("a new target instance answers" in line for line in stack.orchestrator.log)
+    assert stack.draft.process.poll() is None  # the replica followed the target; it did not exit
+    wait_for(lambda: generate_drafts(stack.orchestrator.address) > 0, "the replica drafts again")
+    assert_nothing_held(stack)
+
+
+def test_a_target_gone_past_the_wait_fails_each_request_naming_it_then_serves_again(stack: Stack) -> None:
+    command = orchestrator_command(stack.model, stack.draft, stack.target_address, "--target-wait", "2")
+    with service("orchestrator-waiting-2s", command, stack.workdir) as orchestrator:
+        stack.target.process.kill()
+        stack.target.process.wait()
+        with pytest.raises(grpc.RpcError) as caught:
+            generate(orchestrator.address, input_ids=PROMPTS[0], max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        details = caught.value.details()  # type: ignore[attr-defined]
+        assert "no target answered within 2 s (--target-wait) after target step: UNAVAILABLE" in details, details
+        stack.target = start_target(stack, "target-after-the-wait")
+        again = generate(orchestrator.address, input_ids=PROMPTS[0], max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        assert again.token_ids == stack.expected[0]
+    assert_nothing_held(stack)
+
+
+def generate_drafts(address: str) -> int:
+    """Draft tokens one short speculative request was given."""
+    return generate(address, input_ids=PROMPTS[0], max_new_tokens=8, ignore_eos=True).stats.draft_tokens
