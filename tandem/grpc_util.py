@@ -27,6 +27,10 @@ _NOT_READY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc
 HEALTH_POLL_INTERVAL_S = 0.05
 
 
+# Keepalive ping interval and ack timeout of every channel between Tandem's services and to them.
+KEEPALIVE_S = 5.0
+
+
 def channel_options() -> list[tuple[str, int]]:
     """Options for both channels and servers; each side ignores the keys meant for the other.
 
@@ -36,14 +40,18 @@ def channel_options() -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        # Client: ping every 30 s, also with no call in flight, and drop the connection after 10 s without an ack.
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        # Client: ping every KEEPALIVE_S, also with no call in flight, and drop the connection when an ack takes
+        # longer: a peer that stopped answering (paused, blackholed, its host gone) is noticed within 2 x KEEPALIVE_S,
+        # where a reader on a half-open connection would otherwise wait for its deadline (--target-timeout: 300 s).
+        ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_S * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_S * 1000)),  # what the C-core waits for an ack (default 1 min)
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        # Server: by default it answers pings more often than every 5 min with GOAWAY (too_many_pings).
+        # Server: by default it answers pings more often than every 5 min with GOAWAY (too_many_pings); it takes
+        # them a little more often than clients send them.
         # (The C-core constant is GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS; its string has no "recv".)
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_S * 800)),
         # A restarted peer comes back within seconds; gRPC's default backoff would wait up to 2 min to retry.
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
