@@ -2,8 +2,9 @@
 
 Each child binds a free port and writes its address to a ready file; the launcher passes addresses
 on, prints one `ready` line when Generate is servable, and stops the children (orchestrator, drafts,
-target) on SIGINT or SIGTERM. A child that exits during start-up stops everything with its exit code. Children
-end with the launcher however it ends: killed, it leaves them SIGTERM from the kernel (tandem.lifetime).
+target) on SIGINT or SIGTERM. A child that exits during start-up stops everything with its exit code; one that dies
+later is started again at its address, with backoff (launch/restarts.py). Children end with the launcher however it
+ends: killed, it leaves them SIGTERM from the kernel (tandem.lifetime).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from types import FrameType
 import grpc
 
 from draft_server.settings import DraftSettings
+from launch.restarts import Child
 from launch.serve_settings import ServeSettings
 from launch.stack_security import StackSecurity, without_secrets
 from tandem import flags
@@ -57,7 +59,7 @@ class Interrupted(RuntimeError):
 class Launcher:
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
-        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.children: list[Child] = []
         self._workdir = tempfile.TemporaryDirectory(prefix="tandem-serve-")
         self._stopping = False
         self._replica_ids = itertools.count()
@@ -112,7 +114,7 @@ class Launcher:
         if count > bound:
             raise ValueError(f"draft_replicas: {count} is above --max-draft-replicas {bound}")
         with self._scale_lock:
-            running = [(name, p) for name, p in list(self.children) if name.startswith("draft-") and p.poll() is None]
+            running = [child for child in list(self.children) if child.name.startswith("draft-")]
             metadata = self._security.admin_metadata()
             with self._security.admin_client().channel(self.admin_address) as channel:
                 admin = orchestrator_pb2_grpc.OrchestratorAdminStub(channel)
@@ -121,11 +123,12 @@ class Launcher:
                     ready_file = self._spawn(replica, self.draft_arguments(replica))
                     address = self._wait_ready(replica, ready_file)
                     admin.AddReplica(orchestrator_pb2.AddReplicaRequest(address=address), metadata=metadata)
-                for name, process in reversed(running[count:]):
-                    admin.RemoveReplica(orchestrator_pb2.RemoveReplicaRequest(replica_id=name), metadata=metadata)
-                    self.children.remove((name, process))  # a planned stop, not a death to report
-                    process.send_signal(signal.SIGTERM)
-                    process.wait(timeout=STOP_TIMEOUT_S)
+                for child in reversed(running[count:]):
+                    request = orchestrator_pb2.RemoveReplicaRequest(replica_id=child.name)
+                    admin.RemoveReplica(request, metadata=metadata)
+                    self.children.remove(child)  # a planned stop, not a death to restart
+                    child.process.send_signal(signal.SIGTERM)
+                    child.process.wait(timeout=STOP_TIMEOUT_S)
 
     def target_arguments(self) -> list[str]:
         return [*service_arguments("target", self.settings.target_settings()), *self._tls_arguments()]
@@ -148,20 +151,19 @@ class Launcher:
         ready_file = Path(self._workdir.name) / f"{name}.address"
         command = [sys.executable, "-m", "launch.cli", *arguments, "--host", host, "--port", str(port)]
         command += ["--ready-file", str(ready_file)]
-        # Children ignore the terminal's SIGINT (own session); the launcher stops them in order, and should it be
-        # killed instead, they get SIGTERM from the kernel (tandem.lifetime).
         environment = without_secrets(os.environ) if environment is None else environment
-        process = start_child(command, start_new_session=True, env=environment)
-        self.children.append((name, process))
+        self.children.append(Child(name, command, environment, _started(command, environment)))
         return ready_file
 
     def _wait_ready(self, name: str, ready_file: Path) -> str:
-        process = dict(self.children)[name]
+        child = next(child for child in self.children if child.name == name)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline and not self._stopping:
             if ready_file.exists():
-                return ready_file.read_text().strip()
-            returncode = process.poll()
+                address = ready_file.read_text().strip()
+                child.keep_port(address)
+                return address
+            returncode = child.process.poll()
             if returncode is not None:
                 raise ChildFailed(name, returncode)
             time.sleep(0.05)
@@ -170,23 +172,19 @@ class Launcher:
         raise TimeoutError(f"{name} did not become ready within {STARTUP_TIMEOUT_S:.0f} s")
 
     def wait(self) -> int:
-        """Blocks until a signal arrives or the target or orchestrator dies; returns the launcher's exit code.
-
-        A draft replica that dies is reported and left dead: the orchestrator moves its requests to the
-        other replicas (or target-only) and serving goes on.
-        """
-        reported: set[str] = set()
+        """Blocks until a signal arrives, starting children that died again at their addresses (with backoff);
+        returns the launcher's exit code. Meanwhile the orchestrator moves a dead replica's requests to the other
+        replicas (or target-only), and requests on a dead target wait for it (--target-wait)."""
         while not self._stopping:
-            for name, process in list(self.children):
-                if process.poll() is None or name in reported:
+            now = time.monotonic()
+            for child in list(self.children):
+                if child.running:
                     continue
-                reported.add(name)
-                if name.startswith("draft"):
-                    message = f"draft replica {name} exited with code {process.returncode}; serving goes on without it"
-                    print(f"tandem serve: {message}", file=sys.stderr, flush=True)
-                    continue
-                print(f"tandem serve: {name} exited with code {process.returncode}", file=sys.stderr, flush=True)
-                return 1
+                if child.restart_at is None:
+                    print(f"tandem serve: {child.schedule_restart(now)}", file=sys.stderr, flush=True)
+                elif now >= child.restart_at:
+                    child.process = _started(child.command, child.environment)
+                    child.started, child.restart_at = now, None
             time.sleep(0.2)
         return 0
 
@@ -196,7 +194,8 @@ class Launcher:
     def stop(self) -> None:
         if self._scaler is not None:
             self._scaler.stop(grace=None)
-        for _, process in reversed(self.children):
+        for child in reversed(self.children):
+            process = child.process
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 try:
@@ -205,6 +204,12 @@ class Launcher:
                     process.kill()
                     process.wait()
         self._workdir.cleanup()
+
+
+def _started(command: list[str], environment: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    # Children ignore the terminal's SIGINT (own session); the launcher stops them in order, and should it be
+    # killed instead, they get SIGTERM from the kernel (tandem.lifetime).
+    return start_child(command, start_new_session=True, env=environment)
 
 
 class LauncherScaler(orchestrator_pb2_grpc.ScalerServicer):

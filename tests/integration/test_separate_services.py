@@ -92,7 +92,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, llama_target: Path, random_d
             arguments += ["--served-model-name", MODEL]
             # One request runs at a time and one waits: a third finds the queue full.
             arguments += ["--max-num-seqs", "1", "--max-waiting", "1"]
-            arguments += ["--target-timeout", TARGET_TIMEOUT, "--draft-timeout", DRAFT_TIMEOUT]
+            # A hung target: its step times out after 3 s, then the requests wait 2 s for it before they fail.
+            arguments += ["--target-timeout", TARGET_TIMEOUT, "--target-wait", "2", "--draft-timeout", DRAFT_TIMEOUT]
             with service("orchestrator", tandem_command(*arguments), workdir) as orchestrator:
                 http_url = http_ready.read_text().strip()
                 urls = {

@@ -1,12 +1,13 @@
-"""A target that goes away under 8 streams: killed and restarted at its address, or its link to the orchestrator
-reset. Every stream goes on where it was and ends with the tokens of a run without the fault (none repeated or
-missing); nothing stays held on the target or the replica. A target that does not come back within --target-wait
-fails each request naming why, and the next request after it returns is served.
+"""A target that goes away under 8 streams: killed and restarted at its address (by hand, or by `tandem serve`),
+paused, or its link to the orchestrator reset. Every stream goes on where it was and ends with the tokens of a run
+without the fault (none repeated or missing); nothing stays held on the target or the replica. A target that does not
+come back within --target-wait fails each request naming why, and the next request after it returns is served.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import threading
@@ -17,12 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
+from launch.processes import ServeProcess
 from tandem.grpc_util import channel_options
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 from tests.helpers.fault_proxy import FaultProxy
-from tests.integration.stack import Service, draft_info, generate, service, tandem_command, target_info
+from tests.integration.stack import Service, draft_info, generate, serve, service, tandem_command, target_info
 
 STREAMS = 8
 NEW_TOKENS = 64
@@ -227,3 +230,43 @@ def test_a_target_gone_past_the_wait_fails_each_request_naming_it_then_serves_ag
 def generate_drafts(address: str) -> int:
     """Draft tokens one short speculative request was given."""
     return generate(address, input_ids=PROMPTS[0], max_new_tokens=8, ignore_eos=True).stats.draft_tokens
+
+
+def child_pid(stack: ServeProcess, service_name: str) -> int:
+    """The pid of the serve process's child running `tandem <service_name>`."""
+    found = child_pids(stack, service_name)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def child_pids(stack: ServeProcess, service_name: str) -> list[int]:
+    found = []
+    for child in psutil.Process(stack.process.pid).children(recursive=True):
+        try:
+            if child.cmdline()[3:4] == [service_name] and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child.pid)  # python -m launch.cli <service_name> ...
+        except psutil.Error:  # gone meanwhile
+            continue
+    return found
+
+
+def test_tandem_serve_starts_a_killed_target_and_replica_again_at_their_addresses(
+    llama_target: Path, random_draft: Path
+) -> None:
+    with serve(llama_target, random_draft, "--speculative-num-steps", "3") as served:
+        expected = [
+            generate(
+                served.address, input_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True, disable_speculation=True
+            ).token_ids
+            for p in PROMPTS
+        ]
+        target = child_pid(served, "target")
+        streams = streams_through(served.address, lambda: os.kill(target, signal.SIGKILL))
+        assert_streams_whole(streams, expected)
+        assert child_pid(served, "target") != target
+        assert any(re.search(r"target exited with code -9 after .* starting it again", line) for line in served.log)
+        replica = child_pid(served, "draft")
+        os.kill(replica, signal.SIGKILL)
+        wait_for(lambda: child_pids(served, "draft") not in ([], [replica]), "the replica started again")
+        wait_for(lambda: generate_drafts(served.address) > 0, "the restarted replica drafts")
+        assert served.process.poll() is None
