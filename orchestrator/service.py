@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 
 import grpc
-from transformers import AutoTokenizer
 
 from orchestrator.admin import AdminService
 from orchestrator.backends import DraftBackend, FailureKind
@@ -24,6 +23,7 @@ from orchestrator.output import Output, RequestFailed
 from orchestrator.replicas import ReplicaPool
 from orchestrator.scheduler import QueueFull, Scheduler, TargetFacts
 from orchestrator.settings import OrchestratorSettings, SchedulerSettings
+from orchestrator.tokenizer import load_tokenizer
 from orchestrator.validation import InvalidRequest, Limits, client_request_id
 from tandem.grpc_util import closed_at_call_end, wait_for_ready
 from tandem.transport import TransportSecurity
@@ -138,7 +138,7 @@ async def start_orchestrator(
         replicas.add(replica_id, address, backend)
     if settings.ngram is not None:
         add_ngram_replica(replicas, settings.ngram)
-    tokenizer = AutoTokenizer.from_pretrained(str(settings.tokenizer_dir))
+    tokenizer = load_tokenizer(settings.tokenizer_dir)
     eos_ids = set(info.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
