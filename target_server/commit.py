@@ -19,8 +19,8 @@ from target_server.items import CapturedRows, StepItem, StepResult
 
 def verify_batched(planned: Sequence[AdmittedItem], logits: torch.Tensor) -> None:  # logits [scored rows, vocab]
     """Decides, in one batch on the logits' device (tandem.sampling.batched), every item that needs no request's own
-    generator: greedy ones and sampled ones without a seed. Seeded ones keep their CPU generator (the runner's
-    commit), so that a seed gives the same tokens on every device."""
+    generator: greedy ones and sampled ones without a seed. Seeded ones are decided by the runner's commit from
+    their seeded scores (tandem.sampling.verify), which are keyed by sequence positions."""
     chosen = [
         entry
         for entry in planned

@@ -269,7 +269,8 @@ class TargetRunner:
                 drafts = list(item.drafts.tokens)
                 scored = logits[entry.logit_start : entry.logit_start + 1 + len(drafts)]  # [1 + k, vocab]
                 masked = request.processed(scored, item.drafts)
-                outcome = entry.outcome or verify(masked, drafts, request.sampling, request.generator)
+                position = len(request.tokens)  # of the token row 0 decides (a seed's noise is keyed by it)
+                outcome = entry.outcome or verify(masked, drafts, request.sampling, request.generator, None, position)
                 accepted, new_tokens = outcome.accepted, outcome.tokens
                 if item.top_logprobs is not None:
                     logprobs = token_logprobs(scored, new_tokens, item.top_logprobs)
@@ -296,7 +297,7 @@ class TargetRunner:
         try:
             scored = logits[entry.logit_start : entry.logit_start + 1 + len(tree)]  # [1 + n, vocab]
             masked = request.processed(scored, tree)
-            outcome = verify_tree(masked, tree, request.sampling, request.generator)
+            outcome = verify_tree(masked, tree, request.sampling, request.generator, len(request.tokens))
             path_rows = [0, *(1 + node for node in outcome.path)]  # the scored rows that chose the new tokens
             logprobs = []
             if item.top_logprobs is not None:

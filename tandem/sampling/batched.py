@@ -1,7 +1,7 @@
 """Verification of a whole step's items at once, on the device that holds the logits (tandem.sampling.verify's terms).
 
-The per-item rule of tandem.sampling.verify draws from each request's own CPU generator, so a seed gives the same
-tokens on every device; that is what the CPU runs, and what seeded requests run everywhere. On a GPU the other items
+The per-item rules of tandem.sampling.verify draw from each request's own CPU generator, or for a seed from noise
+keyed by (seed, position); that is what the CPU runs, and what seeded requests run everywhere. On a GPU the other items
 of a step (greedy ones, and sampled ones without a seed) go through `verify_batch` instead: their logits stay where
 the LM head left them and only the accepted counts and the next tokens come back to the host, [items] each.
 

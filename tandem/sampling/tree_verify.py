@@ -34,7 +34,7 @@ import torch
 
 from tandem.sampling.draft_tree import DraftTree, check_parents
 from tandem.sampling.params import SamplingParams
-from tandem.sampling.verify import target_probs
+from tandem.sampling.verify import seeded_scores, target_probs
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,10 @@ def verify_tree(
     tree: DraftTree,  # n nodes
     params: SamplingParams,
     generator: torch.Generator,  # CPU, from make_generator; greedy draws nothing
+    position: int | None = None,  # the sequence position of the token row 0 decides; None: no seeded rule
 ) -> TreeOutcome:
-    """The greedy walk or the lossless sampled walk of the module docstring."""
+    """The greedy walk or the lossless sampled walk of the module docstring; for a seed (and `position`), the greedy
+    walk over the seeded scores (tandem.sampling.verify), each row keyed by its node's depth."""
     check_parents(tree.parents, len(tree))
     if target_logits.dim() != 2 or target_logits.shape[0] != len(tree) + 1:
         raise ValueError(
@@ -60,6 +62,12 @@ def verify_tree(
     children = tree.children()
     if params.is_greedy:
         return _walk_greedy(target_logits.argmax(dim=-1).tolist(), tree.tokens, children)
+    if params.seed is not None and position is not None:
+        depths = [0]
+        for parent in tree.parents:  # a parent comes before its children: depth of row 1 + i
+            depths.append(1 + (0 if parent < 0 else depths[parent + 1]))
+        scores = seeded_scores(target_logits, params, [position + depth for depth in depths])
+        return _walk_greedy(scores.argmax(dim=-1).tolist(), tree.tokens, children)
     return _walk_sampled(target_probs(target_logits.cpu(), params), tree.tokens, children, generator)
 
 

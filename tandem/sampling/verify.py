@@ -18,10 +18,17 @@ as p, because P(x) = q(x) min(1, p(x)/q(x)) + (1 - beta) norm(max(p - q, 0))(x) 
 = p(x), where beta = sum(min(p, q)) is the total acceptance probability. A deterministic (argmax) draft has a one-hot
 q: accept x with probability p(x), on rejection sample p with x removed. Greedy decoding is the temperature-0 case,
 where p is one-hot at the target argmax: accept while the draft equals the argmax.
+
+A seeded request decides each token by the Gumbel-max form of sampling instead: the token at sequence position t is
+the argmax of log p_t(v) + g_t(v), where g_t is Gumbel(0, 1) noise drawn from (seed, t) alone (`seeded_scores`). That
+token is distributed exactly as p_t, and it depends on nothing but the seed, the context and the position: not on
+the drafts, on how many rounds it took, on speculation being on, or on a restart between two rounds. Verification is
+then greedy verification over those scores: a draft is kept while it equals the noisy argmax of its row.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -175,13 +182,19 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator,  # CPU, from make_generator
     draft_probs: torch.Tensor | None = None,  # [k, vocab] or None, see verify_sampled
+    position: int | None = None,  # the sequence position of the token row 0 decides; None: no seeded rule
 ) -> VerifyOutcome:
-    """Greedy verification for greedy params, the lossless sampled rule otherwise.
+    """Greedy verification for greedy params; for a seed (and `position`), greedy verification of the seeded scores
+    (module docstring); the lossless sampled rule otherwise.
 
-    Greedy ignores draft_probs: the target's choice is deterministic, so the draft's distribution has no bearing.
+    Greedy and seeded ignore draft_probs: the target's choice is deterministic, so the draft's distribution has no
+    bearing on what is committed.
     """
     if params.is_greedy:
         return verify_greedy(target_logits, draft_tokens)
+    if params.seed is not None and position is not None:
+        positions = range(position, position + len(draft_tokens) + 1)
+        return verify_greedy(seeded_scores(target_logits, params, positions), draft_tokens)
     return verify_sampled(target_logits, draft_tokens, params, generator, draft_probs)
 
 
@@ -200,6 +213,30 @@ def _check_shapes(
             f"draft_probs must be [num_drafts, vocab] = [{num_drafts}, {target_logits.shape[1]}], "
             f"got {list(draft_probs.shape)}"
         )
+
+
+def seeded_scores(
+    target_logits: torch.Tensor,  # [rows, vocab]
+    params: SamplingParams,  # with a seed, not greedy
+    positions: Sequence[int],  # [rows]: the sequence position of the token each row decides
+) -> torch.Tensor:  # [rows, vocab] float32: log p + Gumbel noise; the argmax of a row is its token
+    """Scores whose row argmax is a sample of the target distribution, keyed by (seed, position) (module docstring)."""
+    assert params.seed is not None
+    log_probs = target_probs(target_logits.cpu(), params).log()  # -inf where top-k, top-p or a mask left nothing
+    generator = torch.Generator(device="cpu")
+    noise = []
+    for position in positions:
+        generator.manual_seed(_noise_key(params.seed, position))
+        uniform = torch.rand(log_probs.shape[-1], generator=generator, device="cpu")
+        uniform = uniform.clamp_(min=torch.finfo(torch.float32).tiny)
+        noise.append(-torch.log(-torch.log(uniform)))
+    return log_probs + torch.stack(noise)
+
+
+def _noise_key(seed: int, position: int) -> int:
+    """A 64-bit generator seed of (seed, position), the same in every process and on every machine."""
+    digest = hashlib.blake2b(f"tandem-gumbel/{seed}/{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def make_generator(params: SamplingParams) -> torch.Generator:

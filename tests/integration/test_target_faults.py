@@ -1,7 +1,8 @@
-"""A target that goes away under 8 streams: killed and restarted at its address (by hand, or by `tandem serve`),
-paused, or its link to the orchestrator reset. Every stream goes on where it was and ends with the tokens of a run
-without the fault (none repeated or missing); nothing stays held on the target or the replica. A target that does not
-come back within --target-wait fails each request naming why, and the next request after it returns is served.
+"""A target that goes away under 8 greedy and 2 seeded sampled streams: killed and restarted at its address (by hand,
+or by `tandem serve`), paused, or its link to the orchestrator reset. Every stream goes on where it was and ends with
+the tokens of a run without the fault and without speculation (none repeated or missing); nothing stays held on the
+target or the replica. A target that does not come back within --target-wait fails each request naming why, and the
+next request after it returns is served.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
@@ -27,9 +29,15 @@ from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 from tests.helpers.fault_proxy import FaultProxy
 from tests.integration.stack import Service, draft_info, generate, serve, service, tandem_command, target_info
 
-STREAMS = 8
+GREEDY = 8
 NEW_TOKENS = 64
-PROMPTS = [[1, 17 + i, 42, 99, 5, 23 + 3 * i] for i in range(STREAMS)]
+PROMPTS = [[1, 17 + i, 42, 99, 5, 23 + 3 * i] for i in range(GREEDY)]
+# 8 greedy streams and 2 seeded sampled ones: a seed pins the tokens (tandem.sampling.verify, seeded_scores).
+REQUESTS = [
+    *({"input_ids": prompt} for prompt in PROMPTS),
+    *({"input_ids": PROMPTS[i], "temperature": 0.8, "seed": 100 + i} for i in range(2)),
+]
+STREAMS = len(REQUESTS)
 CACHE = ("--block-size", "8", "--orphan-timeout", "1")
 
 
@@ -44,7 +52,7 @@ class Stream:
     """One Generate call read on its own thread: every streamed token in order, and how it ended."""
 
     address: str
-    prompt: list[int]
+    fields: dict[str, Any]
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = ""
     error: grpc.RpcError | None = None
@@ -55,7 +63,7 @@ class Stream:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        request = orchestrator_pb2.GenerateRequest(input_ids=self.prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        request = orchestrator_pb2.GenerateRequest(**self.fields, max_new_tokens=NEW_TOKENS, ignore_eos=True)
         try:
             with grpc.insecure_channel(self.address, options=channel_options()) as channel:
                 for response in orchestrator_pb2_grpc.OrchestratorStub(channel).Generate(request, timeout=120):
@@ -131,19 +139,19 @@ def stack(llama_target: Path, random_draft: Path, tmp_path_factory: pytest.TempP
         services.callback(proxy.close)
         command = orchestrator_command(llama_target, draft, proxy.address)
         orchestrator = services.enter_context(service("orchestrator", command, workdir))
-        expected = [
-            generate(
-                orchestrator.address, input_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True,
-                disable_speculation=True,
-            ).token_ids
-            for p in PROMPTS
-        ]  # fmt: skip
+        expected = target_only(orchestrator.address)
         yield Stack(workdir, llama_target, port, services, target, draft, proxy, orchestrator, expected)
 
 
+def target_only(address: str) -> list[list[int]]:
+    """What each of REQUESTS gives without speculation and without a fault."""
+    fields = {"max_new_tokens": NEW_TOKENS, "ignore_eos": True, "disable_speculation": True}
+    return [generate(address, **request, **fields).token_ids for request in REQUESTS]
+
+
 def streams_through(address: str, fault: Callable[[], None]) -> list[Stream]:
-    """STREAMS streams; `fault` runs once every one of them has streamed a token; returns them once all ended."""
-    streams = [Stream(address, prompt) for prompt in PROMPTS]
+    """REQUESTS as streams; `fault` runs once every one of them has streamed a token; returns them once all ended."""
+    streams = [Stream(address, request) for request in REQUESTS]
     for stream in streams:
         assert stream.started.wait(60)
     assert not any(stream.done.is_set() for stream in streams), "a stream ended before the fault"
@@ -254,12 +262,7 @@ def test_tandem_serve_starts_a_killed_target_and_replica_again_at_their_addresse
     llama_target: Path, random_draft: Path
 ) -> None:
     with serve(llama_target, random_draft, "--speculative-num-steps", "3") as served:
-        expected = [
-            generate(
-                served.address, input_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True, disable_speculation=True
-            ).token_ids
-            for p in PROMPTS
-        ]
+        expected = target_only(served.address)
         target = child_pid(served, "target")
         streams = streams_through(served.address, lambda: os.kill(target, signal.SIGKILL))
         assert_streams_whole(streams, expected)
