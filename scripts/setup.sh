@@ -27,7 +27,6 @@ torch_index=()
 if [[ -n "${TANDEM_TORCH_INDEX-}" ]]; then
     torch_index=(--index-url "${TANDEM_TORCH_INDEX}")
 fi
-# --no-compile: no byte-compiling of every installed module up front; Python compiles what it imports.
-.venv/bin/pip install --quiet --no-compile --progress-bar off ${torch_index[@]+"${torch_index[@]}"} torch==2.13.0
-.venv/bin/pip install --quiet --no-compile --progress-bar off -e "${target}"
+.venv/bin/pip install --quiet --progress-bar off ${torch_index[@]+"${torch_index[@]}"} torch==2.13.0
+.venv/bin/pip install --quiet --progress-bar off -e "${target}"
 echo "setup done: $(.venv/bin/python -c 'import torch, grpc; print("torch", torch.__version__, "grpcio", grpc.__version__)')"
