@@ -1,5 +1,6 @@
 """A TCP proxy that breaks a link the way networks do, for fault tests: put it between two services (give the client
-its address instead of the server's) and reset every connection through it.
+its address instead of the server's), then add latency to every chunk it forwards, blackhole the link (nothing passes
+either way until it heals, connections stay open), refuse new connections (reset at once), or reset every open one.
 
 Threads, not asyncio: the tests drive it from plain code while real services talk through it.
 """
@@ -10,6 +11,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 
 
@@ -22,10 +24,14 @@ class _Link:
 @dataclass
 class FaultProxy:
     upstream: str  # host:port of the server
+    delay_s: float = 0.0  # added before each chunk is passed on, both ways
+    refusing: bool = False  # new connections are reset as soon as they are accepted
     _links: list[_Link] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _flowing: threading.Event = field(default_factory=threading.Event)  # cleared: blackholed
 
     def __post_init__(self) -> None:
+        self._flowing.set()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True, name="fault-proxy").start()
@@ -39,6 +45,13 @@ class FaultProxy:
                 _abort(end)
         return len(links)
 
+    def blackhole(self) -> None:
+        """Nothing passes until heal(): bytes wait in the proxy, and a peer that waits for an answer hears nothing."""
+        self._flowing.clear()
+
+    def heal(self) -> None:
+        self._flowing.set()
+
     def close(self) -> None:
         self._listener.close()
         self.reset()
@@ -50,6 +63,9 @@ class FaultProxy:
                 client, _ = self._listener.accept()
             except OSError:  # closed
                 return
+            if self.refusing:
+                _abort(client)
+                continue
             try:
                 server = socket.create_connection((host, int(port)), timeout=10)
             except OSError:
@@ -71,6 +87,9 @@ class FaultProxy:
             if not chunk:
                 _abort(sink)
                 return
+            self._flowing.wait()
+            if self.delay_s:
+                time.sleep(self.delay_s)
             try:
                 sink.sendall(chunk)
             except OSError:
