@@ -18,7 +18,7 @@ from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 from tests.integration.stack import draft_info, generate, target_info
 
 GREEDY = 8
-NEW_TOKENS = 64
+NEW_TOKENS = 32
 PROMPTS = [[1, 17 + i, 42, 99, 5, 23 + 3 * i] for i in range(GREEDY)]
 # 8 greedy streams and 2 seeded sampled ones: a seed pins the tokens (tandem.sampling.verify, seeded_scores).
 REQUESTS: list[dict[str, Any]] = [
