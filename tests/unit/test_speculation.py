@@ -396,3 +396,13 @@ def test_the_cost_model_counts_the_drafts_accepted_not_the_forced_tokens() -> No
         count_round(policy, request, item, result, None, StepOutcome([result], 0.0), times)  # type: ignore[arg-type]
     assert rounds == [(3, 1), (3, 3)]
     assert request.output.stats.accepted_tokens == 8  # what the request reports counts every accepted token
+
+
+def test_drafts_never_accepted_never_pay_even_when_bigger_steps_measured_cheaper() -> None:
+    # On a loaded machine the median of one-row steps (40 ms) can come out above that of four-row steps (10 ms);
+    # with acceptance 0 the drafts yield nothing, so k = 0 must still win.
+    policy = SpeculationPolicy(3, adaptive=True)
+    for _ in range(WINDOW):
+        policy.observe_target(1, 0.040)
+        policy.observe_target(4, 0.010)
+    assert policy.throughput(1, 0, 0.001) > policy.throughput(1, 3, 0.001)
