@@ -150,7 +150,7 @@ class Launcher:
     ) -> Path:
         ready_file = Path(self._workdir.name) / f"{name}.address"
         command = [sys.executable, "-m", "launch.cli", *arguments, "--host", host, "--port", str(port)]
-        command += ["--ready-file", str(ready_file)]
+        command += ["--ready-file", str(ready_file), "--keepalive-timeout", str(self.settings.keepalive_timeout_s)]
         environment = without_secrets(os.environ) if environment is None else environment
         self.children.append(Child(name, command, environment, _started(command, environment)))
         return ready_file

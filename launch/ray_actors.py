@@ -19,6 +19,7 @@ import ray
 from draft_server.settings import DraftSettings
 from launch.actor_security import ActorSecurity, ServiceSettings
 from tandem.errors import StartupError
+from tandem.grpc_util import set_keepalive_timeout
 from tandem.serving import ListenSettings, configure_logging
 from target_server.settings import TargetSettings
 
@@ -57,9 +58,16 @@ class ServiceActor:
     """
 
     def __init__(
-        self, name: str, settings: ServiceSettings, host: str | None, port: int, security: ActorSecurity
+        self,
+        name: str,
+        settings: ServiceSettings,
+        host: str | None,
+        port: int,
+        security: ActorSecurity,
+        keepalive_timeout_s: float,
     ) -> None:
         configure_logging(name)
+        set_keepalive_timeout(keepalive_timeout_s)
         self.name = name
         self._workdir = tempfile.TemporaryDirectory(prefix=f"tandem-{name}-")
         self._ready_file = Path(self._workdir.name) / "address"

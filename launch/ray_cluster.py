@@ -241,7 +241,7 @@ class RayLauncher:
     ) -> RunningService:
         # max_concurrency: wait_until_stopped() blocks for the actor's lifetime beside address() and stop().
         actor: Any = self._actor_class.options(max_restarts=0, max_concurrency=4, **options).remote(
-            name, settings, host, port, self.security
+            name, settings, host, port, self.security, self.settings.keepalive_timeout_s
         )
         essential = not isinstance(settings, DraftSettings)
         service = RunningService(name, actor, actor.wait_until_stopped.remote(), essential)

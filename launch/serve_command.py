@@ -16,6 +16,7 @@ from tandem import flags
 from tandem.devices import DeviceRequest
 from tandem.errors import StartupError
 from tandem.extras import RAY
+from tandem.grpc_util import set_keepalive_timeout
 from tandem.settings import DEMO_CHAT_TEMPLATE, DEMO_DRAFT, DEMO_TARGET, KVCacheSettings
 
 
@@ -69,6 +70,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.launcher == "ray":
             RAY.require("--launcher ray")
         settings = serve_settings_of(args)
+        set_keepalive_timeout(settings.keepalive_timeout_s)
     except StartupError as error:
         print(f"tandem serve cannot start: {error}", file=sys.stderr)
         return 2

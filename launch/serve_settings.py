@@ -20,7 +20,8 @@ from orchestrator.settings import (
     SchedulerSettings,
     check_ngram_kinds,
 )
-from tandem.flags import flag, flag_of, nested, optional, thread_count
+from tandem.flags import flag, flag_of, keepalive_seconds, nested, optional, thread_count
+from tandem.grpc_util import KEEPALIVE_HELP, KEEPALIVE_TIMEOUT_S
 from tandem.models.aux_layers import Convention
 from tandem.settings import KVCacheSettings
 from target_server.settings import TargetSettings
@@ -79,6 +80,10 @@ class ServeSettings:
     )
     mtp_mode: MTPMode = field(default=DraftSettings.mtp_mode, metadata=flag_of(DraftSettings, "mtp_mode"))
     security: ServeSecurity = field(default_factory=ServeSecurity, metadata=nested())  # API key, admin port, TLS
+    # Every service's (and the launcher's) --keepalive-timeout.
+    keepalive_timeout_s: float = field(
+        default=KEEPALIVE_TIMEOUT_S, metadata=flag("--keepalive-timeout", KEEPALIVE_HELP, parse=keepalive_seconds)
+    )
     # The orchestrator's OpenAI-compatible HTTP API and /metrics; 0: a free port; None: off.
     http_port: int | None = field(
         default=0,

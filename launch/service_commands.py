@@ -29,6 +29,7 @@ from orchestrator.settings import AdminSettings, DiscoverySettings, Orchestrator
 from tandem import flags
 from tandem.devices import DeviceRequest
 from tandem.errors import StartupError
+from tandem.grpc_util import KEEPALIVE_HELP, KEEPALIVE_TIMEOUT_S, set_keepalive_timeout
 from tandem.serving import ListenSettings
 from tandem.settings import KVCacheSettings
 from tandem.transport import Insecure, TransportSecurity
@@ -43,6 +44,9 @@ def _add_listen(parser: argparse.ArgumentParser, default_port: int = ListenSetti
     parser.add_argument("--host", default=ListenSettings.host)
     parser.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
     parser.add_argument("--ready-file", type=Path, help="write the bound host:port here once serving")
+    parser.add_argument(
+        "--keepalive-timeout", type=flags.keepalive_seconds, default=KEEPALIVE_TIMEOUT_S, help=KEEPALIVE_HELP
+    )
 
 
 def _listen(args: argparse.Namespace, security: TransportSecurity) -> ListenSettings:
@@ -141,6 +145,7 @@ def orchestrator_settings_of(args: argparse.Namespace) -> OrchestratorSettings:
 
 def run_service(args: argparse.Namespace) -> None:
     """Runs one service process until it is stopped; raises StartupError when it cannot start."""
+    set_keepalive_timeout(args.keepalive_timeout)
     if args.command == "target":
         from target_server.main import serve_target
 

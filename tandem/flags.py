@@ -374,6 +374,13 @@ def thread_count(text: str) -> int:
     return count
 
 
+def keepalive_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 1.0:
+        raise argparse.ArgumentTypeError(f"{text}: a keepalive timeout must be at least 1 second")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     value = float(text)
     if not value > 0:

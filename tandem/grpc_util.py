@@ -27,8 +27,19 @@ _NOT_READY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc
 HEALTH_POLL_INTERVAL_S = 0.05
 
 
-# Keepalive ping interval and ack timeout of every channel between Tandem's services and to them.
-KEEPALIVE_S = 5.0
+# How long a peer may stay silent (no answer to keepalive pings) before its connection is dropped, by default
+# (--keepalive-timeout); a ping goes after 0.4 of it without a frame, and its ack may take 0.5: 0.9 of it in all.
+KEEPALIVE_TIMEOUT_S = 10.0
+_keepalive_timeout_s = KEEPALIVE_TIMEOUT_S
+KEEPALIVE_HELP = "seconds a peer may stay silent (keepalive pings unanswered) before its connection is dropped"
+
+
+def set_keepalive_timeout(seconds: float) -> None:
+    """Sets this process's keepalive timeout for every channel and server made after it (a service's flag)."""
+    global _keepalive_timeout_s
+    if seconds < 1.0:
+        raise ValueError(f"--keepalive-timeout must be at least 1 s, got {seconds}")
+    _keepalive_timeout_s = seconds
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -37,21 +48,23 @@ def channel_options() -> list[tuple[str, int]]:
     The services talk over loopback or a cluster network through long-lived streams (SubscribeHidden) that can
     sit idle between requests, so clients ping to keep them open and servers must accept those pings.
     """
+    ping_ms, ack_ms = int(_keepalive_timeout_s * 400), int(_keepalive_timeout_s * 500)
     return [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        # Client: ping every KEEPALIVE_S, also with no call in flight, and drop the connection when an ack takes
-        # longer: a peer that stopped answering (paused, blackholed, its host gone) is noticed within 2 x KEEPALIVE_S,
+        # Client: ping after ping_ms without a frame, also with no call in flight, and drop the connection when its ack
+        # takes ack_ms: a peer that stopped answering (paused, blackholed, its host gone) is noticed within the timeout,
         # where a reader on a half-open connection would otherwise wait for its deadline (--target-timeout: 300 s).
-        ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
-        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_S * 1000)),
-        ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_S * 1000)),  # what the C-core waits for an ack (default 1 min)
+        ("grpc.keepalive_time_ms", ping_ms),
+        ("grpc.keepalive_timeout_ms", ack_ms),
+        ("grpc.http2.ping_timeout_ms", ack_ms),  # what the C-core waits for an ack (default 1 min)
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # Server: by default it answers pings more often than every 5 min with GOAWAY (too_many_pings); it takes
-        # them a little more often than clients send them.
+        # them a little more often than a client with the shortest timeout (1 s: every 400 ms) sends them, whatever
+        # its own timeout.
         # (The C-core constant is GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS; its string has no "recv".)
-        ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_S * 800)),
+        ("grpc.http2.min_ping_interval_without_data_ms", 300),
         # A restarted peer comes back within seconds; gRPC's default backoff would wait up to 2 min to retry.
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),

@@ -25,9 +25,10 @@ from tests.integration.fault_streams import (
 )
 from tests.integration.stack import Service, generate, service, tandem_command
 
-CACHE = ("--block-size", "8", "--orphan-timeout", "1")
+# Every service notices a silent peer within 2 s (--keepalive-timeout, 10 s by default: test_grpc_keepalive.py).
+COMMON = ("--block-size", "8", "--orphan-timeout", "1", "--keepalive-timeout", "2")
 LINKS = ("orchestrator-target", "orchestrator-replica", "replica-target")
-BLACKHOLE_S = 12.0  # past gRPC keepalive's 10 s: the connections are dropped and dialled again
+BLACKHOLE_S = 4.0  # past the keepalive timeout: the connections are dropped and dialled again
 
 
 @dataclass
@@ -43,12 +44,12 @@ class Stack:
 def stack(llama_target: Path, random_draft: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("link-faults")
     with ExitStack() as services:
-        target_command = tandem_command("target", "--model", str(llama_target), "--port", "0", *CACHE)
+        target_command = tandem_command("target", "--model", str(llama_target), "--port", "0", *COMMON)
         target = services.enter_context(service("target", target_command, workdir))
         proxies = {"orchestrator-target": FaultProxy(target.address), "replica-target": FaultProxy(target.address)}
         draft_command = tandem_command(
             "draft", "--model", str(random_draft), "--target-address", proxies["replica-target"].address,
-            "--port", "0", "--replica-id", "draft-0", "--speculative-num-steps", "3", *CACHE,
+            "--port", "0", "--replica-id", "draft-0", "--speculative-num-steps", "3", *COMMON,
         )  # fmt: skip
         draft = services.enter_context(service("draft", draft_command, workdir))
         proxies["orchestrator-replica"] = FaultProxy(draft.address)
@@ -58,7 +59,7 @@ def stack(llama_target: Path, random_draft: Path, tmp_path_factory: pytest.TempP
             "orchestrator", "--target-address", proxies["orchestrator-target"].address, "--tokenizer",
             str(llama_target), "--draft-address", proxies["orchestrator-replica"].address,
             "--speculative-num-steps", "3", "--no-adaptive-k", "--port", "0", "--admin-port", "0",
-            "--target-timeout", "30", "--draft-timeout", "2",
+            "--target-timeout", "30", "--draft-timeout", "2", "--keepalive-timeout", "2",
         )  # fmt: skip
         orchestrator = services.enter_context(service("orchestrator", orchestrator_command, workdir))
         yield Stack(target, draft, orchestrator, proxies, target_only(orchestrator.address))

@@ -3,11 +3,13 @@ refuse together."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from launch import processes
 from launch.cli import build_parser, main
 from launch.processes import Launcher
 from launch.serve_command import serve_settings_of
@@ -16,6 +18,7 @@ from launch.service_commands import draft_settings_of, orchestrator_settings_of,
 from launch.stack_security import ServeSecurity
 from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
 from tandem import flags
+from tandem.grpc_util import KEEPALIVE_TIMEOUT_S
 from tandem.settings import TreeShape
 from target_server.rank import parse_arguments
 from target_server.ranks import rank_command
@@ -165,3 +168,20 @@ def test_a_target_rank_gets_rank_0_s_settings_through_its_command_line() -> None
     command = rank_command(settings, 1, "127.0.0.1:9")
     assert command[1:3] == ["-m", "target_server.rank"]
     assert parse_arguments(command[3:]) == (replace(settings, rendezvous="127.0.0.1:9"), 1)
+
+
+def test_the_keepalive_timeout_reaches_every_child_and_is_at_least_a_second(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    commands: list[list[str]] = []
+    monkeypatch.setattr(processes, "_started", lambda command, environment: commands.append(command))
+    launcher = Launcher(serve_settings("--keepalive-timeout", "2.5"))
+    launcher._spawn("target", launcher.target_arguments())
+    launcher._spawn("draft-0", launcher.draft_arguments("draft-0"))
+    launcher._spawn("orchestrator", orchestrator_of(launcher.settings))
+    assert [command[:3] for command in commands] == [[sys.executable, "-m", "launch.cli"]] * 3
+    assert [build_parser().parse_args(command[3:]).keepalive_timeout for command in commands] == [2.5] * 3
+    assert serve_settings().keepalive_timeout_s == KEEPALIVE_TIMEOUT_S == 10.0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*ORCHESTRATOR, "--keepalive-timeout", "0.5"])
+    assert "0.5: a keepalive timeout must be at least 1 second" in capsys.readouterr().err
