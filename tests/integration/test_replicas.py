@@ -17,6 +17,10 @@ from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 from tests.integration.stack import Stack, draft_info, generate, serve, service_addresses, tandem_command
 
 PROMPTS = [f"def function_{index}(value):\n    return" for index in range(16)]
+# Long enough that the streams still run when the replicas change: a newcomer joins 1.5 s into 4 streams of
+# JOIN_TOKENS; the scale-down drains the second wave of SCALE_TOKENS, sent just before it.
+JOIN_TOKENS = 200
+SCALE_TOKENS = 120
 
 
 def replica_pid(stack: Stack, replica_id: str) -> int:
@@ -96,7 +100,7 @@ def test_last_replica_lost_then_a_new_one_joins(tmp_path: Path, llama_target: Pa
                 time.sleep(0.1)
             new_address = ready_file.read_text()
             with ThreadPoolExecutor(4) as pool:
-                futures = [pool.submit(greedy, stack.address, prompt, 400) for prompt in PROMPTS[:4]]
+                futures = [pool.submit(greedy, stack.address, prompt, JOIN_TOKENS) for prompt in PROMPTS[:4]]
                 time.sleep(1.0)
                 os.kill(replica_pid(stack, "draft-0"), signal.SIGKILL)
                 time.sleep(0.5)  # the running requests go on target-only
@@ -110,7 +114,7 @@ def test_last_replica_lost_then_a_new_one_joins(tmp_path: Path, llama_target: Pa
                 switched_back = draft_info(new_address).running_requests
                 speculative = [future.result(timeout=300) for future in futures]
             assert switched_back > 0
-            assert speculative == target_only(stack.address, PROMPTS[:4], 400)
+            assert speculative == target_only(stack.address, PROMPTS[:4], JOIN_TOKENS)
             # New requests use the newcomer too.
             completion = generate(stack.address, prompt="def x():", max_new_tokens=20, ignore_eos=True)
             assert completion.stats.draft_tokens > 0
@@ -123,7 +127,7 @@ def test_scale_1_to_3_to_1_under_16_streams(llama_target: Path, random_draft: Pa
     first_wave, second_wave = PROMPTS[:8], PROMPTS[8:]
     with serve(llama_target, random_draft, "--speculative-num-steps", "3") as stack:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            futures = [pool.submit(greedy, stack.address, prompt, 300) for prompt in first_wave]
+            futures = [pool.submit(greedy, stack.address, prompt, SCALE_TOKENS) for prompt in first_wave]
             up = subprocess.run(
                 tandem_command("scale", "--draft-replicas", "3", "--address", str(stack.admin_address)),
                 capture_output=True,
@@ -133,7 +137,7 @@ def test_scale_1_to_3_to_1_under_16_streams(llama_target: Path, random_draft: Pa
             assert up.returncode == 0, up.stderr
             assert sorted(line.split("\t")[0] for line in up.stdout.splitlines()) == ["draft-0", "draft-1", "draft-2"]
             # New requests go to the least loaded replicas: the new ones.
-            futures += [pool.submit(greedy, stack.address, prompt, 300) for prompt in second_wave]
+            futures += [pool.submit(greedy, stack.address, prompt, SCALE_TOKENS) for prompt in second_wave]
             deadline = time.monotonic() + 60
             while True:
                 replicas = admin(stack).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
@@ -143,10 +147,11 @@ def test_scale_1_to_3_to_1_under_16_streams(llama_target: Path, random_draft: Pa
                 time.sleep(0.05)
             assert new_load > 0
             # The same through the admin RPC: back to one replica; the others drain their requests first.
+            assert not all(future.done() for future in futures), "no stream left to drain"
             admin(stack).Scale(orchestrator_pb2.ScaleRequest(draft_replicas=1), timeout=300)
             speculative = [future.result(timeout=300) for future in futures]
         replicas = admin(stack).ListReplicas(orchestrator_pb2.ListReplicasRequest()).replicas
         assert [r.replica_id for r in replicas] == ["draft-0"]
-        reference = target_only(stack.address, PROMPTS, 300)
+        reference = target_only(stack.address, PROMPTS, SCALE_TOKENS)
         assert not any("exited with code" in line for line in stack.log)
     assert speculative == reference
