@@ -1,4 +1,5 @@
-"""`tandem bench` and `tandem bench-load`: their flags (BenchSettings's and LoadSettings's options) and their runs.
+"""`tandem bench`, `tandem bench-load` and `tandem bench-faults`: their flags (BenchSettings's and LoadSettings's
+options, bench-faults's own) and their runs.
 
 `tandem` (launch.cli) lists both commands and hands their arguments here, so that the product's start-up imports no
 bench module. Both measure processes with psutil, of the bench extra: without it they stop before anything starts.
@@ -17,6 +18,7 @@ from bench.settings import BenchSettings
 from launch.model_dirs import NGRAM, draft_option, model_dir
 from tandem import flags
 from tandem.extras import BENCH, Extra
+from tandem.grpc_util import KEEPALIVE_TIMEOUT_S
 from tandem.settings import DEMO_DRAFT, DEMO_TARGET
 
 PSUTIL = Extra(BENCH.name, "psutil")  # bench/cpu.py and bench/memory.py: the processes' CPU time and memory
@@ -52,6 +54,28 @@ def load_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def faults_parser() -> argparse.ArgumentParser:
+    from bench.faults import SCENARIOS  # no torch: the services run in processes of their own
+
+    parser = argparse.ArgumentParser(
+        prog="tandem bench-faults",
+        description="faults between the services, one after another under 10 streams: what each costs, as a table",
+    )
+    parser.add_argument("--target", type=Path, help="target directory (default: the demo target)")
+    parser.add_argument("--draft", type=Path, help="draft directory (default: the demo EAGLE3 head)")
+    parser.add_argument(
+        "--scenarios", nargs="+", choices=list(SCENARIOS), metavar="SCENARIO", help=f"default: all of {list(SCENARIOS)}"
+    )
+    parser.add_argument(
+        "--keepalive-timeout",
+        type=flags.keepalive_seconds,
+        default=KEEPALIVE_TIMEOUT_S,
+        help="every service's --keepalive-timeout; blackholes last twice it, pauses 1.5 times",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench/results/faults"), help="where the report goes")
+    return parser
+
+
 def bench_settings_of(args: argparse.Namespace) -> BenchSettings:
     """Raises ValueError for flags that do not fit together."""
     if args.kinds and (args.draft == NGRAM or args.hybrid_ngram or args.address):
@@ -83,7 +107,10 @@ def load_settings_of(args: argparse.Namespace) -> LoadSettings:
 
 
 def run_bench_command(command: str, arguments: Sequence[str]) -> int:
-    """Runs `tandem bench` or `tandem bench-load` with their arguments; returns the exit code."""
+    """Runs `tandem bench`, `tandem bench-load` or `tandem bench-faults` with their arguments; returns the exit
+    code."""
+    if command == "bench-faults":
+        return _run_faults(faults_parser().parse_args(arguments))
     args = (bench_parser() if command == "bench" else load_parser()).parse_args(arguments)
     missing = PSUTIL.missing()
     if missing is not None:
@@ -116,3 +143,18 @@ def _run_load(settings: LoadSettings) -> int:
         print(f"tandem bench-load: {'; '.join(failures)} (see {report})", file=sys.stderr)
         return 1
     return 0
+
+
+def _run_faults(args: argparse.Namespace) -> int:
+    """Runs the fault scenarios; exits non-zero when one lost, held or broke anything (bench.faults.lost)."""
+    from bench.faults import SCENARIOS, lost, run_faults, write_report
+
+    target = model_dir(args.target, DEMO_TARGET, "--target")
+    draft = model_dir(args.draft, DEMO_DRAFT, "--draft")
+    run = run_faults(target, draft, args.keepalive_timeout, args.scenarios or list(SCENARIOS))
+    report = write_report(run, args.out)
+    print(report.read_text())
+    failures = [f"{r.scenario}: {', '.join(lost(r))}" for r in run.records if lost(r)]
+    for failure in failures:
+        print(f"tandem bench-faults: {failure}", file=sys.stderr)
+    return 1 if failures else 0

@@ -22,6 +22,7 @@ SERVICE_ENVIRONMENT_COMMANDS = ("serve", "target", "draft", "orchestrator", "ben
 BENCH_COMMANDS = {
     "bench": "benchmark speculative vs target-only vs colocated",
     "bench-load": "load test: many concurrent streams, a KV pool smaller than them",
+    "bench-faults": "faults between the services, one after another under streams: what each costs",
 }
 
 

@@ -22,9 +22,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.fault_proxy import FaultProxy
 from tandem.grpc_util import channel_options
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
-from tests.helpers.fault_proxy import FaultProxy
 from tests.integration.stack import Completion, Service, draft_info, generate, service, tandem_command, target_info
 
 BLOCK_SIZE = 8

@@ -21,8 +21,8 @@ import grpc
 import psutil
 import pytest
 
+from bench.fault_proxy import FaultProxy
 from launch.processes import ServeProcess
-from tests.helpers.fault_proxy import FaultProxy
 from tests.integration.fault_streams import (
     NEW_TOKENS,
     PROMPTS,

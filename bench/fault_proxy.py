@@ -2,7 +2,8 @@
 its address instead of the server's), then add latency to every chunk it forwards, blackhole the link (nothing passes
 either way until it heals, connections stay open), refuse new connections (reset at once), or reset every open one.
 
-Threads, not asyncio: the tests drive it from plain code while real services talk through it.
+Threads, not asyncio: `tandem bench-faults` (bench.faults) and the tests drive it from plain code while real services
+talk through it.
 """
 
 from __future__ import annotations
