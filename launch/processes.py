@@ -184,7 +184,7 @@ class Launcher:
                     print(f"tandem serve: {child.schedule_restart(now)}", file=sys.stderr, flush=True)
                 elif now >= child.restart_at:
                     child.process = _started(child.command, child.environment)
-                    child.started, child.restart_at = now, None
+                    child.backoff.started, child.restart_at = now, None
             time.sleep(0.2)
         return 0
 

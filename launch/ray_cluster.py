@@ -2,10 +2,12 @@
 
 Each actor runs the coroutine that `tandem target|draft|orchestrator` runs, on an event loop in a thread
 of the actor, and reports the address it bound through an actor method. Ray only places, starts, watches
-and stops the services: per-round traffic stays on their gRPC calls and streams. Actors are never
-restarted (max_restarts=0). As with the process launcher, a target or orchestrator that dies (or stops
-on its own) is reported and `tandem serve` exits non-zero; a draft replica that dies is reported and
-serving goes on without it (the orchestrator moves its requests to the other replicas or target-only).
+and stops the services: per-round traffic stays on their gRPC calls and streams. Ray does not restart
+an actor (max_restarts=0): as the process launcher does, `tandem serve` starts a service that died (or
+stopped on its own) again as a new actor at its address, with backoff (launch.restarts), and logs why;
+meanwhile the orchestrator moves a dead replica's requests to the other replicas (or target-only), and
+requests on a dead target wait for it. A tensor-parallel target (its ranks meet once, at start-up) is
+not restarted: its death is reported and `tandem serve` exits non-zero.
 TLS (`--internal-tls`, or `--tls-cert/--tls-key/--tls-ca`) reaches each actor as certificate bytes
 (launch.actor_security), since an actor may run on a machine without the launcher's files.
 """
@@ -13,13 +15,12 @@ TLS (`--internal-tls`, or `--tls-cert/--tls-key/--tls-ca`) reaches each actor as
 from __future__ import annotations
 
 import math
-import os
 import signal
 import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -29,28 +30,21 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from draft_server.settings import DraftSettings
 from launch.actor_security import ActorSecurity, ServiceSettings
 from launch.processes import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, http_line, ready_line
 from launch.ray_actors import RankActor, ServiceActor, ServiceExit, rendezvous_on_this_node
+from launch.ray_reservation import DRAFT_CPUS, NoRoom, Reservation, available_cpus, no_room, rank_bundle, resources
+from launch.restarts import Backoff
 from launch.serve_settings import ServeSettings
 from launch.stack_security import StackSecurity
 from tandem.settings import service_environment
 from tandem.transport import TransportConfigError
 from target_server.settings import TargetSettings
 
-# Ray's resource counts place actors; they do not limit them. One bundle per target rank, so a TP group
-# lands on one node. A draft replica (one decoder layer) asks for half a CPU; the orchestrator (I/O and
-# bookkeeping) asks for none.
-DRAFT_CPUS = 0.5
 POLL_S = 0.2
 # Everything is reserved before any service starts, after a check against the cluster's free resources, so a
 # longer wait only means a cluster whose free room is split over nodes or taken meanwhile by another job.
 PLACEMENT_TIMEOUT_S = 15.0
-
-
-class NoRoom(RuntimeError):
-    """The cluster cannot hold what the stack asks for; the message names both."""
 
 
 class ServiceFailed(RuntimeError):
@@ -60,45 +54,22 @@ class ServiceFailed(RuntimeError):
 
 
 @dataclass(frozen=True)
+class ServiceSpec:
+    """What starts a service actor again where it was: its settings, address and placement."""
+
+    settings: ServiceSettings
+    host: str | None
+    options: Mapping[str, object]
+
+
+@dataclass
 class RunningService:
     name: str
     actor: Any  # ray.actor.ActorHandle of a ServiceActor (Ray's handles are untyped)
     stopped: ray.ObjectRef[ServiceExit]  # its pending wait_until_stopped()
-    essential: bool  # its end stops `tandem serve` (target, orchestrator; not a draft replica)
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (the cgroup/affinity limit, not the host's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """What the stack asks Ray for: `ranks` bundles of `rank_bundle` on one node, DRAFT_CPUS per draft replica."""
-
-    rank_bundle: Mapping[str, float]
-    ranks: int
-    drafts: int
-
-    def total(self) -> dict[str, float]:
-        total = {name: amount * self.ranks for name, amount in self.rank_bundle.items()}
-        if self.drafts:
-            total["CPU"] = total.get("CPU", 0.0) + DRAFT_CPUS * self.drafts
-        return total
-
-    def __str__(self) -> str:
-        asked = [f"target placement group: {plural(self.ranks, 'bundle')} of {resources(self.rank_bundle)} on one node"]
-        if self.drafts:
-            asked.append(f"{plural(self.drafts, 'draft replica')} x {DRAFT_CPUS:g} CPU")
-        return f"{'; '.join(asked)} ({resources(self.total())} in all)"
-
-
-def plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
-def resources(amounts: Mapping[str, float]) -> str:
-    return ", ".join(f"{amount:g} {name}" for name, amount in amounts.items())
+    spec: ServiceSpec | None = None  # None: not restarted (a target rank, a tensor-parallel target)
+    port: int = 0  # the port it bound, once it serves: its restarts bind it again
+    backoff: Backoff = field(default_factory=Backoff)
 
 
 class RayLauncher:
@@ -232,21 +203,26 @@ class RayLauncher:
         """Target rank `rank` > 0; it joins rank 0 at settings.rendezvous and is stopped by rank 0."""
         name = f"target-rank{rank}"
         actor: Any = self._rank_class.options(max_restarts=0, max_concurrency=4, **options).remote(name, settings, rank)
-        service = RunningService(name, actor, actor.wait_until_stopped.remote(), essential=True)
+        service = RunningService(name, actor, actor.wait_until_stopped.remote())
         self.services.append(service)
         return service
 
     def _start(
         self, name: str, settings: ServiceSettings, host: str | None, port: int, options: Mapping[str, object]
     ) -> RunningService:
-        # max_concurrency: wait_until_stopped() blocks for the actor's lifetime beside address() and stop().
-        actor: Any = self._actor_class.options(max_restarts=0, max_concurrency=4, **options).remote(
-            name, settings, host, port, self.security, self.settings.keepalive_timeout_s
-        )
-        essential = not isinstance(settings, DraftSettings)
-        service = RunningService(name, actor, actor.wait_until_stopped.remote(), essential)
+        spec = ServiceSpec(settings, host, options)
+        actor = self._service_actor(name, spec, port)
+        # The ranks of a tensor-parallel target meet once, at start-up: such a target is not restarted.
+        single = not isinstance(settings, TargetSettings) or settings.tp == 1
+        service = RunningService(name, actor, actor.wait_until_stopped.remote(), spec if single else None, port)
         self.services.append(service)
         return service
+
+    def _service_actor(self, name: str, spec: ServiceSpec, port: int) -> Any:
+        # max_concurrency: wait_until_stopped() blocks for the actor's lifetime beside address() and stop().
+        return self._actor_class.options(max_restarts=0, max_concurrency=4, **spec.options).remote(
+            name, spec.settings, spec.host, port, self.security, self.settings.keepalive_timeout_s
+        )
 
     def _wait_for(self, refs: Sequence[ray.ObjectRef[Any]], what: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Waits until every one of `refs` is ready; TimeoutError after `timeout_s`, Interrupted on a signal."""
@@ -269,25 +245,49 @@ class RayLauncher:
             address = None
         if address is None:
             raise ServiceFailed(service.name, service_exit(service))
+        service.port = int(address.rpartition(":")[2])
         # The actor logs this too, but Ray forwards actor logs late; this line is in order with the rest.
         report(f"{service.name} serving on {address} (Ray actor, {process})")
         return address
 
     def wait(self) -> int:
-        """Blocks until a signal arrives or the target or orchestrator ends; returns the launcher's exit code."""
-        watched = {service.stopped: service for service in self.services}
+        """Blocks until a signal arrives, starting services that ended again at their addresses (with backoff);
+        returns the launcher's exit code: non-zero when a service that is not restarted ends."""
         while not self._stopping:
+            watched = {service.stopped: service for service in self.services}
             done, _ = ray.wait(list(watched), num_returns=1, timeout=POLL_S)
             if not done:
                 continue
-            service = watched.pop(done[0])
+            service = watched[done[0]]
             ending = service_exit(service)
-            if not service.essential:
-                report(f"{service.name} {ending.reason}; not restarting it, serving goes on without it")
-                continue
-            report(f"{service.name} {ending.reason}; not restarting it")
-            return ending.code or 1
+            if service.spec is None:
+                report(f"{service.name} {ending.reason}; not restarting it")
+                return ending.code or 1
+            self._restart(service, ending)
         return 0
+
+    def _restart(self, service: RunningService, ending: ServiceExit) -> None:
+        """Starts a service that ended again as a new actor at its address, after its backoff; tries again (with
+        longer waits) while the new one does not serve. Returns at once when a stop is asked for."""
+        assert service.spec is not None
+        now = time.monotonic()
+        ran_s, wait_s = now - service.backoff.started, service.backoff.next_wait(now)
+        report(
+            f"{service.name} {ending.reason} after {ran_s:.1f} s; starting it again at its address in {wait_s:.0f} s"
+        )
+        ray.kill(service.actor)  # frees its place (an actor whose service ended lives on)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self._stopping:
+                return
+            time.sleep(POLL_S)
+        actor = self._service_actor(service.name, service.spec, service.port)
+        service.actor, service.stopped = actor, actor.wait_until_stopped.remote()
+        service.backoff.started = time.monotonic()
+        try:
+            self._wait_ready(service)
+        except (ServiceFailed, TimeoutError) as error:
+            report(f"{service.name} did not serve again: {error}")
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
         self._stopping = True
@@ -308,22 +308,6 @@ class RayLauncher:
         # Ends a cluster that connect() started; only disconnects from a joined one.
         ray.shutdown()
         self._workdir.cleanup()
-
-
-def rank_bundle(ranks: int) -> dict[str, float]:
-    """A GPU per target rank when the cluster has one for each, else a CPU.
-
-    The ranks compute on the CPU today, so a GPU bundle only places them; with fewer GPUs than ranks, GPU bundles
-    would make a placement group that is never placed.
-    """
-    return {"GPU": 1.0} if ray.cluster_resources().get("GPU", 0.0) >= ranks else {"CPU": 1.0}
-
-
-def no_room(reservation: Reservation, free: Mapping[str, float]) -> str:
-    """One line: what the stack asked for, and what the cluster has free of each resource it asked for."""
-    total = ray.cluster_resources()
-    room = ", ".join(f"{free.get(name, 0.0):g} {name} free of {total.get(name, 0.0):g}" for name in reservation.total())
-    return f"the Ray cluster has no room for this stack: asked {reservation}; {room}"
 
 
 def report(message: str) -> None:

@@ -1,8 +1,8 @@
 """`tandem serve --launcher ray` on a machine of two CPUs.
 
 Same greedy outputs as target-only decoding through the same stack, a clean stop on SIGTERM (orchestrator,
-drafts, target in that order, every actor process gone), and killed actors reported instead of respawned:
-a dead draft replica leaves the stack serving, a dead target stops it. The local cluster holds a stack that
+drafts, target in that order, every actor process gone), and killed actors started again as new actors at their
+addresses, with the stack serving the same tokens after. The local cluster holds a stack that
 asks Ray for more CPUs than the machine has; a joined cluster without room is refused at once, naming why.
 """
 
@@ -132,7 +132,7 @@ def test_speculative_equals_target_only_and_sigterm_stops_every_actor(llama_targ
     wait_until_gone([pid for _, pid in services.values()], [address for address, _ in services.values()])
 
 
-def test_killed_actors_are_reported_not_restarted(llama_target: Path, random_draft: Path) -> None:
+def test_killed_actors_are_started_again_at_their_addresses(llama_target: Path, random_draft: Path) -> None:
     with serve(llama_target, random_draft, *RAY) as stack:
         services = serving(stack.log)
         # The orchestrator's actor serves the OpenAI-compatible HTTP API too, the same text as Generate.
@@ -147,21 +147,32 @@ def test_killed_actors_are_reported_not_restarted(llama_target: Path, random_dra
             extra_body={"ignore_eos": True},
         )
         assert served.choices[0].text == expected.text
-        os.kill(services["draft-0"][1], signal.SIGKILL)
-        name, reason = endings(stack, 1)[0]
-        assert name == "draft-0" and reason.startswith("died with its Ray actor")
-        # A dead replica stops nothing: the orchestrator goes on target-only.
-        completion = generate(stack.address, prompt="def main():", max_new_tokens=8, ignore_eos=True)
-        assert len(completion.token_ids) == 8
-        os.kill(services["target"][1], signal.SIGKILL)
-        assert stack.process.wait(timeout=60) == 1
-    ended = endings(stack, 5)
+        for name, count in (("draft-0", 1), ("target", 2)):
+            os.kill(services[name][1], signal.SIGKILL)
+            ended, reason = endings(stack, count)[-1]
+            assert ended == name and reason.startswith("died with its Ray actor"), reason
+            assert reason.endswith("; starting it again at its address in 1 s"), reason
+            again = started_again(stack, name)
+            assert again[0] == services[name][0] and again[1] != services[name][1]  # its address, a new actor
+            # Serving goes on with the same tokens (requests wait for a target; a replica rejoins on its probe).
+            completion = generate(stack.address, prompt="def main():", max_new_tokens=8, ignore_eos=True)
+            assert completion.token_ids == expected.token_ids
+        assert stack.stop() == 0
     # Each death reported when noticed; then every service, as stop() found it on the way out.
+    ended = endings(stack, 5)
     assert [name for name, _ in ended] == ["draft-0", "target", "orchestrator", "draft-0", "target"]
-    assert ended[0][1].endswith("; not restarting it, serving goes on without it")
-    assert ended[1][1].startswith("died with its Ray actor") and ended[1][1].endswith("; not restarting it")
-    assert ended[2][1] == "stopped"
+    assert all(reason == "stopped" for _, reason in ended[2:]), ended
+    services = serving(stack.log)
     wait_until_gone([pid for _, pid in services.values()], [address for address, _ in services.values()])
+
+
+def started_again(stack: ServeProcess, name: str) -> tuple[str, int]:
+    """The address and pid of `name`'s second actor, once the launcher says it serves."""
+    deadline = time.monotonic() + 120
+    while len(found := [m.groups()[1:] for m in map(SERVING.search, list(stack.log)) if m and m[1] == name]) < 2:
+        assert time.monotonic() < deadline, "".join(stack.log)
+        time.sleep(0.1)
+    return found[1][0], int(found[1][1])
 
 
 def test_tensor_parallel_target_and_two_drafts_on_two_cpus(llama_target: Path, random_draft: Path) -> None:

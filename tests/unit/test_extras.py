@@ -18,7 +18,7 @@ PACKAGES = ("tandem", "orchestrator", "target_server", "draft_server", "launch",
 OPTIONAL = ("ray", "matplotlib")
 
 # The modules that run only under Ray, and import it at the top.
-RAY_MODULES = ("launch.ray_cluster", "launch.ray_actors")
+RAY_MODULES = ("launch.ray_cluster", "launch.ray_actors", "launch.ray_reservation")
 # Imports every module of the packages but the Ray launcher's, and reports which optional modules came along.
 IMPORT_ALL = """
 import importlib, json, pkgutil, sys
