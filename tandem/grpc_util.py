@@ -88,19 +88,25 @@ def create_server(
     )
 
 
+# A health check name every server reports SERVING until it shuts down, whatever its peers do: a liveness probe asks
+# for it, so that an orchestrator that waits for its target (NOT_SERVING for "") is taken out of rotation by its
+# readiness probe, not restarted, and an event loop that answers nothing fails it.
+LIVENESS = "tandem.v1.Liveness"
+
+
 async def add_standard_services(
     server: grpc.aio.Server, service_full_names: Sequence[str]
 ) -> health.aio.HealthServicer:
     """Registers grpc.health.v1 and server reflection on a server; call before server.start().
 
-    Health reports SERVING for "" (the whole server) and for each named service. Reflection lists the named
+    Health reports SERVING for "" (the whole server), for each named service and for LIVENESS. Reflection lists the named
     services and the health and reflection services themselves. The health servicer is returned so that the
     caller can report NOT_SERVING when it shuts down (`enter_graceful_shutdown`). This is a coroutine because
     the asyncio health servicer's `set` is one.
     """
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", *service_full_names):
+    for name in ("", *service_full_names, LIVENESS):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection((*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     return health_servicer

@@ -162,8 +162,10 @@ def test_probes_check_each_service_port(helm: str, value_set: str) -> None:
         [grpc_port] = [p["containerPort"] for p in spec["ports"] if p["name"] == "grpc"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             # kubelet's gRPC probe speaks plaintext only: with TLS on, the port is checked for connections.
+            # Liveness asks for tandem.v1.Liveness: SERVING while the server answers, whatever its peers do.
             handler = "tcpSocket" if tls else "grpc"
-            assert spec[probe][handler] == {"port": grpc_port}, (workload["metadata"]["name"], probe)
+            service = {"service": "tandem.v1.Liveness"} if probe == "livenessProbe" and not tls else {}
+            assert spec[probe][handler] == {"port": grpc_port, **service}, (workload["metadata"]["name"], probe)
             assert "grpc" not in spec[probe] or not tls
         assert ("--tls-ca=/etc/tandem/tls/ca.crt" in spec["args"]) == tls
 
@@ -238,6 +240,24 @@ def test_the_disruption_budget_covers_the_drafts_and_the_ingress_the_orchestrato
     assert {name for name, service in services.items() if service["spec"].get("clusterIP") != "None"} == {
         f"{PREFIX}-orchestrator"
     }
+
+
+def test_the_orchestrator_waits_out_a_target_restart_and_every_service_gets_the_keepalive(helm: str) -> None:
+    manifests = render(helm, [])
+    target = container(find(manifests, "StatefulSet", f"{PREFIX}-target"))
+    orchestrator = container(find(manifests, "Deployment", f"{PREFIX}-orchestrator"))
+    draft = container(find(manifests, "Deployment", f"{PREFIX}-draft"))
+    # A hung target is restarted once its liveness fails; requests wait for the new one past that, and longer.
+    liveness = target["livenessProbe"]
+    assert (
+        float(argument(orchestrator["args"], "--target-wait"))
+        >= 2 * liveness["periodSeconds"] * liveness["failureThreshold"]
+    )
+    for spec in (target, orchestrator, draft):
+        assert argument(spec["args"], "--keepalive-timeout") == "10"
+    ray = [*VALUE_SETS["ray-values"], "--set", "keepaliveTimeout=4", "--set", "orchestrator.targetWait=90"]
+    [cluster] = [m for m in render(helm, ray) if m["kind"] == "RayCluster"]
+    assert {"--target-wait=90", "--keepalive-timeout=4"} <= set(head_command(cluster))
 
 
 def test_the_target_startup_probe_allows_minutes_of_loading(helm: str) -> None:

@@ -20,9 +20,11 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.fault_proxy import FaultProxy
 from launch.processes import ServeProcess
+from tandem.grpc_util import LIVENESS
 from tests.integration.fault_streams import (
     NEW_TOKENS,
     PROMPTS,
@@ -35,6 +37,7 @@ from tests.integration.fault_streams import (
 from tests.integration.stack import Service, generate, serve, service, tandem_command, target_info
 
 CACHE = ("--block-size", "8", "--orphan-timeout", "1")
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def free_port() -> int:
@@ -151,10 +154,20 @@ def test_a_target_gone_past_the_wait_fails_each_request_naming_it_then_serves_ag
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
         details = caught.value.details()  # type: ignore[attr-defined]
         assert "no target answered within 2 s (--target-wait) after target step: UNAVAILABLE" in details, details
+        # Out of rotation while no target answers, not dead: a liveness probe leaves it running.
+        wait_for(lambda: health(orchestrator.address, "") == NOT_SERVING, "NOT_SERVING without a target")
+        assert health(orchestrator.address, LIVENESS) == SERVING
         stack.target = start_target(stack, "target-after-the-wait")
         again = generate(orchestrator.address, input_ids=PROMPTS[0], max_new_tokens=NEW_TOKENS, ignore_eos=True)
         assert again.token_ids == stack.expected[0]
     assert_nothing_held(stack.target_address, [stack.draft.address])
+
+
+def health(address: str, service: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
+        status: int = health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status
+        return status
 
 
 def generate_drafts(address: str) -> int:

@@ -101,6 +101,9 @@ tcpSocket:
 {{- else }}
 grpc:
   port: {{ .port }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
 {{- end }}
 {{- with .settings }}
 {{ toYaml . }}
