@@ -62,7 +62,7 @@ def shape_logits(
             shaped[row] = shaping.row(logits[row], path)
             continue
         target_ids, target_vocab = columns
-        full = logits.new_zeros(target_vocab)
+        full = logits.new_full((target_vocab,), float("-inf"))  # ids the draft cannot propose stay unchosen
         full[target_ids] = logits[row]
         shaped[row] = shaping.row(full, path)[target_ids]
     return shaped

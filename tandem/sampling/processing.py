@@ -26,6 +26,7 @@ import torch
 
 from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
+from tandem.sampling.verify import seeded_scores
 
 
 def process_rows(
@@ -89,11 +90,22 @@ class Shaping:
     @classmethod
     def of(cls, sampling: SamplingParams, prompt_length: int, tokens: Sequence[int]) -> Shaping | None:
         """None when the options leave rows as they are (a grammar shapes drafts on the target)."""
-        if not sampling.processes_rows and not (sampling.min_tokens and sampling.stop_token_ids):
+        shaped = sampling.processes_rows or (sampling.min_tokens and sampling.stop_token_ids)
+        if not shaped and not cls.is_seeded(sampling):
             return None
         return cls(sampling, prompt_length, tuple(tokens))
 
+    @staticmethod
+    def is_seeded(sampling: SamplingParams) -> bool:
+        return sampling.seed is not None and not sampling.is_greedy
+
     def row(self, logits: torch.Tensor, path: Sequence[int]) -> torch.Tensor:  # [vocab] -> [vocab]
-        """One row deciding the token after the committed tokens and then `path` (drafts)."""
+        """One row deciding the token after the committed tokens and then `path` (drafts): processed as the target
+        processes it, and for a seeded sampled request scored with the noise the target's row will get
+        (tandem.sampling.verify.seeded_scores, keyed by the seed and the row's position): its argmax is a sample of
+        the draft's distribution that is the target's own choice wherever the two distributions agree."""
         tokens = (*self.tokens, *path)
-        return process_rows(logits.unsqueeze(0), DraftTree(), self.sampling, tokens, self.prompt_length)[0]
+        processed = process_rows(logits.unsqueeze(0), DraftTree(), self.sampling, tokens, self.prompt_length)
+        if self.is_seeded(self.sampling):
+            return seeded_scores(processed, self.sampling, [len(tokens)])[0]
+        return processed[0]

@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draft_server.shaping import shape_logits
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.registry import load_target
 from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
+from tandem.sampling.processing import Shaping
 from tandem.sampling.tree_verify import verify_tree
-from tandem.sampling.verify import make_generator, target_probs, verify
+from tandem.sampling.verify import make_generator, seeded_scores, target_probs, verify
 from tandem.settings import KVCacheSettings
 from target_server.items import TARGET_ONLY, OpenRequest, StepItem
 from target_server.runner import TargetRunner
@@ -109,3 +111,34 @@ def test_a_seeded_request_decodes_the_same_tokens_with_and_without_drafts(target
         assert seeded_tokens(target, seed, alone, 16) == alone  # its own tokens as drafts: all accepted
         assert seeded_tokens(target, seed, [5] * 16, 16) == alone  # junk drafts: rejected, the same tokens
     assert seeded_tokens(target, 0, None, 16) != seeded_tokens(target, 1, None, 16)
+
+
+def test_a_draft_with_the_targets_logits_drafts_the_seeds_own_tokens() -> None:
+    """A seeded request's drafts are drawn with the noise of the target's rows (Shaping.row): a draft whose
+    distribution were the target's would propose exactly the seed's tokens, so every draft would be accepted."""
+    vocab = 64
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(temperature=0.8, top_k=20, seed=1234)
+    prompt = (3, 9, 27)
+    shaping = Shaping.of(params, len(prompt), prompt)
+    assert shaping is not None  # seeded sampling alone is reason enough to shape the drafts
+    drafted: list[int] = []
+    for row in logits:
+        drafted.append(int(shaping.row(row, drafted).argmax()))
+    scores = seeded_scores(logits, params, [len(prompt) + depth for depth in range(len(logits))])
+    assert drafted == scores.argmax(dim=-1).tolist()
+    assert verify(logits, drafted[:-1], params, make_generator(params), None, position=len(prompt)).accepted == 11
+    # Unseeded and greedy requests without other options are left as they are.
+    assert Shaping.of(SamplingParams(temperature=0.8), 3, prompt) is None
+    assert Shaping.of(SamplingParams(seed=7), 3, prompt) is None
+
+
+def test_a_draft_vocabulary_of_its_own_never_proposes_an_id_outside_it() -> None:
+    params = SamplingParams(temperature=1.0, seed=3)
+    shaping = Shaping.of(params, 1, (0,))
+    target_ids = torch.tensor([2, 5, 7])  # the draft's three columns, in the target's vocabulary of 10
+    logits = torch.tensor([[0.0, -1.0, -2.0]])
+    shaped = shape_logits(logits, [shaping], [[]], (target_ids, 10))
+    scores = seeded_scores(torch.full((1, 10), float("-inf")).index_copy(1, target_ids, logits), params, [1])
+    assert int(shaped.argmax()) == int(scores[:, target_ids].argmax())
+    assert torch.isfinite(shaped).all()
