@@ -22,7 +22,15 @@ from draft_server.formats import ProposalRunner, prepare_draft, propose_what_fit
 from draft_server.runner import ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
 from launch.devices import Placement
-from orchestrator.backends import (
+from orchestrator.api.service import response_message
+from orchestrator.loop.batching import KVPool
+from orchestrator.loop.generation import Generation
+from orchestrator.loop.hybrid import with_hybrid
+from orchestrator.loop.metrics import Metrics
+from orchestrator.loop.ngram import add_ngram_replica
+from orchestrator.loop.scheduler import Scheduler, TargetFacts
+from orchestrator.loop.validation import Limits
+from orchestrator.peers.backends import (
     BackendError,
     FailureKind,
     ProposedBatch,
@@ -31,16 +39,8 @@ from orchestrator.backends import (
     StepOutcome,
     StepResult,
 )
-from orchestrator.batching import KVPool
-from orchestrator.generation import Generation
-from orchestrator.hybrid import with_hybrid
-from orchestrator.metrics import Metrics
-from orchestrator.ngram import add_ngram_replica
-from orchestrator.replicas import ReplicaPool
-from orchestrator.scheduler import Scheduler, TargetFacts
-from orchestrator.service import response_message
+from orchestrator.peers.replicas import ReplicaPool
 from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
-from orchestrator.validation import Limits
 from tandem.models.registry import load_target
 from tandem.models.tokenizer_digest import tokenizer_digest
 from tandem.parallel.vocab import assemble_shards

@@ -47,7 +47,7 @@ class BenchSettings:
     )
     num_steps: int = field(default=SchedulerSettings.num_steps, metadata=flag_of(SchedulerSettings, "num_steps"))
     tree: TreeShape = field(default_factory=TreeShape, metadata=nested())  # resolved against num_steps on construction
-    # Choose k per batch (orchestrator/speculation.py), in both setups.
+    # Choose k per batch (orchestrator/loop/speculation.py), in both setups.
     adaptive_k: bool = field(
         default=SchedulerSettings.adaptive_k,
         metadata=flag("--adaptive-k", "as on tandem serve; --no-adaptive-k measures a fixed k (both setups)"),

@@ -11,7 +11,9 @@ from pathlib import Path
 
 from tandem.settings import DEMO_DRAFTS
 
-NGRAM = "ngram"  # --draft ngram: prompt-lookup drafting in the orchestrator, no draft model (orchestrator/ngram.py)
+NGRAM = (
+    "ngram"  # --draft ngram: prompt-lookup drafting in the orchestrator, no draft model (orchestrator/loop/ngram.py)
+)
 
 
 def draft_dir_option(given: str) -> Path:

@@ -9,8 +9,8 @@ import time
 
 import grpc
 
-from orchestrator.http_api import serve_http_api
-from orchestrator.service import OrchestratorSettings, start_orchestrator
+from orchestrator.api.http_api import serve_http_api
+from orchestrator.api.service import OrchestratorSettings, start_orchestrator
 from orchestrator.settings import AdminSettings
 from tandem.auth import BearerInterceptor
 from tandem.errors import StartupError

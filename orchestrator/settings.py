@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.tool_formats import TOOL_CALL_FORMATS
+from orchestrator.api.tool_formats import TOOL_CALL_FORMATS
 from tandem.flags import checked, flag, nested, non_negative, optional, positive
 from tandem.settings import TreeShape, parse_size
 from tandem.transport import Insecure, TransportSecurity
@@ -14,7 +14,7 @@ from tandem.transport import Insecure, TransportSecurity
 
 @dataclass(frozen=True)
 class NgramSettings:
-    """`--draft ngram`: prompt-lookup drafting in the orchestrator (orchestrator/ngram.py), with no draft model.
+    """`--draft ngram`: prompt-lookup drafting in the orchestrator (orchestrator/loop/ngram.py), with no draft model.
 
     The last n tokens of a request (n from max_n down to min_n) are looked up in its earlier tokens, and what followed
     the most recent match is proposed. Longer n first, as vLLM's prompt_lookup_max / prompt_lookup_min; min_n 1 as
@@ -35,7 +35,8 @@ class NgramSettings:
 
 @dataclass(frozen=True)
 class HybridSettings:
-    """`--hybrid-ngram`: the prompt-lookup proposal merged into every draft replica's answer (orchestrator/hybrid.py).
+    """`--hybrid-ngram`: the prompt-lookup proposal merged into every draft replica's answer
+    (orchestrator/loop/hybrid.py).
 
     The lookup runs with `ngram`'s suffix lengths (--ngram-max, --ngram-min). The merged tree is the replica's answer
     whole plus the nodes of the lookup's branch it does not share: at most k (--speculative-num-steps) more drafts.
@@ -90,7 +91,7 @@ class SchedulerSettings:
         default=1024, metadata=flag("--max-waiting", "queued requests before refusing", parse=positive)
     )
     # vLLM's name: the hop to the target and the scheduling are paid once per this many tokens
-    # (orchestrator/batching.py).
+    # (orchestrator/loop/batching.py).
     num_scheduler_steps: int = field(
         default=4,
         metadata=flag(
@@ -100,7 +101,8 @@ class SchedulerSettings:
             parse=positive,
         ),
     )
-    # A target step or release that takes longer counts as a target that stopped answering (orchestrator/recovery.py).
+    # A target step or release that takes longer counts as a target that stopped answering
+    # (orchestrator/peers/recovery.py).
     target_timeout_s: float = field(default=300.0, metadata=flag("--target-timeout", "seconds per target step"))
     # How long requests wait for a target that stopped answering, or is restarting, before they fail.
     target_wait_s: float = field(
@@ -210,7 +212,7 @@ def parse_host_port(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class HttpSettings:
-    """The OpenAI-compatible HTTP API and /metrics (orchestrator/http_api.py), on the gRPC host."""
+    """The OpenAI-compatible HTTP API and /metrics (orchestrator/api/http_api.py), on the gRPC host."""
 
     # None: no HTTP server; 0: any free port (written to ready_file).
     port: int | None = field(
@@ -235,7 +237,7 @@ class HttpSettings:
             parse=Path,
         ),
     )
-    # The tool-call format of chat replies (orchestrator/tool_formats.py); auto: the one the chat template writes.
+    # The tool-call format of chat replies (orchestrator/api/tool_formats.py); auto: the one the chat template writes.
     tool_call_parser: str = field(
         default="auto",
         metadata=flag(

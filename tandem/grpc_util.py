@@ -99,8 +99,8 @@ async def add_standard_services(
 ) -> health.aio.HealthServicer:
     """Registers grpc.health.v1 and server reflection on a server; call before server.start().
 
-    Health reports SERVING for "" (the whole server), for each named service and for LIVENESS. Reflection lists the named
-    services and the health and reflection services themselves. The health servicer is returned so that the
+    Health reports SERVING for "" (the whole server), for each named service and for LIVENESS. Reflection lists the
+    named services and the health and reflection services themselves. The health servicer is returned so that the
     caller can report NOT_SERVING when it shuts down (`enter_graceful_shutdown`). This is a coroutine because
     the asyncio health servicer's `set` is one.
     """

@@ -1,11 +1,11 @@
 """Structured output: a request's grammar as a mask over the rows the target verifies (llguidance).
 
-A grammar travels as llguidance's grammar text (a JSON document: a JSON schema, a regex or a Lark grammar), made by
-the orchestrator from the request (orchestrator/structured.py). The target keeps one matcher per constrained request,
+A grammar travels as llguidance's grammar text (a JSON document: a JSON schema, a regex or a Lark grammar), made by the
+orchestrator from the request (orchestrator/loop/structured.py). The target keeps one matcher per constrained request,
 advanced by the committed tokens only. For a step's rows it computes each row's allowed tokens in the state its own
-draft path reaches (DraftTree.paths: consume the path, read the mask, roll back), so a row allows exactly what it
-would allow had its path been committed token by token: greedy constrained output is the same with and without
-speculation, and the sampled rule verifies against the masked distribution.
+draft path reaches (DraftTree.paths: consume the path, read the mask, roll back), so a row allows exactly what it would
+allow had its path been committed token by token: greedy constrained output is the same with and without speculation,
+and the sampled rule verifies against the masked distribution.
 
 Compiling a grammar takes milliseconds to seconds: `Grammars` compiles each text once per process and hands out
 copies of the compiled matcher.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.speculation import EXPLORE_EVERY
+from orchestrator.loop.speculation import EXPLORE_EVERY
 from tests.integration.stack import Stack, generate, serve, service_addresses
 from tests.integration.test_separate_services import scrape, value
 from tests.integration.test_serving import wait_until_idle

@@ -1,5 +1,6 @@
-"""The orchestrator's per-round calls ride long-lived bidirectional streams (orchestrator.grpc_backends.CallStream)
-to a real `tandem target`: a failed call answers on the stream and the stream goes on; a dead peer is UNAVAILABLE."""
+"""The orchestrator's per-round calls ride long-lived bidirectional streams
+(orchestrator.peers.grpc_backends.CallStream) to a real `tandem target`: a failed call answers on the stream and the
+stream goes on; a dead peer is UNAVAILABLE."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.backends import BackendError, FailureKind, OpenRequest, StepItem
-from orchestrator.grpc_backends import GrpcTarget
+from orchestrator.peers.backends import BackendError, FailureKind, OpenRequest, StepItem
+from orchestrator.peers.grpc_backends import GrpcTarget
 from tandem.grpc_util import channel_options
 from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from orchestrator.acceptance import AcceptanceMonitor, AcceptanceWatch
-from orchestrator.output import Stats
+from orchestrator.loop.acceptance import AcceptanceMonitor, AcceptanceWatch
+from orchestrator.loop.output import Stats
 
 
 def request_stats(rounds: int, accepted_per_position: list[int]) -> Stats:
@@ -23,7 +23,7 @@ def request_stats(rounds: int, accepted_per_position: list[int]) -> Stats:
 
 def test_each_interval_logs_its_acceptance_and_a_collapse_warns(caplog: pytest.LogCaptureFixture) -> None:
     monitor = AcceptanceMonitor(AcceptanceWatch(min_drafts=32, collapsed_below=1.1))
-    caplog.set_level(logging.INFO, logger="orchestrator.acceptance")
+    caplog.set_level(logging.INFO, logger="orchestrator.loop.acceptance")
 
     monitor.add(request_stats(20, [20, 15, 10]))  # a draft that fits: 45 accepted over 20 drafts
     monitor.add(request_stats(20, [20, 15, 10]))

@@ -1,4 +1,4 @@
-"""orchestrator.batching.plan_step on hand-built requests: decoding first with room for drafts, the newest running
+"""orchestrator.loop.batching.plan_step on hand-built requests: decoding first with room for drafts, the newest running
 request preempted when the pool is short, prompt chunks under the token budget, admission in arrival order."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from orchestrator.batching import ActiveRequest, KVPool, OnTarget, plan_step
-from orchestrator.output import RequestOutput
+from orchestrator.loop.batching import ActiveRequest, KVPool, OnTarget, plan_step
+from orchestrator.loop.output import RequestOutput
+from orchestrator.loop.text import IncrementalDetokenizer, StopStringMatcher
+from orchestrator.loop.validation import ValidatedRequest
 from orchestrator.settings import SchedulerSettings
-from orchestrator.text import IncrementalDetokenizer, StopStringMatcher
-from orchestrator.validation import ValidatedRequest
 from tandem.sampling.params import SamplingParams
 from tandem.settings import TreeShape
 from tests.helpers.tokenizer import write_tokenizer

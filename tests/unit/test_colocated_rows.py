@@ -12,7 +12,7 @@ import torch
 
 from bench.colocated import LocalDraft
 from draft_server.runner import DraftRequestError, DraftRunner, ProposeInput, TargetRows, join_rounds
-from orchestrator.backends import ProposeTask
+from orchestrator.peers.backends import ProposeTask
 from tandem.models.eagle3 import load_eagle3
 from tandem.settings import KVCacheSettings
 from target_server.items import CapturedRows, RowStream

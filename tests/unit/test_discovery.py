@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from launch.cli import build_parser
-from orchestrator.backends import DraftBackend, ProposedBatch, ProposeTask
-from orchestrator.discovery import DnsResolver, DraftDiscovery, ResolveFailed, format_address
-from orchestrator.replicas import ReplicaPool
+from orchestrator.peers.backends import DraftBackend, ProposedBatch, ProposeTask
+from orchestrator.peers.discovery import DnsResolver, DraftDiscovery, ResolveFailed, format_address
+from orchestrator.peers.replicas import ReplicaPool
 from orchestrator.settings import DiscoverySettings, parse_host_port
 
 SETTINGS = DiscoverySettings(host="draft-headless.test.svc", port=50062, interval_s=0.01)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.structured import grammar_of
+from orchestrator.loop.structured import grammar_of
 from tandem.models.registry import load_target
 from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.grammar import Grammars, GrammarState
@@ -179,7 +179,7 @@ def grammars_text(parts: tuple[Path, Grammars], tokens: list[int]) -> str:
 
 
 def test_the_drafters_acceptance_leaves_out_the_forced_tokens() -> None:
-    """Adaptive k weighs what drafting adds (orchestrator/accounting.py): of a constrained round's accepted tokens,
+    """Adaptive k weighs what drafting adds (orchestrator/loop/accounting.py): of a constrained round's accepted tokens,
     those along a path of the drafts sent, not those the grammar forced in."""
     chain, tree = DraftTree.chain([5, 6, 7]), DraftTree.of([5, 8, 6, 9], [-1, -1, 0, 1])
     assert [chain.matched(tokens) for tokens in ([], [5, 6], [5, 6, 7, 3, 4], [9, 6])] == [0, 2, 3, 0]

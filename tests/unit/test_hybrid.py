@@ -1,4 +1,4 @@
-"""Hybrid drafting (orchestrator/hybrid.py): the trie merge on hand-built answers, the drafter around a replica's
+"""Hybrid drafting (orchestrator/loop/hybrid.py): the trie merge on hand-built answers, the drafter around a replica's
 backend, its command line, and a chi-square test that sampling stays lossless when n-gram branches that follow the
 sampled tokens are merged into a model's chain or tree (built like tests/unit/test_tree_verify.py)."""
 
@@ -15,10 +15,10 @@ from launch.cli import build_parser
 from launch.processes import ready_line
 from launch.serve_command import serve_settings_of
 from launch.service_commands import orchestrator_settings_of
-from orchestrator.backends import BackendError, ProposedBatch, ProposeTask
-from orchestrator.hybrid import HybridDrafter, merge_branch, with_hybrid
-from orchestrator.ngram import NgramDrafter, lookup
-from orchestrator.output import Stats
+from orchestrator.loop.hybrid import HybridDrafter, merge_branch, with_hybrid
+from orchestrator.loop.ngram import NgramDrafter, lookup
+from orchestrator.loop.output import Stats
+from orchestrator.peers.backends import BackendError, ProposedBatch, ProposeTask
 from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
 from tandem import flags
 from tandem.sampling.draft_tree import DraftTree

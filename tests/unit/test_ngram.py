@@ -1,4 +1,4 @@
-"""Prompt-lookup drafting (orchestrator/ngram.py) on hand-built token lists, its settings and its command line."""
+"""Prompt-lookup drafting (orchestrator/loop/ngram.py) on hand-built token lists, its settings and its command line."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from launch.cli import build_parser
 from launch.processes import ready_line
 from launch.serve_command import serve_settings_of
 from launch.service_commands import orchestrator_settings_of
-from orchestrator.backends import ProposeTask
-from orchestrator.ngram import NGRAM_REPLICA, NgramDrafter, add_ngram_replica, check_one_draft_kind, lookup
-from orchestrator.replicas import ReplicaPool
+from orchestrator.loop.ngram import NGRAM_REPLICA, NgramDrafter, add_ngram_replica, check_one_draft_kind, lookup
+from orchestrator.peers.backends import ProposeTask
+from orchestrator.peers.replicas import ReplicaPool
 from orchestrator.settings import DiscoverySettings, NgramSettings, OrchestratorSettings
 from tandem import flags
 from tandem.errors import StartupError

@@ -9,10 +9,10 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 from transformers import AutoTokenizer
 
-from orchestrator.chat import chat_prompt_ids
-from orchestrator.http_api import bearer_check
-from orchestrator.openai_logprobs import LogprobShaper
-from orchestrator.openai_protocol import (
+from orchestrator.api.chat import chat_prompt_ids
+from orchestrator.api.http_api import bearer_check
+from orchestrator.api.openai_logprobs import LogprobShaper
+from orchestrator.api.openai_protocol import (
     DEFAULT_TEMPERATURE,
     ApiError,
     ResponseShape,
@@ -22,7 +22,7 @@ from orchestrator.openai_protocol import (
     parse_completion,
     server_sent_event,
 )
-from orchestrator.validation import InvalidRequest
+from orchestrator.loop.validation import InvalidRequest
 from tandem.sampling.logprobs import TokenLogprob
 from tandem.settings import DEMO_CHAT_TEMPLATE, DEMO_TARGET
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from orchestrator.output import Output, RequestOutput
-from orchestrator.text import IncrementalDetokenizer, StopStringMatcher
+from orchestrator.loop.output import Output, RequestOutput
+from orchestrator.loop.text import IncrementalDetokenizer, StopStringMatcher
 from tandem.sampling.logprobs import TokenLogprob
 from tests.helpers.tokenizer import write_tokenizer
 

@@ -15,7 +15,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from launch.cli import main as cli_main
 from launch.stack_security import ServeSecurity
-from orchestrator.admin import address_allowed
+from orchestrator.api.admin import address_allowed
 from orchestrator.main import check_admin_settings
 from orchestrator.settings import AdminSettings
 from tandem.auth import Unauthenticated, check_bearer, resolve_secret

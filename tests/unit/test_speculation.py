@@ -1,4 +1,5 @@
-"""The adaptive choice of k (orchestrator.speculation) on measurements shaped like the demo pair's on 2 CPU cores."""
+"""The adaptive choice of k (orchestrator.loop.speculation) on measurements shaped like the demo pair's on 2 CPU
+cores."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.accounting import StepTimes, count_round, observe_target_cost
-from orchestrator.backends import StepItem, StepOutcome, StepResult
-from orchestrator.metrics import SchedulerCollector
-from orchestrator.output import Stats
-from orchestrator.speculation import (
+from orchestrator.loop.accounting import StepTimes, count_round, observe_target_cost
+from orchestrator.loop.metrics import SchedulerCollector
+from orchestrator.loop.output import Stats
+from orchestrator.loop.speculation import (
     EXPLORE_EVERY,
     MIN_PROPOSES,
     MIN_STEPS,
@@ -21,6 +21,7 @@ from orchestrator.speculation import (
     SpeculationPolicy,
     bucket,
 )
+from orchestrator.peers.backends import StepItem, StepOutcome, StepResult
 from tandem.sampling.draft_tree import DraftTree
 
 ACCEPTANCE = (0.8, 0.68, 0.6, 0.53, 0.49)  # per position, each given all earlier ones accepted
@@ -347,7 +348,7 @@ def test_a_cold_start_does_not_settle_a_lone_request_below_full_k() -> None:
 
 def test_a_change_of_k_is_logged_with_what_decided_it(caplog: pytest.LogCaptureFixture) -> None:
     policy = warmed()
-    caplog.set_level(logging.INFO, logger="orchestrator.speculation")
+    caplog.set_level(logging.INFO, logger="orchestrator.loop.speculation")
     assert policy.choose(32) == 0
     (line,) = [record.getMessage() for record in caplog.records]
     assert line.startswith("adaptive k for batches of 17-32: 5 -> 0; tokens/s by k ")

@@ -1,5 +1,5 @@
-"""Structured output requests (orchestrator/structured.py) and the target's grammar masks (tandem/sampling/grammar.py)
-on the demo's tokenizer."""
+"""Structured output requests (orchestrator/loop/structured.py) and the target's grammar masks
+(tandem/sampling/grammar.py) on the demo's tokenizer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from orchestrator.structured import from_openai, grammar_of
+from orchestrator.loop.structured import from_openai, grammar_of
 from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.grammar import Grammars
 from tandem.settings import DEMO_TARGET

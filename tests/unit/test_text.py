@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from orchestrator.text import MAX_PENDING_IDS, PROMPT_CONTEXT_IDS, IncrementalDetokenizer, StopStringMatcher
+from orchestrator.loop.text import MAX_PENDING_IDS, PROMPT_CONTEXT_IDS, IncrementalDetokenizer, StopStringMatcher
 from tests.helpers.tokenizer import BOS_TOKEN, EOS_TOKEN, write_tokenizer
 
 VOCAB_SIZE = 320

@@ -1,5 +1,5 @@
-"""The orchestrator's tokenizer (orchestrator/tokenizer.py) is AutoTokenizer's own for every family Tandem serves and
-every tokenizer class a checkpoint may declare: the same class, the same ids and text, the same chat template."""
+"""The orchestrator's tokenizer (orchestrator/api/tokenizer.py) is AutoTokenizer's own for every family Tandem serves
+and every tokenizer class a checkpoint may declare: the same class, the same ids and text, the same chat template."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from orchestrator.tokenizer import load_tokenizer
+from orchestrator.api.tokenizer import load_tokenizer
 from tandem.settings import DEMO_TARGET
 from tests.helpers.tokenizer import write_tokenizer
 
@@ -71,7 +71,7 @@ def test_the_demo_tokenizer_and_its_chat_template_are_autotokenizers() -> None:
 
 def test_loading_it_imports_no_model_code() -> None:
     script = (
-        "import sys; from pathlib import Path; from orchestrator.tokenizer import load_tokenizer; "
+        "import sys; from pathlib import Path; from orchestrator.api.tokenizer import load_tokenizer; "
         f"load_tokenizer(Path({str(DEMO_TARGET)!r})); print('torch.distributed.tensor' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)

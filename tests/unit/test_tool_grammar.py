@@ -13,8 +13,8 @@ import llguidance.hf
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from orchestrator.tool_formats import DEEPSEEK_V3, FORMATS, GEMMA4, HERMES, KIMI_K2, LLAMA3_JSON, ToolFormat
-from orchestrator.tool_grammar import parameters_error, special_marker_ids, tool_grammar
+from orchestrator.api.tool_formats import DEEPSEEK_V3, FORMATS, GEMMA4, HERMES, KIMI_K2, LLAMA3_JSON, ToolFormat
+from orchestrator.api.tool_grammar import parameters_error, special_marker_ids, tool_grammar
 from tandem.settings import DEMO_TARGET
 
 WEATHER = {
@@ -102,7 +102,7 @@ def test_a_schema_llguidance_cannot_compile_is_named() -> None:
 
 @pytest.mark.parametrize("tool_format", [HERMES, LLAMA3_JSON, DEEPSEEK_V3, GEMMA4], ids=lambda f: f.name)
 def test_forced_calls_read_back_as_calls(tool_format: ToolFormat) -> None:
-    from orchestrator.tool_stream import ToolCall, ToolCallStream
+    from orchestrator.api.tool_stream import ToolCall, ToolCallStream
 
     stream = ToolCallStream(tool_format)
     text = reply(tool_format, call_text(tool_format, "weather", GOOD), call_text(tool_format, "time", {}, 1))

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from orchestrator.openai_protocol import ApiError, ResponseShape, Usage
-from orchestrator.output import Output
-from orchestrator.tool_formats import HERMES, KIMI_K2
-from orchestrator.tool_output import ChatTools, ToolReply
-from orchestrator.tool_request import ToolRequest
-from orchestrator.tool_stream import ToolCallStream
+from orchestrator.api.openai_protocol import ApiError, ResponseShape, Usage
+from orchestrator.api.tool_formats import HERMES, KIMI_K2
+from orchestrator.api.tool_output import ChatTools, ToolReply
+from orchestrator.api.tool_request import ToolRequest
+from orchestrator.api.tool_stream import ToolCallStream
+from orchestrator.loop.output import Output
 from tandem.settings import DEMO_TARGET
 from tandem.wire import orchestrator_pb2
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from orchestrator.tool_formats import DEEPSEEK_V3, GEMMA4, HERMES, KIMI_K2, LLAMA3_JSON, ToolFormat, detect_format
-from orchestrator.tool_gemma import gemma_value
-from orchestrator.tool_stream import Piece, ToolCall, ToolCallStream
+from orchestrator.api.tool_formats import DEEPSEEK_V3, GEMMA4, HERMES, KIMI_K2, LLAMA3_JSON, ToolFormat, detect_format
+from orchestrator.api.tool_gemma import gemma_value
+from orchestrator.api.tool_stream import Piece, ToolCall, ToolCallStream
 
 CITY = {"city": "Oslo", "days": [1, 2], "metric": True}
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.openai_protocol import ApiError, parse_chat
+from orchestrator.api.openai_protocol import ApiError, parse_chat
 
 USER = [{"role": "user", "content": "x"}]
 WEATHER = {

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from orchestrator.validation import (
+from orchestrator.loop.validation import (
     InvalidRequest,
     Limits,
     ValidatedRequest,

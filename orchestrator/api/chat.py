@@ -1,0 +1,82 @@
+"""Chat messages to prompt token ids, through a Jinja chat template: the tokenizer's own, or --chat-template FILE.
+
+A rendered template holds its special tokens (BOS, turn markers) as text, so it is tokenized without adding any
+(as Hugging Face transformers does in apply_chat_template). A request's tools go to the template as `tools` (the
+OpenAI objects), and earlier tool calls as each assistant message's `tool_calls`, their arguments an object, as
+transformers documents, or the JSON text for templates that concatenate it (DeepSeek-V3's).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from orchestrator.api.openai_protocol import ApiError, bad_field
+from tandem.errors import StartupError
+
+
+def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, path: Path | None) -> str | None:
+    """The template to render chats with: the file when one is given, else the tokenizer's (None: it has none)."""
+    if path is None:
+        template = tokenizer.chat_template
+        return template if isinstance(template, str) else None
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise StartupError(f"--chat-template {path}: cannot be read ({error.strerror})") from error
+
+
+def chat_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    max_characters: int,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    arguments_as_text: bool = False,
+) -> list[int]:
+    """Renders the messages with a generation prompt for the assistant and tokenizes them.
+
+    A chat longer than max_characters is refused before rendering (as check_bounds refuses a long prompt unread).
+    """
+    if template is None:
+        raise bad_field(
+            "messages",
+            "the served model's tokenizer has no chat template; start the orchestrator with --chat-template FILE "
+            "(a Jinja template), or use /v1/completions",
+        )
+    characters = sum(len(message["content"]) + len(json.dumps(message.get("tool_calls", ""))) for message in messages)
+    characters += len(json.dumps(tools)) if tools else 0
+    if characters > max_characters:
+        raise bad_field("messages", f"{characters} characters cannot fit the context (refused above {max_characters})")
+    conversation = [_for_template(message, arguments_as_text) for message in messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tools=[dict(tool) for tool in tools] if tools else None,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    except Exception as error:  # a template may raise anything (raise_exception(), undefined names, ...)
+        raise ApiError(400, f"messages: the chat template cannot render them: {error}", "messages") from error
+    assert isinstance(text, str)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise bad_field("messages", "the chat template renders them to no tokens")
+    return list(ids)
+
+
+def _for_template(message: Mapping[str, Any], arguments_as_text: bool) -> dict[str, Any]:
+    """The message as templates take it: tool call arguments as an object unless the template wants the text."""
+    calls = message.get("tool_calls")
+    if calls is None or arguments_as_text:
+        return dict(message)
+    objects = [
+        {**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"])}}
+        for call in calls
+    ]
+    return {**message, "tool_calls": objects}

@@ -1,0 +1,123 @@
+"""Which replica drafts for which request: assignment, failover, re-probing and the pause of adaptive k.
+
+A replica that fails, times out or proposes bad tokens is demoted: its requests move to another replica (or go on
+target-only) and it is probed again with backoff until it answers, then serves new requests. When adaptive k settles
+at 0 for the batch at hand, every request but one leaves its replica (the pause, `pause_speculation`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+
+from orchestrator.loop.batching import ActiveRequest, Drafting
+from orchestrator.loop.speculation import SpeculationPolicy
+from orchestrator.peers.backends import BackendError
+from orchestrator.peers.replicas import ReplicaPool
+from orchestrator.settings import SchedulerSettings
+from tandem.background import in_background
+
+LOG = logging.getLogger(__name__)
+MAX_REPROBE_S = 30.0
+
+
+class Placement:
+    def __init__(
+        self,
+        replicas: ReplicaPool,
+        settings: SchedulerSettings,
+        speculation: SpeculationPolicy,
+        requests: Callable[[], Iterable[ActiveRequest]],  # every request not yet released: running, then waiting
+        wake: Callable[[], None],  # runs the scheduler loop now
+        # Frees requests on a replica (Releases.release_on): what fails is owed there and sent again until it lands.
+        forget: Callable[[str, Sequence[str]], Awaitable[None]],
+    ) -> None:
+        self.replicas = replicas
+        self.forget = forget
+        self.settings = settings
+        self.speculation = speculation
+        self.requests = requests
+        self.wake = wake
+        self.replica_failures = 0  # demotions since start (metrics)
+        self.requests_moved = 0  # requests moved off a demoted replica since start (metrics)
+        self.requests_paused = 0  # requests taken off their replica by adaptive k at 0 since start (metrics)
+        self._probes: dict[str, asyncio.Task[None]] = {}
+
+    def assign(self) -> str | None:
+        """A replica for a new or moving request, counted against it; None when none serves."""
+        replica = self.replicas.pick()
+        if replica is not None:
+            self.replicas.acquire(replica)
+        return replica
+
+    def replica_failed(self, replica_id: str, reason: str) -> None:
+        """Demotes a failed replica and moves its requests to another one (or to target-only); it is probed again
+        with backoff and serves new requests once it answers."""
+        replica = self.replicas.get(replica_id)
+        if replica is None or replica.demoted:
+            return
+        self.replicas.demote(replica_id)
+        self.replica_failures += 1
+        moved = [request for request in self.requests() if request.replica == replica_id]
+        self.requests_moved += len(moved)
+        LOG.warning("draft replica %s demoted (%s): moving its %d requests", replica_id, reason, len(moved))
+        for request in moved:
+            self.replicas.release(replica_id)
+            request.start_over(self.assign())
+        # What the replica still holds of them is of no use now; a live but slow replica frees it.
+        in_background(self.forget(replica_id, [request.request_id for request in moved]))
+        if replica_id not in self._probes:
+            self._probes[replica_id] = asyncio.get_running_loop().create_task(self._reprobe(replica_id))
+
+    async def _reprobe(self, replica_id: str) -> None:
+        wait = self.settings.reprobe_s
+        try:
+            while (replica := self.replicas.get(replica_id)) is not None and replica.demoted:
+                await asyncio.sleep(wait)
+                try:
+                    await replica.backend.probe()
+                except BackendError as error:
+                    wait = min(2 * wait, MAX_REPROBE_S)
+                    LOG.info("draft replica %s still failing (%s); next probe in %.0f s", replica_id, error, wait)
+                    continue
+                LOG.info("draft replica %s answers again: it serves new requests", replica_id)
+                self.replicas.restore(replica_id)
+                self.wake()
+        finally:
+            self._probes.pop(replica_id, None)
+
+    def pause_speculation(self) -> int:
+        """When adaptive k has settled at 0 for the batch at hand, takes every request but one off its replica: a
+        request at k = 0 still has its hidden rows captured and streamed to the replica each step, so that drafting
+        may resume, and that costs what speculation no longer wins back. A paused request decodes target-only
+        (several tokens a step) to its end; it is not brought back, since the replica would need every row of its
+        context again. The one left, the probe, keeps k measured at this batch size (one round in EXPLORE_EVERY
+        drafts in full), so that requests admitted after k rises again speculate. Returns the batch size it judged."""
+        # The batch size is every request that wants speculation, paused ones included: they share the steps.
+        wanting = [request for request in self.requests() if request.wants_speculation and not request.finished]
+        batch = min(len(wanting), self.settings.max_num_seqs)
+        attached = [request for request in wanting if request.replica is not None]
+        if len(attached) < 2 or not self.speculation.paused(batch):
+            return batch
+        forget: dict[str, list[str]] = {}
+        for request in attached[1:]:
+            replica = request.replica
+            assert replica is not None
+            self.replicas.release(replica)
+            if request.opened:
+                forget.setdefault(replica, []).append(request.request_id)
+            request.pause()
+        self.requests_paused += len(attached) - 1
+        LOG.info("adaptive k is 0 at %d requests: %d go on without drafts", len(wanting), len(attached) - 1)
+        for replica_id, request_ids in forget.items():
+            in_background(self.forget(replica_id, request_ids))
+        return batch
+
+    def return_orphans(self, running: Iterable[ActiveRequest]) -> None:
+        """Brings target-only requests that want speculation back to a replica once one serves (not paused ones)."""
+        if not self.replicas.has_serving():
+            return
+        for request in running:
+            if request.drafting is Drafting.TARGET_ONLY and request.wants_speculation and not request.finished:
+                request.start_over(self.assign())

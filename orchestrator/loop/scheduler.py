@@ -1,0 +1,400 @@
+"""The scheduler loop: one target step after another, each chosen by orchestrator.loop.batching.
+
+A step: free cancelled requests; choose the step (decoding requests first, preempting the newest when the KV pool
+is short, then prompt chunks); ask each replica for its decoding requests' drafts; run the step on the target;
+emit each request's new tokens (orchestrator.loop.output); release finished requests.
+
+Round numbers join the draft's two inputs: every item a request sends publishes its hidden rows under round + 1,
+and the item that commits new tokens moves the request to that round; the draft proposes for round r from the
+rows published under r (the chunks of a long prompt, and a replay with the rows after it, arrive as several
+messages of one round and are joined by the draft). The scheduler talks to TargetBackend / DraftBackend
+(orchestrator/peers/backends.py), so the same steps run against gRPC services or in-process runners.
+
+Failures stay with the request they belong to: an item the target refuses fails that request alone; an item that
+finds no KV room waits for the next step; a replica that fails, times out or proposes bad tokens is demoted
+(orchestrator.loop.placement); a target that stops answering costs time only: every request starts over on the target
+that answers next (orchestrator.peers.recovery). Drafts come from orchestrator.loop.proposing, releases go out through
+orchestrator.loop.releases, and a step's costs and statistics are counted by orchestrator.loop.accounting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from orchestrator.loop.accounting import StepTimes, count_round, observe_target_cost
+from orchestrator.loop.batching import ActiveRequest, Drafting, KVPool, OnTarget, PlannedItem, StepPlan, plan_step
+from orchestrator.loop.output import RequestFailed, RequestOutput
+from orchestrator.loop.placement import Placement
+from orchestrator.loop.proposing import Drafts, Proposer
+from orchestrator.loop.releases import RELEASE_RETRY_S, Releases
+from orchestrator.loop.speculation import SpeculationPolicy
+from orchestrator.loop.text import IncrementalDetokenizer, StopStringMatcher
+from orchestrator.loop.validation import InvalidRequest, ValidatedRequest, with_stop_masking
+from orchestrator.peers.backends import (
+    BackendError,
+    FailureKind,
+    OpenRequest,
+    StepItem,
+    StepOutcome,
+    StepResult,
+    TargetBackend,
+)
+from orchestrator.peers.recovery import TargetGone, reach_target
+from orchestrator.peers.replicas import ReplicaPool
+from orchestrator.settings import SchedulerSettings
+from tandem.sampling.draft_tree import DraftTree
+
+LOG = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The waiting queue holds its maximum; the message says how many."""
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What the scheduler needs to know of the target."""
+
+    vocab_size: int
+    pool: KVPool
+    max_draft_tokens: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        target: TargetBackend,
+        replicas: ReplicaPool,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: Iterable[int],
+        settings: SchedulerSettings,
+        facts: TargetFacts,
+    ) -> None:
+        self.target = target
+        self.replicas = replicas
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.settings = settings
+        self.facts = facts
+        self.waiting: deque[ActiveRequest] = deque()
+        self.running: dict[str, ActiveRequest] = {}  # in admission order
+        self.last_progress = time.monotonic()  # when the loop last finished a step (health)
+        self.target_failure: str | None = None  # why the target's last step or release failed; None once it answers
+        self.speculation = SpeculationPolicy(settings.num_steps, settings.adaptive_k)
+        self.k_in_use = settings.num_steps  # the last step's k (metrics)
+        self.releases = Releases(target, replicas, self._target_answered)
+        forget = self.releases.release_on
+        self.placement = Placement(replicas, settings, self.speculation, self._requests, self.wake, forget)
+        self.proposer = Proposer(self.placement, self.speculation, facts.vocab_size, settings.max_tree_drafts)
+        self._wake = asyncio.Event()
+
+    def submit(self, params: ValidatedRequest) -> ActiveRequest:
+        """Queues a request; raises InvalidRequest when it can never fit the KV pool, QueueFull when the queue is."""
+        params = with_stop_masking(params, self.eos_token_ids)
+        positions = len(params.input_ids) + params.max_new_tokens
+        pool = self.facts.pool
+        if not pool.fits_alone(positions):
+            raise InvalidRequest(
+                f"max_new_tokens: a {len(params.input_ids)}-token prompt and {params.max_new_tokens} new tokens need "
+                f"{pool.blocks(positions)} KV blocks of {pool.block_size} tokens; the target's KV pool holds "
+                f"{pool.num_blocks} blocks ({pool.num_blocks * pool.block_size} tokens, --kv-blocks)"
+            )
+        if len(self.waiting) >= self.settings.max_waiting:
+            raise QueueFull(
+                f"the waiting queue holds its maximum of {self.settings.max_waiting} requests (--max-waiting); "
+                "retry later"
+            )
+        replica = None if params.disable_speculation else self.placement.assign()
+        output = RequestOutput(
+            prompt_tokens=len(params.input_ids),
+            max_new_tokens=params.max_new_tokens,
+            ignore_eos=params.ignore_eos,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.input_ids),
+            stop=StopStringMatcher(params.stop),
+            stop_token_ids=params.stop_token_ids,
+        )
+        request = ActiveRequest(uuid.uuid4().hex, params, output, replica)
+        self.waiting.append(request)
+        self._wake.set()
+        return request
+
+    def wake(self) -> None:
+        """Runs the loop now (e.g. a replica joined, so target-only orphans can switch back)."""
+        self._wake.set()
+
+    def cancel(self, request: ActiveRequest) -> None:
+        """Called when the client goes away; the loop releases the request's KV at its next step."""
+        if not request.finished:
+            request.cancelled = True
+            self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            self.last_progress = time.monotonic()
+            if not self.waiting and not self.running:
+                retry = self.releases.owed or self.target_failure is not None
+                try:
+                    await asyncio.wait_for(self._wake.wait(), RELEASE_RETRY_S if retry else None)
+                except TimeoutError:
+                    await self.releases.settle(probe_target=self.target_failure is not None)
+                    continue
+            self._wake.clear()
+            self._drop_cancelled()
+            self.placement.return_orphans(self.running.values())
+            if self.waiting or self.running:
+                await self._step()
+
+    async def _step(self) -> None:
+        """One step, in phases: choose k, plan, ask for drafts, run the target, apply and count its results."""
+        started = time.perf_counter()
+        judged = self._choose_k()
+        plan = await self._plan()
+        if plan is None:
+            return
+        drafts, timings = await self.proposer.propose(plan.decode)
+        items = self._items(plan, drafts, judged)
+        step_started = time.perf_counter()
+        outcome = await self._run_target(plan, items)
+        if outcome is None:
+            return
+        times = StepTimes(started, step_started - started, time.perf_counter() - step_started)
+        observe_target_cost(self.speculation, items, outcome, bool(plan.chunks), times.target_seconds)
+        decoding = {entry.request.request_id for entry in plan.decode}
+        # The replica each request had when its item was built: a replica failing while the results are read moves
+        # requests, and what the target said about the old replica must not be held against the new one.
+        sent_to = {entry.request.request_id: entry.request.replica for entry in plan.entries()}
+        for item, result in zip(items, outcome.results, strict=True):
+            request = self.running[item.request_id]
+            if not self._applied(request, item, result, sent_to[item.request_id]):
+                continue
+            if item.request_id in decoding:
+                timing = timings.get(request.replica or "")
+                count_round(self.speculation, request, item, result, timing, outcome, times)
+            if result.new_tokens:
+                request.round += 1
+                if not request.cancelled:
+                    request.output.emit(result.new_tokens, self.eos_token_ids, result.logprobs)
+        self.speculation.observe_scheduling(times.scheduling_seconds())
+        self._release_finished([item.request_id for item in items])
+
+    def _choose_k(self) -> int:
+        """Sets the step's k (pausing speculation first where adaptive k settled at 0); returns the batch size k was
+        judged at."""
+        batch = self.placement.pause_speculation()
+        # Paused requests count: they share the steps, and k is chosen for the batch the verification rows join. While
+        # the batch is paused, the probe drafts as that batch size says (one round in EXPLORE_EVERY), also while the
+        # batch fills and few of its requests decode yet.
+        speculating = sum(1 for r in self.running.values() if r.decoding and r.wants_speculation)
+        judged = batch if self.speculation.paused(batch) else speculating
+        self.k_in_use = self.speculation.choose(judged)
+        return judged
+
+    async def _plan(self) -> StepPlan | None:
+        """Chooses the step's requests (orchestrator.loop.batching), preempts and admits; None when nothing fits."""
+        plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings, self.k_in_use)
+        if plan.preempted:
+            LOG.info("KV pool full: preempting %d requests (newest first)", len(plan.preempted))
+            await self._preempt(plan.preempted)
+        for request in plan.admitted:
+            self.waiting.remove(request)
+            self.running[request.request_id] = request
+            request.output.mark_scheduled()
+        if plan.decode or plan.chunks:
+            return plan
+        if self.running or self.waiting:
+            # Nothing fits until running requests finish; they are all waiting for KV room, which only happens when
+            # the mirror and the target disagree. Yield instead of spinning.
+            await asyncio.sleep(0.01)
+        return None
+
+    async def _run_target(self, plan: StepPlan, items: list[StepItem]) -> StepOutcome | None:
+        """The target's step; None when the call failed: every request starts over once a target answers
+        (orchestrator.peers.recovery), or the step's requests fail when the call itself was wrong."""
+        try:
+            outcome = await self.target.step(items, [request.request_id for request in plan.preempted])
+        except BackendError as error:
+            scheduled = [entry.request for entry in plan.entries()]
+            if error.kind is FailureKind.UNAVAILABLE:
+                # The step may have run on the target (a timed-out call, a lost answer): its requests count as held.
+                for request in scheduled:
+                    request.held()
+                await self._start_over(str(error))
+            else:
+                self._fail(scheduled, RequestFailed(error.kind, str(error)))
+            return None
+        self.target_failure = None
+        return outcome
+
+    async def _start_over(self, cause: str) -> None:
+        """Waits for a target that holds none of the requests, then queues every request to be reopened on it from
+        its committed tokens; fails them all when none answers within --target-wait."""
+        self.target_failure = cause
+        running, requests = list(self.running.values()), list(self._requests())
+        LOG.warning("the target failed (%s): %d requests wait for a target to start over on", cause, len(requests))
+        try:
+            await reach_target(self.target, [r.request_id for r in requests if r.opened], cause, self.settings)
+        except TargetGone as gone:
+            self.waiting.clear()
+            self._fail(requests, RequestFailed(FailureKind.UNAVAILABLE, str(gone)))
+            return
+        self.target_failure = None
+        for request in requests:
+            request.on_target = OnTarget.NOTHING  # its next item reopens it with every committed token
+        await self._preempt(running[::-1])
+
+    def _applied(self, request: ActiveRequest, item: StepItem, result: StepResult, sent_to: str | None) -> bool:
+        """Takes what the target did with the request's item into its state; False when the item failed or waits
+        for KV room."""
+        if result.failure is not None:
+            if result.failure.kind == FailureKind.EXHAUSTED:
+                LOG.info("request %s waits for KV room: %s", request.request_id, result.failure)
+            else:
+                self._fail([request], RequestFailed(result.failure.kind, str(result.failure)))
+            return False
+        request.held()
+        if item.move and request.replica == sent_to:
+            request.on_target = OnTarget.OPEN
+        # The target keeps KV for the computed tokens, the accepted drafts and, after a multi-token decode, every new
+        # token but the last (1 + accepted new tokens after a verification, n after n forward passes).
+        request.kv_length += item.num_tokens + max(result.accepted, len(result.new_tokens) - 1)
+        if item.replica is not None and not result.streaming:  # the replica the rows went to has no stream
+            self.placement.replica_failed(item.replica, "not subscribed to the target")
+        return True
+
+    def _items(self, plan: StepPlan, drafts: Drafts, judged: int) -> list[StepItem]:
+        drafting = sum(1 for entry in plan.entries() if self._drafts_next(entry))
+        # What a replica drafts ahead is for the round after this one, which drafts the settled k, not an
+        # exploration's (a paused batch's probe drafted ahead 5 steps for a round of k = 0); nothing when the step
+        # has more drafting requests than settings.draft_ahead.
+        ahead_k = min(self.k_in_use, self.speculation.settled(judged)) if drafting <= self.settings.draft_ahead else 0
+        none = DraftTree()
+        return [self._task(entry, drafts.get(entry.request.request_id, none), ahead_k) for entry in plan.entries()]
+
+    def _task(
+        self,
+        entry: PlannedItem,
+        drafts: DraftTree,
+        ahead_k: int,  # at most this many drafts ahead for the next round (0: none this step)
+    ) -> StepItem:
+        request = entry.request
+        params = request.params
+        rows_to = self._hidden_rows_to(request.replica)
+        return StepItem(
+            request_id=request.request_id,
+            round=request.round + 1,
+            num_tokens=entry.num_tokens,
+            drafts=drafts,
+            open=None if request.opened else self._opening(request),
+            replica=rows_to,
+            move=request.needs_move,
+            replay=request.needs_move and rows_to is not None,
+            top_logprobs=params.top_logprobs,
+            decode_steps=entry.decode_steps,
+            draft_ahead=self._draft_ahead(entry, rows_to, ahead_k),
+        )
+
+    def _opening(self, request: ActiveRequest) -> OpenRequest:
+        params, generated = request.params, tuple(request.output.generated)
+        return OpenRequest(params.input_ids, params.sampling, self._end_tokens(params), generated)
+
+    def _draft_ahead(self, entry: PlannedItem, rows_to: str | None, ahead_k: int) -> int:
+        """Steps the request's replica may draft for its next round once this step's rows reach it: `ahead_k`,
+        within what the request may still generate after at least one more token; 0 when it is not drafting
+        (target-only, a move, its last round)."""
+        request = entry.request
+        if ahead_k == 0 or not self._drafts_next(entry) or rows_to is None or request.needs_move:
+            return 0
+        return max(0, min(ahead_k, request.output.remaining - 2))
+
+    def _drafts_next(self, entry: PlannedItem) -> bool:
+        """Whether the request drafts in its round after this step: it verifies drafts in this one, or this is the
+        last chunk of its prompt (the step commits its first token) and it has a replica to draft with. That replica
+        then ingests the prompt's rows and drafts the first round when they arrive, in one batch with the step's
+        other requests, rather than in a Propose the next step waits for. Not the last chunk of a recomputation
+        after preemption: its replica was told to forget the request and drafts nothing ahead for it until a
+        Propose asks again."""
+        request = entry.request
+        if request.decoding:
+            return entry.max_drafts > 0
+        first_prefill = not request.output.generated
+        return first_prefill and entry.num_tokens == request.uncomputed and request.max_drafts(self.k_in_use) > 0
+
+    def _end_tokens(self, params: ValidatedRequest) -> frozenset[int]:
+        """The tokens that end a request (RequestOutput stops on the same): a multi-token decode stops there."""
+        return params.stop_token_ids | (frozenset() if params.ignore_eos else self.eos_token_ids)
+
+    def _hidden_rows_to(self, replica_id: str | None) -> str | None:
+        """Where the target sends a request's hidden rows: its replica, unless that replica drafts from tokens alone
+        (then the target captures nothing for the request)."""
+        replica = self.replicas.get(replica_id)
+        return None if replica is not None and not replica.hidden_rows else replica_id
+
+    async def _preempt(self, requests: Sequence[ActiveRequest]) -> None:
+        """Frees the KV of running requests (newest first) on their drafts now (the target frees it with the step,
+        or holds none) and queues them first; they are recomputed from their tokens when they are admitted again."""
+        for request in requests:
+            del self.running[request.request_id]
+            request.kv_length = 0
+            # The replica starts over from the recomputed rows. A pending move stays: the target sends the rows where
+            # the last move told it to until a move says otherwise; with no KV it replays nothing.
+            if request.drafting is Drafting.DRAFTING:  # its replica forgets it and ingests it anew
+                request.drafting = Drafting.JOINING
+        await self.releases.release_on_replicas(requests)
+        self.waiting.extendleft(requests)  # newest first in `requests`: the oldest ends up at the front
+
+    def _requests(self) -> Iterator[ActiveRequest]:
+        """Every request not yet released: running ones, then waiting ones."""
+        yield from self.running.values()
+        yield from self.waiting
+
+    def _target_answered(self, failure: str | None) -> None:
+        self.target_failure = failure
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+            self.running[request.request_id] = request  # released below like a running one
+        cancelled = [r for r in self.running.values() if r.cancelled]
+        for request in cancelled:
+            request.output.finished = True
+        self._release_finished([r.request_id for r in cancelled])
+
+    def _release_finished(self, request_ids: Sequence[str]) -> None:
+        """Drops finished requests from the running set and starts their releases on target and replicas."""
+        finished = [self.running[i] for i in request_ids if i in self.running and self.running[i].finished]
+        for request in finished:
+            del self.running[request.request_id]
+        if not finished:
+            return
+        # A finished request stops counting against its replica now, not once the releases are answered. The KV
+        # mirror counts the blocks free now; should a step reach the target before its release, an item without
+        # room waits a step.
+        for request in finished:
+            if request.replica is not None:
+                self.replicas.release(request.replica)
+        self.releases.release(finished)
+
+    def unhealthy(self, now: float) -> str | None:
+        """Why the orchestrator cannot serve now (grpc.health.v1 reports NOT_SERVING), or None when it can: the
+        target failed its last call, or the loop has work and made no step for `settings.stall_s`."""
+        if self.target_failure is not None:
+            return f"the target does not answer: {self.target_failure}"
+        stalled = now - self.last_progress
+        if (self.running or self.waiting) and stalled > self.settings.stall_s:
+            return f"no step for {stalled:.0f} s with {len(self.running)} running, {len(self.waiting)} waiting"
+        return None
+
+    def _fail(self, requests: Sequence[ActiveRequest], failure: RequestFailed) -> None:
+        LOG.error("%d requests failed: %s", len(requests), failure)
+        for request in requests:
+            request.output.fail(failure)
+            self.running.setdefault(request.request_id, request)
+        self._release_finished([r.request_id for r in requests])
