@@ -3,37 +3,46 @@ whose three links run through fault proxies, each under 8 greedy and 2 seeded sa
 reset of every connection, refused connections or a blackhole on each link; the replica or the target paused, or
 killed and started again at its address; the orchestrator killed and started again. Every stream ends with the tokens
 of a run without the fault and without speculation (a killed orchestrator fails its own streams, UNAVAILABLE, and
-nothing else); nothing stays held; no service exits by itself; the replica drafts again after. Then the command.
+nothing else); nothing stays held; no service exits by itself; the replica drafts again after. The command runs once,
+every scenario in turn; each test reads its scenario's record from the report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from bench.fault_stack import FaultStack
-from bench.fault_streams import STREAMS, target_only
-from bench.faults import SCENARIOS, FaultRecord, lost, record
+from bench.fault_streams import STREAMS
+from bench.faults import SCENARIOS, FaultRecord, lost
 from tests.integration.stack import run_to_exit
 
 KEEPALIVE_S = 2.0  # every service's --keepalive-timeout (10 s by default: tests/unit/test_grpc_keepalive.py)
 
 
 @pytest.fixture(scope="module")
-def stack(llama_target: Path, random_draft: Path) -> Iterator[tuple[FaultStack, list[list[int]]]]:
-    stack = FaultStack(llama_target, random_draft, KEEPALIVE_S).start()
-    try:
-        yield stack, target_only(stack.address("orchestrator"))
-    finally:
-        stack.close()
+def command(
+    llama_target: Path, random_draft: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`tandem bench-faults` once, every scenario on one stack: its run and the directory of its report."""
+    out = tmp_path_factory.mktemp("bench-faults")
+    arguments = ["bench-faults", "--target", str(llama_target), "--draft", str(random_draft), "--out", str(out)]
+    return run_to_exit([*arguments, "--keepalive-timeout", str(KEEPALIVE_S)], timeout_s=900), out
+
+
+@pytest.fixture(scope="module")
+def records(command: tuple[subprocess.CompletedProcess[str], Path]) -> dict[str, FaultRecord]:
+    finished, out = command
+    assert (out / "latest.json").exists(), finished.stdout
+    document = json.loads((out / "latest.json").read_text())
+    return {r["scenario"]: FaultRecord(**{**r, "errors": tuple(r["errors"])}) for r in document["records"]}
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_a_fault_between_the_services_costs_only_time(stack: tuple[FaultStack, list[list[int]]], scenario: str) -> None:
-    services, expected = stack
-    result = record(services, scenario, expected)
+def test_a_fault_between_the_services_costs_only_time(records: dict[str, FaultRecord], scenario: str) -> None:
+    result = records[scenario]
     assert (result.hung, result.token_errors, result.exits) == (0, 0, 0), result
     assert (result.held_requests, result.held_blocks) == (0, 0), result
     assert result.drafts_again, result
@@ -63,11 +72,11 @@ def test_lost_names_what_a_record_shows_lost() -> None:
     assert lost(orchestrator) == []
 
 
-def test_the_command_prints_and_writes_the_table(tmp_path: Path, llama_target: Path, random_draft: Path) -> None:
-    arguments = ["bench-faults", "--target", str(llama_target), "--draft", str(random_draft), "--out", str(tmp_path)]
-    finished = run_to_exit([*arguments, "--keepalive-timeout", "2", "--scenarios", "reset replica-target"])
+def test_the_command_prints_and_writes_the_table(command: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    finished, out = command
     assert finished.returncode == 0, finished.stdout
-    table = (tmp_path / "latest.md").read_text()
-    assert "| scenario | completed | failed | hung | identical |" in table
-    assert "| reset replica-target | 10/10 | 0 | 0 | 10/10 | 0 |" in table and table in finished.stdout
-    assert "--keepalive-timeout 2.0" in table
+    table = (out / "latest.md").read_text()
+    assert "| scenario | completed | failed | hung | identical |" in table and table in finished.stdout
+    assert "| reset replica-target | 10/10 | 0 | 0 | 10/10 | 0 |" in table
+    assert f"--keepalive-timeout {KEEPALIVE_S}" in table
+    assert len([line for line in table.splitlines() if line.startswith("| ")]) == 1 + len(SCENARIOS)
