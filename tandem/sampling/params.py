@@ -51,3 +51,8 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def is_seeded(self) -> bool:
+        """Sampled with a seed: its tokens are the Gumbel-max form keyed by (seed, position) (sampling/verify.py)."""
+        return self.seed is not None and not self.is_greedy

@@ -91,13 +91,9 @@ class Shaping:
     def of(cls, sampling: SamplingParams, prompt_length: int, tokens: Sequence[int]) -> Shaping | None:
         """None when the options leave rows as they are (a grammar shapes drafts on the target)."""
         shaped = sampling.processes_rows or (sampling.min_tokens and sampling.stop_token_ids)
-        if not shaped and not cls.is_seeded(sampling):
+        if not shaped and not sampling.is_seeded:
             return None
         return cls(sampling, prompt_length, tuple(tokens))
-
-    @staticmethod
-    def is_seeded(sampling: SamplingParams) -> bool:
-        return sampling.seed is not None and not sampling.is_greedy
 
     def row(self, logits: torch.Tensor, path: Sequence[int]) -> torch.Tensor:  # [vocab] -> [vocab]
         """One row deciding the token after the committed tokens and then `path` (drafts): processed as the target
@@ -106,6 +102,6 @@ class Shaping:
         the draft's distribution that is the target's own choice wherever the two distributions agree."""
         tokens = (*self.tokens, *path)
         processed = process_rows(logits.unsqueeze(0), DraftTree(), self.sampling, tokens, self.prompt_length)
-        if self.is_seeded(self.sampling):
+        if self.sampling.is_seeded:
             return seeded_scores(processed, self.sampling, [len(tokens)])[0]
         return processed[0]

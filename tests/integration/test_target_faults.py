@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -23,6 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.fault_proxy import FaultProxy
+from bench.fault_stack import free_port
 from launch.processes import ServeProcess
 from tandem.grpc_util import LIVENESS
 from tests.integration.fault_streams import (
@@ -38,12 +38,6 @@ from tests.integration.stack import Service, generate, serve, service, tandem_co
 
 CACHE = ("--block-size", "8", "--orphan-timeout", "1")
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @dataclass
