@@ -8,6 +8,7 @@ bench module. Both measure processes with psutil, of the bench extra: without it
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,8 +62,7 @@ def faults_parser() -> argparse.ArgumentParser:
         prog="tandem bench-faults",
         description="faults between the services, one after another under 10 streams: what each costs, as a table",
     )
-    parser.add_argument("--target", type=Path, help="target directory (default: the demo target)")
-    parser.add_argument("--draft", type=Path, help="draft directory (default: the demo EAGLE3 head)")
+    _add_demo_pair(parser)
     parser.add_argument(
         "--scenarios", nargs="+", choices=list(SCENARIOS), metavar="SCENARIO", help=f"default: all of {list(SCENARIOS)}"
     )
@@ -73,6 +73,25 @@ def faults_parser() -> argparse.ArgumentParser:
         help="every service's --keepalive-timeout; blackholes last twice it, pauses 1.5 times",
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results/faults"), help="where the report goes")
+    return parser
+
+
+def _add_demo_pair(parser: argparse.ArgumentParser) -> None:
+    """--target and --draft as directories, the demo pair by default (bench-faults, bench-profile)."""
+    parser.add_argument("--target", type=Path, help="target directory (default: the demo target)")
+    parser.add_argument("--draft", type=Path, help="draft directory (default: the demo EAGLE3 head)")
+
+
+def profile_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem bench-profile",
+        description="where one request's time goes in each service of the split stack, by phase (py-spy samples)",
+    )
+    _add_demo_pair(parser)
+    parser.add_argument("--num-prompts", type=flags.positive, default=16, help="held-out prompts per run")
+    parser.add_argument("--max-new-tokens", type=flags.positive, default=64, help="tokens each prompt generates")
+    parser.add_argument("--rate", type=flags.positive, default=250, help="py-spy samples per second")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/profile"), help="where the report goes")
     return parser
 
 
@@ -111,6 +130,8 @@ def run_bench_command(command: str, arguments: Sequence[str]) -> int:
     code."""
     if command == "bench-faults":
         return _run_faults(faults_parser().parse_args(arguments))
+    if command == "bench-profile":
+        return _run_profile(profile_parser().parse_args(arguments))
     args = (bench_parser() if command == "bench" else load_parser()).parse_args(arguments)
     missing = PSUTIL.missing()
     if missing is not None:
@@ -158,3 +179,16 @@ def _run_faults(args: argparse.Namespace) -> int:
     for failure in failures:
         print(f"tandem bench-faults: {failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    if shutil.which("py-spy") is None:
+        missing = "py-spy is not installed (pip install 'tandem[bench]')"
+        print(f"tandem bench-profile cannot start: {missing}", file=sys.stderr)
+        return 2
+    from bench.profile import ProfileSettings, main
+
+    target = model_dir(args.target, DEMO_TARGET, "--target")
+    draft = model_dir(args.draft, DEMO_DRAFT, "--draft")
+    print(main(ProfileSettings(target, draft, args.num_prompts, args.max_new_tokens, args.rate, args.out)).read_text())
+    return 0

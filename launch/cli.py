@@ -23,6 +23,7 @@ BENCH_COMMANDS = {
     "bench": "benchmark speculative vs target-only vs colocated",
     "bench-load": "load test: many concurrent streams, a KV pool smaller than them",
     "bench-faults": "faults between the services, one after another under streams: what each costs",
+    "bench-profile": "where one request's time goes in each service, by phase (py-spy)",
 }
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.profile import read_raw
 from tandem.settings import SERVICE_ENVIRONMENT
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
 from tests.integration.stack import run_to_exit
@@ -142,6 +143,25 @@ def test_bench_without_transformers_has_no_transformers_rows_or_ratios(
     assert row["target_only_vs_transformers_greedy"] is None
     table = (out / "latest.md").read_text()
     assert "transformers greedy" not in table and "| split | 1 |" in table
+
+
+def test_bench_profile_samples_each_service_by_phase(tmp_path: Path, llama_target: Path, random_draft: Path) -> None:
+    out = tmp_path / "profile"
+    arguments = ["bench-profile", "--target", str(llama_target), "--draft", str(random_draft), "--out", str(out)]
+    finished = run_to_exit([*arguments, "--num-prompts", "1", "--max-new-tokens", "24"], timeout_s=600)
+    assert finished.returncode == 0, finished.stdout
+    report = (out / "latest.md").read_text()
+    assert "### target-only: 24 tokens, " in report and "### speculative: 24 tokens, " in report
+    assert "| ms per token | target | draft | orchestrator |" in report
+    # py-spy saw the target's model code run in both modes, and the replica's only when it drafted.
+    assert read_raw((out / "target-only-target.txt").read_text())["model forward"] > 0
+    assert read_raw((out / "speculative-target.txt").read_text())["model forward"] > 0
+    assert read_raw((out / "speculative-draft.txt").read_text())["model forward"] > 0
+    target_only = report.split("### speculative")[0]
+    forward = next(line for line in target_only.splitlines() if line.startswith("| model forward |"))
+    assert float(forward.split("|")[2]) > 0.0  # the target's forward took time per token
+    on_core = next(line for line in target_only.splitlines() if line.startswith("| on a core, in all |"))
+    assert float(on_core.split("|")[2]) > 0.0
 
 
 def test_bench_refuses_zero_repeats(tmp_path: Path, llama_target: Path, random_draft: Path) -> None:
