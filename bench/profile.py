@@ -29,6 +29,7 @@ import psutil
 
 from bench.cpu import SPLIT_ROLES, _role
 from bench.harness import GrpcGenerate, run_prompts
+from bench.machine import machine
 from bench.prompts import held_out_prompts
 from launch.processes import ServeProcess
 
@@ -198,7 +199,8 @@ def report(profiles: list[Profile], command: str) -> str:
 
 def main(settings: ProfileSettings) -> Path:
     profiles = run_profile(settings)
-    text = report(profiles, "tandem bench-profile " + " ".join(sys.argv[2:]))
+    command = " ".join(["tandem bench-profile", *sys.argv[2:]])
+    text = report(profiles, f"{command}` on {machine()}, `{settings.target_dir.name}` + `{settings.draft_dir.name}")
     path = settings.out / "latest.md"
     path.write_text(text)
     return path
