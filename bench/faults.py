@@ -175,8 +175,8 @@ def run_faults(target_dir: Path, draft_dir: Path, keepalive_timeout_s: float, sc
     finally:
         stack.close()
     settings = {
-        "target": str(target_dir),
-        "draft": str(draft_dir),
+        "target": shown(target_dir),
+        "draft": shown(draft_dir),
         "streams": f"{STREAMS} (8 greedy, 2 seeded at temperature 0.8), {NEW_TOKENS} tokens each",
         "flags": " ".join([*CACHE_FLAGS, *ORCHESTRATOR_FLAGS, "--keepalive-timeout", str(keepalive_timeout_s)]),
     }
@@ -197,6 +197,13 @@ def row(r: FaultRecord) -> str:
         f"| {r.scenario} | {r.completed}/{STREAMS} | {failed} | {r.hung} | {r.identical}/{STREAMS} | {r.token_errors} "
         f"| {r.longest_stall_s:.1f} s | {detected} | {held} | {r.exits} | {'yes' if r.drafts_again else 'NO'} |"
     )
+
+
+def shown(directory: Path) -> str:
+    """A model directory as a record names it: relative to the working directory when under it (the demo pair),
+    else by its name, so that a record carries no one's home or temporary paths."""
+    resolved = directory.resolve()
+    return str(resolved.relative_to(Path.cwd())) if resolved.is_relative_to(Path.cwd()) else resolved.name
 
 
 def write_report(run: FaultRun, out: Path) -> Path:
