@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from launch.client import add_client_parsers, generate, scale
 from launch.security_flags import admin_token_of, client_security_of
@@ -62,7 +65,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StartupError as error:
         logging.getLogger("tandem").error("%s cannot start: %s", args.command, error)
         return 2
-    return 0
+    exit_without_teardown(0)
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """Ends a service whose servers have stopped: the exit handlers run (weakref finalizers, temporary directories,
+    child processes, logging) and the output is flushed, but the interpreter's teardown of every module and object
+    is skipped. For a service with torch and gRPC loaded that teardown took 0.5-0.6 s of CPU and up to 0.7 s on every
+    stop, for nothing a process that ends has to keep."""
+    atexit._run_exitfuncs()  # what sys.exit would run; os._exit runs none of it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
