@@ -21,6 +21,7 @@ from pathlib import Path
 
 from bench.fault_stack import CACHE_FLAGS, LINKS, ORCHESTRATOR_FLAGS, FaultStack
 from bench.fault_streams import NEW_TOKENS, STREAMS, completion, held_after, streams_through, target_only
+from launch.model_dirs import shown
 
 Fault = Callable[[], None]
 
@@ -197,13 +198,6 @@ def row(r: FaultRecord) -> str:
         f"| {r.scenario} | {r.completed}/{STREAMS} | {failed} | {r.hung} | {r.identical}/{STREAMS} | {r.token_errors} "
         f"| {r.longest_stall_s:.1f} s | {detected} | {held} | {r.exits} | {'yes' if r.drafts_again else 'NO'} |"
     )
-
-
-def shown(directory: Path) -> str:
-    """A model directory as a record names it: relative to the working directory when under it (the demo pair),
-    else by its name, so that a record carries no one's home or temporary paths."""
-    resolved = directory.resolve()
-    return str(resolved.relative_to(Path.cwd())) if resolved.is_relative_to(Path.cwd()) else resolved.name
 
 
 def write_report(run: FaultRun, out: Path) -> Path:

@@ -22,6 +22,7 @@ from bench.report import write, write_requests
 from bench.settings import BenchSettings
 from bench.structured import structured_prompts
 from launch.devices import placement_of
+from launch.model_dirs import shown
 from launch.processes import ServeProcess
 from launch.serve_settings import ServeSettings
 from launch.stack_security import ServeSecurity
@@ -179,9 +180,10 @@ async def _benchmark(
 
 
 def _recorded(value: Any) -> Any:
-    """Settings as JSON values: paths as text, nested dataclasses (already dicts from asdict) element by element."""
+    """Settings as JSON values: paths as `shown` names them, nested dataclasses (already dicts from asdict) element
+    by element."""
     if isinstance(value, Path):
-        return str(value)
+        return shown(value)
     if isinstance(value, dict):
         return {key: _recorded(item) for key, item in value.items()}
     if isinstance(value, list | tuple):

@@ -38,3 +38,10 @@ def model_dir(given: Path | None, demo: Path, flag: str) -> Path:
     if not (demo / "config.json").is_file():
         raise SystemExit(f"tandem: no {flag} given and the bundled demo pair is not installed at {demo}")
     return demo
+
+
+def shown(path: Path) -> str:
+    """A path as a benchmark's record names it: relative to the working directory when under it (the demo pair,
+    bench/results), else by its name, so that a record carries no one's home or temporary directories."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(Path.cwd())) if resolved.is_relative_to(Path.cwd()) else resolved.name

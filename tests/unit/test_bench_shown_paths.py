@@ -1,4 +1,4 @@
-"""bench.faults.shown: a record names model directories without anyone's home or temporary paths."""
+"""launch.model_dirs.shown: a record names paths without anyone's home or temporary directories."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.faults import shown
+from launch.model_dirs import shown
 
 
 def test_a_directory_under_the_working_directory_is_shown_relative_to_it(
