@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.kinds import KIND_NAMES, TREE_KIND
 from bench.load_settings import LoadSettings
-from bench.settings import BenchSettings
+from bench.settings import BenchSettings, ProfileSettings
 from launch.model_dirs import NGRAM, draft_option, model_dir
 from tandem import flags
 from tandem.extras import BENCH, Extra
@@ -88,10 +88,7 @@ def profile_parser() -> argparse.ArgumentParser:
         description="where one request's time goes in each service of the split stack, by phase (py-spy samples)",
     )
     _add_demo_pair(parser)
-    parser.add_argument("--num-prompts", type=flags.positive, default=16, help="held-out prompts per run")
-    parser.add_argument("--max-new-tokens", type=flags.positive, default=64, help="tokens each prompt generates")
-    parser.add_argument("--rate", type=flags.positive, default=250, help="py-spy samples per second")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/profile"), help="where the report goes")
+    flags.add_options(parser, ProfileSettings)
     return parser
 
 
@@ -186,9 +183,9 @@ def _run_profile(args: argparse.Namespace) -> int:
         missing = "py-spy is not installed (pip install 'tandem[bench]')"
         print(f"tandem bench-profile cannot start: {missing}", file=sys.stderr)
         return 2
-    from bench.profile import ProfileSettings, main
+    from bench.profile import main
 
     target = model_dir(args.target, DEMO_TARGET, "--target")
     draft = model_dir(args.draft, DEMO_DRAFT, "--draft")
-    print(main(ProfileSettings(target, draft, args.num_prompts, args.max_new_tokens, args.rate, args.out)).read_text())
+    print(main(flags.settings_of(ProfileSettings, args, target_dir=target, draft_dir=draft)).read_text())
     return 0

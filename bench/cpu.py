@@ -31,7 +31,7 @@ class CpuMeter:
         totals: dict[str, float] = {}
         for process in [self.root, *self.root.children(recursive=True)]:
             try:
-                role = _role(process.cmdline())
+                role = role_of(process.cmdline())
                 seconds = _seconds(process)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
@@ -50,7 +50,7 @@ def _seconds(process: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
-def _role(command: list[str]) -> str:
+def role_of(command: list[str]) -> str:
     """`python -m launch.cli draft --model ...` -> "draft"; anything else under the stack -> "other"."""
     if "launch.cli" in command:
         index = command.index("launch.cli")

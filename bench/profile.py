@@ -27,10 +27,11 @@ from pathlib import Path
 
 import psutil
 
-from bench.cpu import SPLIT_ROLES, _role
+from bench.cpu import SPLIT_ROLES, role_of
 from bench.harness import GrpcGenerate, run_prompts
 from bench.machine import machine
 from bench.prompts import held_out_prompts
+from bench.settings import ProfileSettings
 from launch.processes import ServeProcess
 
 # (phase, path fragments): the first phase whose fragment occurs in a frame's file, tried from the innermost frame
@@ -103,23 +104,13 @@ def service_pids(stack: ServeProcess) -> dict[str, int]:
     """The stack's service processes by role (bench.cpu's roles)."""
     pids = {}
     for child in psutil.Process(stack.process.pid).children(recursive=True):
-        role = _role(child.cmdline())
+        role = role_of(child.cmdline())
         if role in SPLIT_ROLES:
             pids[role] = child.pid
     missing = set(SPLIT_ROLES) - set(pids)
     if missing:
         raise RuntimeError(f"the stack has no {', '.join(sorted(missing))} process to profile")
     return pids
-
-
-@dataclass(frozen=True)
-class ProfileSettings:
-    target_dir: Path
-    draft_dir: Path
-    num_prompts: int = 16
-    max_new_tokens: int = 64
-    rate: int = 250  # samples per second and thread
-    out: Path = Path("bench/results/profile")
 
 
 def run_profile(settings: ProfileSettings) -> list[Profile]:

@@ -13,7 +13,7 @@ from orchestrator.settings import (
     check_ngram_kinds,
 )
 from tandem.devices import DTYPES
-from tandem.flags import flag, flag_of, nested, non_negative, thread_count
+from tandem.flags import flag, flag_of, nested, non_negative, positive, thread_count
 from tandem.settings import TreeShape
 
 
@@ -119,3 +119,17 @@ class BenchSettings:
             check_ngram_kinds(self.ngram, self.hybrid)
             if self.ngram is not None and self.draft_replicas != BenchSettings.draft_replicas:
                 raise ValueError("--draft ngram drafts in the orchestrator and starts no --draft-replicas")
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """Settings of `tandem bench-profile` (bench/profile.py); its options are these fields' and --target, --draft."""
+
+    target_dir: Path
+    draft_dir: Path
+    num_prompts: int = field(default=16, metadata=flag("--num-prompts", "held-out prompts per run", parse=positive))
+    max_new_tokens: int = field(
+        default=64, metadata=flag("--max-new-tokens", "tokens each prompt generates", parse=positive)
+    )
+    rate: int = field(default=250, metadata=flag("--rate", "py-spy samples per second and thread", parse=positive))
+    out: Path = field(default=Path("bench/results/profile"), metadata=flag("--out", "where the report goes"))

@@ -11,6 +11,7 @@ were half idle for the last 80 s of an 881 s run).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -58,9 +59,7 @@ def unit_of(nodeid: str) -> str:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Units in the order workers should take them: LONGEST_FIRST, then by number of tests, most first; a unit's
     tests keep their order."""
-    sizes: dict[str, int] = {}
-    for item in items:
-        sizes[unit_of(item.nodeid)] = sizes.get(unit_of(item.nodeid), 0) + 1
+    sizes = Counter(unit_of(item.nodeid) for item in items)
 
     def rank(item: pytest.Item) -> tuple[int, int, str]:
         unit = unit_of(item.nodeid)
