@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.loop.batching import ActiveRequest
+from orchestrator.loop.draft_length import DraftLengths, request_class
 from orchestrator.loop.proposing import ReplicaTiming
-from orchestrator.loop.speculation import SpeculationPolicy
+from orchestrator.loop.speculation import RoundCosts
 from orchestrator.peers.backends import StepItem, StepOutcome, StepResult
 
 
@@ -29,7 +30,7 @@ class StepTimes:
 
 
 def observe_target_cost(
-    speculation: SpeculationPolicy,
+    costs: RoundCosts,
     items: Sequence[StepItem],
     outcome: StepOutcome,
     has_chunks: bool,
@@ -57,11 +58,11 @@ def observe_target_cost(
         # and fitted in, it made drafts look dear at 8 requests (docs/architecture.md, "Adaptive k").
         return
     rows = sum(item.num_tokens + len(item.drafts) for item in items)
-    speculation.observe_target(rows, target_seconds / passes)
+    costs.observe_target(rows, target_seconds / passes)
 
 
 def count_round(
-    speculation: SpeculationPolicy,
+    speculation: DraftLengths,
     request: ActiveRequest,
     item: StepItem,
     result: StepResult,
@@ -74,7 +75,8 @@ def count_round(
     depth = item.drafts.depth
     stats.count_round(len(item.drafts), depth, result.accepted)
     # What k is chosen by is the drafter's acceptance: tokens a grammar forced come at any k, k = 0 included.
-    speculation.observe_round(depth, item.drafts.matched(result.new_tokens[: result.accepted]))
+    matched = item.drafts.matched(result.new_tokens[: result.accepted])
+    speculation.observe_round(request_class(request.params.sampling), request.acceptance, depth, matched)
     draft_compute = timing.compute_seconds if timing else 0.0
     stats.draft_seconds += draft_compute
     stats.draft_ahead_seconds += timing.ahead_seconds if timing else 0.0

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from orchestrator.loop.draft_length import REQUEST_DECAY, Survival
 from orchestrator.loop.output import RequestOutput
 from orchestrator.loop.validation import ValidatedRequest
 from orchestrator.settings import SchedulerSettings
@@ -75,6 +76,10 @@ class ActiveRequest:
     # Set from `replica` when the request is made; the adaptive k's cost model keeps a first Propose's ingest of
     # every row (JOINING) apart from a draft step's.
     drafting: Drafting = field(init=False)
+    # This step's k (orchestrator.loop.draft_length); None: --speculative-num-steps (not chosen yet).
+    draft_length: int | None = None
+    settled_length: int | None = None  # the k chosen apart from exploration: what the next round most likely drafts
+    acceptance: Survival = field(default_factory=lambda: Survival(REQUEST_DECAY))  # its own rounds
 
     def __post_init__(self) -> None:
         self.drafting = Drafting.TARGET_ONLY if self.replica is None else Drafting.JOINING
@@ -127,8 +132,8 @@ class ActiveRequest:
         return not self.params.disable_speculation
 
     def max_drafts(self, num_steps: int) -> int:
-        """Draft tokens this request's next round may verify: a round yields up to k + 1 tokens, and never more
-        than max_new_tokens."""
+        """Draft tokens this request's next round may verify, asked for `num_steps`: a round yields up to k + 1
+        tokens, and never more than max_new_tokens."""
         if self.replica is None or self.needs_move:
             return 0
         return max(0, min(num_steps, self.output.remaining - 1))
@@ -159,20 +164,19 @@ def plan_step(
     waiting: deque[ActiveRequest],
     pool: KVPool,
     settings: SchedulerSettings,
-    num_steps: int | None = None,  # drafts a decoding request may verify this step; None: settings.num_steps
 ) -> StepPlan:
     """Chooses the step; preempted requests are listed, not moved (the scheduler frees and requeues them).
 
-    Decoding requests get room for as many drafts as they may verify; what is proposed can only be fewer.
+    Decoding requests get room for as many drafts as they may verify (their draft_length, else settings.num_steps);
+    what is proposed can only be fewer.
     """
-    k = settings.num_steps if num_steps is None else num_steps
     plan = StepPlan()
     budget = _Budget(
         pool,
         pool.num_blocks - sum(pool.blocks(request.kv_length) for request in running),
         settings.max_num_batched_tokens,
     )
-    _plan_decodes(plan, running, budget, settings, k)
+    _plan_decodes(plan, running, budget, settings)
     _plan_prefills(plan, running, budget)
     _plan_admissions(plan, running, waiting, budget, settings.max_num_seqs)
     if not plan.chunks and not waiting and not plan.preempted:
@@ -201,7 +205,7 @@ class _Budget:
 
 
 def _plan_decodes(
-    plan: StepPlan, running: Sequence[ActiveRequest], budget: _Budget, settings: SchedulerSettings, k: int
+    plan: StepPlan, running: Sequence[ActiveRequest], budget: _Budget, settings: SchedulerSettings
 ) -> None:
     """Decoding requests, oldest first, each with room for its drafts; the newest running request is preempted while
     one does not fit."""
@@ -209,7 +213,7 @@ def _plan_decodes(
     for request in running:
         if not request.decoding or request in plan.preempted:
             continue
-        drafts = request.max_drafts(k)
+        drafts = request.max_drafts(settings.num_steps if request.draft_length is None else request.draft_length)
         rows = 1 + draft_rows(drafts, settings)
         if rows > budget.tokens:
             break

@@ -191,7 +191,8 @@ class SchedulerCollector(Collector):
         )
         yield counter(
             "tandem:speculation_paused",
-            "Requests taken off their draft replica to decode target-only (adaptive k at 0 for their batch size)",
+            "Requests taken off (or started without) a draft replica to decode target-only: adaptive k at 0 for their "
+            "batch size, or for their class",
             scheduler.placement.requests_paused,
         )
         replicas = GaugeMetricFamily("tandem:draft_replicas", "Draft replicas by state", labels=["model_name", "state"])
@@ -208,12 +209,12 @@ class SchedulerCollector(Collector):
         yield from self._adaptive_k(name)
 
     def _adaptive_k(self, name: str) -> Iterator[Metric]:
-        """The k adaptive k settled on for each batch size it measured, and how often it changed."""
+        """The deepest k each measured batch size settled on, how often it changed, and the rounds by k and class."""
         policy = self.scheduler.speculation
         settled = GaugeMetricFamily(
             "tandem:k_settled",
-            "The k adaptive k settled on for rounds of this many decoding requests (batch_size: the top of a bucket "
-            "1, 2, 4, 8, ...); the orchestrator's log has a line with the costs and acceptance behind each change",
+            "The deepest k adaptive k settled on for rounds of this many decoding requests (batch_size: the top of a "
+            "bucket 1, 2, 4, 8, ...); the orchestrator's log has a line for each change",
             labels=["model_name", "batch_size"],
         )
         changes = CounterMetricFamily(
@@ -224,3 +225,12 @@ class SchedulerCollector(Collector):
             changes.add_metric([name, str(size)], policy.changes.get(size, 0))
         yield settled
         yield changes
+        lengths = CounterMetricFamily(
+            "tandem:draft_length_rounds",
+            "Decoding rounds by the k chosen for the request (orchestrator/loop/draft_length.py) and its class: free "
+            "text, grammar (structured output) or penalties (and logit bias)",
+            labels=["model_name", "request_class", "k"],
+        )
+        for (request_class, k), rounds in sorted(policy.rounds.items()):
+            lengths.add_metric([name, request_class, str(k)], rounds)
+        yield lengths

@@ -1,8 +1,9 @@
 """Which replica drafts for which request: assignment, failover, re-probing and the pause of adaptive k.
 
 A replica that fails, times out or proposes bad tokens is demoted: its requests move to another replica (or go on
-target-only) and it is probed again with backoff until it answers, then serves new requests. When adaptive k settles
-at 0 for the batch at hand, every request but one leaves its replica (the pause, `pause_speculation`).
+target-only) and it is probed again with backoff until it answers, then serves new requests. When the batch at hand
+drafts nothing for a while, every request but one leaves its replica (the pause, `pause_speculation`); a new request
+whose class's drafts do not pay starts paused (`admit`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from orchestrator.loop.batching import ActiveRequest, Drafting
-from orchestrator.loop.speculation import SpeculationPolicy
+from orchestrator.loop.draft_length import DraftLengths, request_class
+from orchestrator.loop.validation import ValidatedRequest
 from orchestrator.peers.backends import BackendError
 from orchestrator.peers.replicas import ReplicaPool
 from orchestrator.settings import SchedulerSettings
@@ -27,7 +29,7 @@ class Placement:
         self,
         replicas: ReplicaPool,
         settings: SchedulerSettings,
-        speculation: SpeculationPolicy,
+        speculation: DraftLengths,
         requests: Callable[[], Iterable[ActiveRequest]],  # every request not yet released: running, then waiting
         wake: Callable[[], None],  # runs the scheduler loop now
         # Frees requests on a replica (Releases.release_on): what fails is owed there and sent again until it lands.
@@ -41,7 +43,7 @@ class Placement:
         self.wake = wake
         self.replica_failures = 0  # demotions since start (metrics)
         self.requests_moved = 0  # requests moved off a demoted replica since start (metrics)
-        self.requests_paused = 0  # requests taken off their replica by adaptive k at 0 since start (metrics)
+        self.requests_paused = 0  # requests taken off (or started without) a replica by adaptive k (metrics)
         self._probes: dict[str, asyncio.Task[None]] = {}
 
     def assign(self) -> str | None:
@@ -87,13 +89,24 @@ class Placement:
         finally:
             self._probes.pop(replica_id, None)
 
+    def admit(self, params: ValidatedRequest, batch: int) -> tuple[str | None, bool]:
+        """A new request's replica, and whether it starts paused: none when it asks for no speculation; paused when
+        drafting does not pay for its class at this batch size (DraftLengths.admits)."""
+        if params.disable_speculation:
+            return None, False
+        if not self.speculation.admits(request_class(params.sampling), batch):
+            self.requests_paused += 1
+            return None, True
+        return self.assign(), False
+
     def pause_speculation(self) -> int:
-        """When adaptive k has settled at 0 for the batch at hand, takes every request but one off its replica: a
-        request at k = 0 still has its hidden rows captured and streamed to the replica each step, so that drafting
-        may resume, and that costs what speculation no longer wins back. A paused request decodes target-only
-        (several tokens a step) to its end; it is not brought back, since the replica would need every row of its
-        context again. The one left, the probe, keeps k measured at this batch size (one round in EXPLORE_EVERY
-        drafts in full), so that requests admitted after k rises again speculate. Returns the batch size it judged."""
+        """While the batch at hand is paused (it drafted nothing for PAUSE_AFTER steps), takes every request but one
+        off its replica: a request at k = 0 still has its hidden rows captured and streamed to the replica each step,
+        so that drafting may resume, and that costs what speculation no longer wins back. A paused request decodes
+        target-only (several tokens a step) to its end; it is not brought back, since the replica would need every
+        row of its context again. The one left, the probe, keeps k measured at this batch size, so that requests
+        admitted after drafting pays again speculate (paused requests keep their multi-pass steps beside it and do
+        not hold it back). Returns the batch size it judged."""
         # The batch size is every request that wants speculation, paused ones included: they share the steps.
         wanting = [request for request in self.requests() if request.wants_speculation and not request.finished]
         batch = min(len(wanting), self.settings.max_num_seqs)

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from orchestrator.loop.batching import ActiveRequest, Drafting, PlannedItem
+from orchestrator.loop.draft_length import DraftLengths
 from orchestrator.loop.placement import Placement
-from orchestrator.loop.speculation import SpeculationPolicy
 from orchestrator.peers.backends import ProposedBatch, ProposeTask
 from tandem.sampling.draft_tree import DraftTree
 
@@ -32,9 +32,7 @@ class ReplicaTiming:
 
 
 class Proposer:
-    def __init__(
-        self, placement: Placement, speculation: SpeculationPolicy, vocab_size: int, max_tree_drafts: int
-    ) -> None:
+    def __init__(self, placement: Placement, speculation: DraftLengths, vocab_size: int, max_tree_drafts: int) -> None:
         self.placement = placement
         self.replicas = placement.replicas
         self.speculation = speculation
@@ -98,7 +96,7 @@ class Proposer:
         for listener in self.listeners:
             listener(replica, call_seconds)
         k = max(task.num_steps for task in tasks)
-        self.speculation.observe_propose(len(tasks), k, call_seconds, batch.compute_seconds, new_rows)
+        self.speculation.costs.observe_propose(len(tasks), k, call_seconds, batch.compute_seconds, new_rows)
 
     def _fault(self, tasks: Sequence[ProposeTask], batch: ProposedBatch) -> str:
         """What is wrong with a replica's answer ("" if nothing): a replica that sends bad drafts is at fault."""

@@ -1,14 +1,14 @@
 """The scheduler loop: one target step after another, each chosen by orchestrator.loop.batching.
 
-A step: free cancelled requests; choose the step (decoding requests first, preempting the newest when the KV pool
-is short, then prompt chunks); ask each replica for its decoding requests' drafts; run the step on the target;
-emit each request's new tokens (orchestrator.loop.output); release finished requests.
+A step: free cancelled requests; choose each decoding request's k (orchestrator.loop.draft_length); choose the step
+(decoding requests first, preempting the newest when the KV pool is short, then prompt chunks); ask each replica for
+its decoding requests' drafts; run the step on the target; emit each request's new tokens; release finished ones.
 
-Round numbers join the draft's two inputs: every item a request sends publishes its hidden rows under round + 1,
-and the item that commits new tokens moves the request to that round; the draft proposes for round r from the
-rows published under r (the chunks of a long prompt, and a replay with the rows after it, arrive as several
-messages of one round and are joined by the draft). The scheduler talks to TargetBackend / DraftBackend
-(orchestrator/peers/backends.py), so the same steps run against gRPC services or in-process runners.
+Round numbers join the draft's two inputs: every item a request sends publishes its hidden rows under round + 1, and
+the item that commits new tokens moves the request to that round; the draft proposes for round r from the rows
+published under r (a long prompt's chunks, or a replay and the rows after it, come as several messages of one round,
+joined by the draft). The scheduler talks to TargetBackend / DraftBackend (orchestrator/peers/backends.py), so the
+same steps run against gRPC services or in-process runners.
 
 Failures stay with the request they belong to: an item the target refuses fails that request alone; an item that
 finds no KV room waits for the next step; a replica that fails, times out or proposes bad tokens is demoted
@@ -31,11 +31,12 @@ from transformers import PreTrainedTokenizerBase
 
 from orchestrator.loop.accounting import StepTimes, count_round, observe_target_cost
 from orchestrator.loop.batching import ActiveRequest, Drafting, KVPool, OnTarget, PlannedItem, StepPlan, plan_step
+from orchestrator.loop.draft_length import Asking, DraftLengths, request_class
 from orchestrator.loop.output import RequestFailed, RequestOutput
 from orchestrator.loop.placement import Placement
 from orchestrator.loop.proposing import Drafts, Proposer
 from orchestrator.loop.releases import RELEASE_RETRY_S, Releases
-from orchestrator.loop.speculation import SpeculationPolicy
+from orchestrator.loop.speculation import RoundCosts
 from orchestrator.loop.text import IncrementalDetokenizer, StopStringMatcher
 from orchestrator.loop.validation import InvalidRequest, ValidatedRequest, with_stop_masking
 from orchestrator.peers.backends import (
@@ -88,8 +89,10 @@ class Scheduler:
         self.running: dict[str, ActiveRequest] = {}  # in admission order
         self.last_progress = time.monotonic()  # when the loop last finished a step (health)
         self.target_failure: str | None = None  # why the target's last step or release failed; None once it answers
-        self.speculation = SpeculationPolicy(settings.num_steps, settings.adaptive_k)
-        self.k_in_use = settings.num_steps  # the last step's k (metrics)
+        costs = RoundCosts(settings.num_scheduler_steps)
+        self.speculation = DraftLengths(settings.num_steps, settings.adaptive_k, costs)
+        self.k_in_use = settings.num_steps  # the deepest k of the last step (metrics)
+        self.judged = 0  # the batch size the last step's k were chosen for (speculating requests)
         self.releases = Releases(target, replicas, self._target_answered)
         forget = self.releases.release_on
         self.placement = Placement(replicas, settings, self.speculation, self._requests, self.wake, forget)
@@ -112,7 +115,7 @@ class Scheduler:
                 f"the waiting queue holds its maximum of {self.settings.max_waiting} requests (--max-waiting); "
                 "retry later"
             )
-        replica = None if params.disable_speculation else self.placement.assign()
+        replica, paused = self.placement.admit(params, len(self.running) + 1)
         output = RequestOutput(
             prompt_tokens=len(params.input_ids),
             max_new_tokens=params.max_new_tokens,
@@ -122,6 +125,8 @@ class Scheduler:
             stop_token_ids=params.stop_token_ids,
         )
         request = ActiveRequest(uuid.uuid4().hex, params, output, replica)
+        if paused:
+            request.pause()
         self.waiting.append(request)
         self._wake.set()
         return request
@@ -153,20 +158,20 @@ class Scheduler:
                 await self._step()
 
     async def _step(self) -> None:
-        """One step, in phases: choose k, plan, ask for drafts, run the target, apply and count its results."""
+        """One step, in phases: choose each request's k, plan, ask for drafts, run the target, apply and count."""
         started = time.perf_counter()
-        judged = self._choose_k()
+        self._choose_lengths()
         plan = await self._plan()
         if plan is None:
             return
         drafts, timings = await self.proposer.propose(plan.decode)
-        items = self._items(plan, drafts, judged)
+        items = self._items(plan, drafts)
         step_started = time.perf_counter()
         outcome = await self._run_target(plan, items)
         if outcome is None:
             return
         times = StepTimes(started, step_started - started, time.perf_counter() - step_started)
-        observe_target_cost(self.speculation, items, outcome, bool(plan.chunks), times.target_seconds)
+        observe_target_cost(self.speculation.costs, items, outcome, bool(plan.chunks), times.target_seconds)
         decoding = {entry.request.request_id for entry in plan.decode}
         # The replica each request had when its item was built: a replica failing while the results are read moves
         # requests, and what the target said about the old replica must not be held against the new one.
@@ -176,30 +181,28 @@ class Scheduler:
             if not self._applied(request, item, result, sent_to[item.request_id]):
                 continue
             if item.request_id in decoding:
-                timing = timings.get(request.replica or "")
-                count_round(self.speculation, request, item, result, timing, outcome, times)
+                count_round(self.speculation, request, item, result, timings.get(request.replica or ""), outcome, times)
             if result.new_tokens:
                 request.round += 1
                 if not request.cancelled:
                     request.output.emit(result.new_tokens, self.eos_token_ids, result.logprobs)
-        self.speculation.observe_scheduling(times.scheduling_seconds())
+        self.speculation.costs.observe_scheduling(times.scheduling_seconds())
         self._release_finished([item.request_id for item in items])
 
-    def _choose_k(self) -> int:
-        """Sets the step's k (pausing speculation first where adaptive k settled at 0); returns the batch size k was
-        judged at."""
-        batch = self.placement.pause_speculation()
-        # Paused requests count: they share the steps, and k is chosen for the batch the verification rows join. While
-        # the batch is paused, the probe drafts as that batch size says (one round in EXPLORE_EVERY), also while the
-        # batch fills and few of its requests decode yet.
-        speculating = sum(1 for r in self.running.values() if r.decoding and r.wants_speculation)
-        judged = batch if self.speculation.paused(batch) else speculating
-        self.k_in_use = self.speculation.choose(judged)
-        return judged
+    def _choose_lengths(self) -> None:
+        """Sets each decoding request's k, pausing speculation first where the batch size drafted nothing a while."""
+        batch, decoding = self.placement.pause_speculation(), [r for r in self.running.values() if r.decoding]
+        self.judged = batch if self.speculation.paused(batch) else sum(1 for r in decoding if r.wants_speculation)
+        asking = [self._asking(request) for request in decoding]
+        choice = self.speculation.choose(self.judged, asking)
+        for request in decoding:
+            request.draft_length = choice.lengths[request.request_id]
+            request.settled_length = choice.settled[request.request_id]
+        self.k_in_use = max((choice.lengths[a.key] for a in asking if a.cap), default=self.k_in_use)
 
     async def _plan(self) -> StepPlan | None:
         """Chooses the step's requests (orchestrator.loop.batching), preempts and admits; None when nothing fits."""
-        plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings, self.k_in_use)
+        plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings)
         if plan.preempted:
             LOG.info("KV pool full: preempting %d requests (newest first)", len(plan.preempted))
             await self._preempt(plan.preempted)
@@ -269,21 +272,11 @@ class Scheduler:
             self.placement.replica_failed(item.replica, "not subscribed to the target")
         return True
 
-    def _items(self, plan: StepPlan, drafts: Drafts, judged: int) -> list[StepItem]:
-        drafting = sum(1 for entry in plan.entries() if self._drafts_next(entry))
-        # What a replica drafts ahead is for the round after this one, which drafts the settled k, not an
-        # exploration's (a paused batch's probe drafted ahead 5 steps for a round of k = 0); nothing when the step
-        # has more drafting requests than settings.draft_ahead.
-        ahead_k = min(self.k_in_use, self.speculation.settled(judged)) if drafting <= self.settings.draft_ahead else 0
-        none = DraftTree()
-        return [self._task(entry, drafts.get(entry.request.request_id, none), ahead_k) for entry in plan.entries()]
+    def _items(self, plan: StepPlan, drafts: Drafts) -> list[StepItem]:
+        ahead = sum(1 for entry in plan.entries() if self._drafts_next(entry)) <= self.settings.draft_ahead
+        return [self._task(entry, drafts.get(entry.request.request_id, DraftTree()), ahead) for entry in plan.entries()]
 
-    def _task(
-        self,
-        entry: PlannedItem,
-        drafts: DraftTree,
-        ahead_k: int,  # at most this many drafts ahead for the next round (0: none this step)
-    ) -> StepItem:
+    def _task(self, entry: PlannedItem, drafts: DraftTree, ahead: bool) -> StepItem:
         request = entry.request
         params = request.params
         rows_to = self._hidden_rows_to(request.replica)
@@ -298,21 +291,28 @@ class Scheduler:
             replay=request.needs_move and rows_to is not None,
             top_logprobs=params.top_logprobs,
             decode_steps=entry.decode_steps,
-            draft_ahead=self._draft_ahead(entry, rows_to, ahead_k),
+            draft_ahead=self._draft_ahead(entry, rows_to) if ahead else 0,
         )
 
     def _opening(self, request: ActiveRequest) -> OpenRequest:
         params, generated = request.params, tuple(request.output.generated)
         return OpenRequest(params.input_ids, params.sampling, self._end_tokens(params), generated)
 
-    def _draft_ahead(self, entry: PlannedItem, rows_to: str | None, ahead_k: int) -> int:
-        """Steps the request's replica may draft for its next round once this step's rows reach it: `ahead_k`,
-        within what the request may still generate after at least one more token; 0 when it is not drafting
-        (target-only, a move, its last round)."""
+    def _draft_ahead(self, entry: PlannedItem, rows_to: str | None) -> int:
+        """Steps the request's replica may draft for its next round once this step's rows reach it: the k the next
+        round most likely asks for (the settled one, not an exploration's: a paused batch's probe drafted ahead 5
+        steps for a round of k = 0), within what the request may still generate after at least one more token; 0
+        when it is not drafting (target-only, a move, its last round)."""
         request = entry.request
-        if ahead_k == 0 or not self._drafts_next(entry) or rows_to is None or request.needs_move:
+        if not self._drafts_next(entry) or rows_to is None or request.needs_move:
             return 0
-        return max(0, min(ahead_k, request.output.remaining - 2))
+        k = self.speculation.expected(self._asking(request), max(1, self.judged))
+        return max(0, min(k, request.output.remaining - 2))
+
+    def _asking(self, r: ActiveRequest) -> Asking:
+        exempt = r.output.remaining <= 1 or r.drafting is Drafting.PAUSED  # its last token, or paused: not held back
+        kind, cap = request_class(r.params.sampling), r.max_drafts(self.settings.num_steps)
+        return Asking(r.request_id, kind, r.acceptance, cap, r.settled_length, exempt)
 
     def _drafts_next(self, entry: PlannedItem) -> bool:
         """Whether the request drafts in its round after this step: it verifies drafts in this one, or this is the
@@ -324,8 +324,8 @@ class Scheduler:
         request = entry.request
         if request.decoding:
             return entry.max_drafts > 0
-        first_prefill = not request.output.generated
-        return first_prefill and entry.num_tokens == request.uncomputed and request.max_drafts(self.k_in_use) > 0
+        first_last_chunk = not request.output.generated and entry.num_tokens == request.uncomputed
+        return first_last_chunk and self.speculation.expected(self._asking(request), self.judged + 1) > 0
 
     def _end_tokens(self, params: ValidatedRequest) -> frozenset[int]:
         """The tokens that end a request (RequestOutput stops on the same): a multi-token decode stops there."""

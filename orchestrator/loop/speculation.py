@@ -1,56 +1,35 @@
-"""How many draft tokens a round asks for (k), chosen per batch from measured costs and acceptance.
+"""What a speculative round costs, measured as the rounds run (orchestrator.loop.draft_length decides from it).
 
-Speculation pays when the tokens a round yields outweigh what the drafts cost: a round of b decoding requests with k
-drafts each yields b * (1 + sum of p_1..p_k) tokens, where p_i is the measured rate at which draft position i is
-accepted (all of positions 1..i accepted), and costs
+A round of b decoding requests that verifies n rows in all, drafted by `drafting` of them to a depth of at most k:
 
-    round(b, k) = target(b * (k + 1))  +  draft(b, k)  +  scheduling
-    target(n)   = seconds of a target step of n tokens: the median of recent steps of that size, else a line
-    draft(b, k) = h_b + u_b * (k + 1) + g_b   h_b: a Propose call's seconds outside the replica's compute (the hop);
-                                              u_b: the replica's compute seconds per draft step (the ingest of a
-                                              round's rows counts as a step);
-                                              g_b: what ingesting new requests' prompts adds, per Propose
-    draft(b, 0) = 0                           no Propose at all
+    round       = target(n)  +  scheduling  +  draft            (draft only when something is drafted; without drafts
+                                                                the scheduling of a multi-pass step is shared)
+    target(n)   = seconds of a target step of n rows: the median of recent steps of that size, else a line
+    draft       = h + u * (k + 1) + g   h: a Propose call's seconds outside the replica's compute (the hop);
+                                        u: the replica's compute seconds per draft step (the ingest of a
+                                           round's rows counts as a step);
+                                        g: what ingesting new requests' prompts adds, per Propose
+    (h, u, g measured per bucket of the number of requests a Propose carries)
 
 A Propose that carries a request new to its replica (or started over there) ingests every row of its context: that
-is paid once per request, whatever k is, so it does not count towards u_b. The replica's compute is fitted as
-u_b * (k + 1) + r_b * rows (rows: the context rows of such requests), and g_b is r_b times the rows a Propose brings
-on average. Counted as steps, one such Propose among a fresh server's first made a lone request look dear to draft
+is paid once per request, whatever k is, so it does not count towards u. The replica's compute is fitted as
+u * (k + 1) + r * rows (rows: the context rows of such requests), and g is r times the rows a Propose brings on
+average. Counted as steps, one such Propose among a fresh server's first made a lone request look dear to draft
 for (k about 2 where 5 pays).
-
-The policy picks the k in 0..max_k with the most tokens per second, and keeps the current k unless another is better
-by HYSTERESIS (a noisy estimate must not make k flap). Until the first measurements of a batch size are in, it uses
-max_k, which is what measures them; below max_k, one round in EXPLORE_EVERY drafts max_k, so that the acceptance of
-the positions it does not draft and the cost of more steps stay measured.
-
-Example (shaped like the demo pair on 2 CPU cores of an earlier machine, hop left out): with a = 4.6 ms,
-c = 0.65 ms a token, u_1 = 1.2 ms and p = 0.8, 0.68, 0.6, 0.53, 0.49, one request gets k = 5 (4.1 tokens in 15.7 ms,
-against 1 in 5.25 ms for k = 0); at b = 32, where u_32 = 6 ms, k = 0 wins (32 tokens in 25.4 ms, against 57.6 in
-58.2 ms for k = 1): speculation need not lose to target-only decoding on the same servers.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from statistics import median
 
-LOG = logging.getLogger(__name__)
-
-HYSTERESIS = 0.05  # another k must promise this much more throughput to replace the current one
-EXPLORE_EVERY = 32  # below max_k, one round in this many drafts max_k, so that acceptance and costs stay measured
 DECAY = 0.98  # weight of the past in the running means (acceptance, ingest, scheduling: about the last 50 count)
 MIN_STEPS = 8  # target steps seen before the target's cost line is trusted
 WINDOW = 16  # recent samples a cost is taken from (per draft step, per hop, per target step size)
 # Proposes seen at a batch size before its draft cost is trusted: a whole window, so that a fresh server's slow first
 # calls are a minority of the samples that the medians are taken over.
 MIN_PROPOSES = WINDOW
-MIN_ROUNDS = 12.0  # (decayed) rounds that drafted a first token before the acceptance is trusted
-# Steps a batch size's k must stay at 0 before its requests are paused (taken off their replicas for good): at 8
-# requests estimates a few percent apart made k flap 0 -> 5 -> 0 within 100 ms, and each flap paused requests that
-# never came back (bench/ab.py at c = 8: acceptance length 1.0-2.6 for a stretch, against 3.7).
-PAUSE_AFTER = 16
 SIZES = 64  # target step sizes (tokens) the cost line keeps, the most recently seen
 OWN_SAMPLES = 3  # samples at a step size from which its own median is its cost, not the line's value
 
@@ -190,99 +169,45 @@ class Average:
 
 
 @dataclass
-class SpeculationPolicy:
-    max_k: int
-    adaptive: bool = True
+class RoundCosts:
+    """What a round costs, as measured: the target's steps by size, each batch size's Propose compute and hop, and
+    the scheduling between calls. orchestrator.loop.draft_length decides from these how many drafts to ask for."""
+
+    # Forward passes a step without drafts runs (--num-scheduler-steps, nothing else waiting): its scheduling is paid
+    # once for them all, where a step with drafts pays it for one token each.
+    decode_passes: int = 1
     target: CostLine = field(default_factory=CostLine)
-    draft: dict[int, DraftCost] = field(default_factory=dict)  # by bucket(batch): the replica's compute (u_b, g_b)
-    draft_hop: dict[int, Recent] = field(default_factory=dict)  # by bucket(batch): Propose seconds outside compute
+    draft: dict[int, DraftCost] = field(default_factory=dict)  # by bucket(drafting requests): u_b, g_b
+    draft_hop: dict[int, Recent] = field(default_factory=dict)  # by bucket(drafting requests): h_b
     scheduling: Average = field(default_factory=Average)
-    drafted: list[float] = field(default_factory=list)  # decayed count of rounds that drafted position i
-    accepted: list[float] = field(default_factory=list)  # decayed count of rounds that accepted position i
-    current: dict[int, int] = field(default_factory=dict)  # by bucket(batch): the k in use
-    changes: dict[int, int] = field(default_factory=dict)  # by bucket(batch): how often its k changed (metrics)
-    at_zero: dict[int, int] = field(default_factory=dict)  # by bucket(batch): consecutive choices settled at k = 0
-    explored: dict[int, int] = field(default_factory=dict)  # by bucket(batch): rounds chosen below max_k
 
-    def __post_init__(self) -> None:
-        self.drafted = [0.0] * self.max_k
-        self.accepted = [0.0] * self.max_k
+    def measured(self, batch: int) -> bool:
+        """Whether the target's steps and the Proposes at this batch size are measured well enough to decide by."""
+        draft = self.draft.get(bucket(batch))
+        return self.target.count >= MIN_STEPS and draft is not None and draft.count >= MIN_PROPOSES
 
-    def choose(self, batch: int) -> int:
-        """k for a round of `batch` decoding requests."""
-        if not self.adaptive or self.max_k == 0 or batch == 0:
-            return self.max_k
-        size = bucket(batch)
-        draft = self.draft.get(size)
-        current = self.settled(batch)
-        if self.target.count < MIN_STEPS or draft is None or draft.count < MIN_PROPOSES or self.drafted[0] < MIN_ROUNDS:
-            return current
-        self.current.setdefault(size, current)  # measured from here on (metrics)
-        hop = self.draft_hop[size].value + draft.ingest
-        rates = {k: self.throughput(batch, k, draft.per_step, hop) for k in range(self.max_k + 1)}
-        best = max(rates, key=lambda k: rates[k])
-        if rates[best] > rates[current] * (1 + HYSTERESIS):
-            self._log_change(size, current, best, rates, draft, hop)
-            self.current[size] = current = best
-            self.changes[size] = self.changes.get(size, 0) + 1
-        self.at_zero[size] = self.at_zero.get(size, 0) + 1 if current == 0 else 0
-        if current == self.max_k:
-            return current
-        # Positions past k are not drafted, so their acceptance would never be measured again (nor would it be with
-        # k = 0): a draft that got better, or a batch that got smaller, would never be asked for more.
-        self.explored[size] = self.explored.get(size, 0) + 1
-        return self.max_k if self.explored[size] % EXPLORE_EVERY == 0 else current
+    def round_seconds(self, batch: int, rows: int, drafting: int, depth: int) -> float:
+        """A round of `batch` decoding requests verifying `rows` rows in all, `drafting` of them with drafts of at
+        most `depth` tokens from one Propose per replica: the target's step, scheduling and, when anything is
+        drafted, the Propose (h + g + u * (depth + 1) of the measured batch size nearest `drafting`)."""
+        return self.step_seconds(batch, rows, depth > 0) + self.propose_seconds(drafting, depth)
 
-    def _log_change(self, size: int, old: int, new: int, rates: dict[int, float], draft: DraftCost, hop: float) -> None:
-        """One INFO line with what decided a batch size's new k."""
-        LOG.info(
-            "adaptive k for batches of %s: %d -> %d; tokens/s by k %s; target step %.2f ms at k %d, %.2f ms at k %d; "
-            "draft %.2f ms a step + %.2f ms a Propose; acceptance by position %s",
-            f"{size // 2 + 1}-{size}" if size > 2 else size,
-            old,
-            new,
-            " ".join(f"{rate:.0f}" for rate in rates.values()),
-            1000 * self.target.predict(size * (old + 1)),
-            old,
-            1000 * self.target.predict(size * (new + 1)),
-            new,
-            1000 * draft.per_step,
-            1000 * hop,
-            " ".join(f"{self.acceptance(i):.2f}" for i in range(self.max_k)),
-        )
+    def step_seconds(self, batch: int, rows: int, drafted: bool) -> float:
+        """The target's step of `rows` rows for `batch` requests, and its scheduling."""
+        if not drafted:
+            return self.target.predict(rows) + self.scheduling.value / self.decode_passes
+        # A step that verifies drafts never costs less than one without them. Medians of two sizes, taken at
+        # different times on a loaded machine, can say otherwise, and then a draft never accepted looked worth
+        # asking for (test_adaptive_k failed so under load: 18 draft tokens in 95 rounds, at most 12 expected).
+        return max(self.target.predict(rows), self.target.predict(batch)) + self.scheduling.value
 
-    def settled(self, batch: int) -> int:
-        """The k that rounds of `batch` requests draft apart from exploration: the next round's, most likely."""
-        if not self.adaptive or self.max_k == 0 or batch == 0:
-            return self.max_k
-        return self.current.get(bucket(batch), self.max_k)
-
-    def paused(self, batch: int) -> bool:
-        """Whether measurements settled this batch size at k = 0 (never the configured k it starts from) for
-        PAUSE_AFTER choices in a row: drafting does not pay there, so its requests may as well decode without a replica
-        (Placement.pause_speculation)."""
-        if not self.adaptive or self.max_k == 0 or batch == 0:
-            return False
-        size = bucket(batch)
-        return self.current.get(size) == 0 and self.at_zero.get(size, 0) >= PAUSE_AFTER
-
-    def throughput(self, batch: int, k: int, draft_step_s: float, draft_hop_s: float = 0.0) -> float:
-        """Tokens per second of a round of `batch` requests with k drafts each, by the current estimates;
-        `draft_hop_s` is what a Propose costs whatever its k (h_b + g_b)."""
-        tokens = batch * (1.0 + sum(self.acceptance(i) for i in range(k)))
-        seconds = self.target.predict(batch * (k + 1)) + self.scheduling.value
-        if k > 0:
-            # A step that verifies drafts never costs less than one without them. Medians of two sizes, taken at
-            # different times on a loaded machine, can say otherwise, and then a draft never accepted looked worth
-            # asking for (test_adaptive_k failed so under load: 18 draft tokens in 95 rounds, at most 12 expected).
-            seconds = max(seconds, self.target.predict(batch) + self.scheduling.value)
-            seconds += draft_hop_s + draft_step_s * (k + 1)
-        return tokens / seconds if seconds > 0 else 0.0
-
-    def acceptance(self, position: int) -> float:
-        """Rate at which draft position `position` (0-based) is accepted, when drafted."""
-        drafted = self.drafted[position]
-        return self.accepted[position] / drafted if drafted > 0 else 0.0
+    def propose_seconds(self, drafting: int, depth: int) -> float:
+        """A Propose for `drafting` requests of at most `depth` drafts (0: none, no Propose)."""
+        if depth == 0:
+            return 0.0
+        size = min(self.draft, key=lambda measured: abs(measured.bit_length() - bucket(drafting).bit_length()))
+        draft = self.draft[size]
+        return self.draft_hop[size].value + draft.ingest + draft.per_step * (depth + 1)
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         """A target step: tokens computed (prompt chunks, verified tokens and drafts) and the call's seconds."""
@@ -292,19 +217,13 @@ class SpeculationPolicy:
     def observe_propose(
         self, batch: int, k: int, call_seconds: float, compute_seconds: float, new_rows: int = 0
     ) -> None:
-        """A replica's Propose for `batch` requests of k drafts: the call's seconds and the replica's compute;
-        `new_rows`: rows of context it ingested for requests new to it (or started over there)."""
+        """A replica's Propose for `batch` requests of at most k drafts: the call's seconds and the replica's
+        compute; `new_rows`: rows of context it ingested for requests new to it (or started over there)."""
         if batch <= 0 or k <= 0:
             return
         size = bucket(batch)
         self.draft_hop.setdefault(size, Recent()).add(max(0.0, call_seconds - compute_seconds))
         self.draft.setdefault(size, DraftCost()).add(k + 1, new_rows, compute_seconds)
-
-    def observe_round(self, drafts: int, accepted: int) -> None:
-        """One request's round: drafts verified and how many of them were accepted."""
-        for position in range(min(drafts, self.max_k)):
-            self.drafted[position] = DECAY * self.drafted[position] + 1.0
-            self.accepted[position] = DECAY * self.accepted[position] + (1.0 if position < accepted else 0.0)
 
     def observe_scheduling(self, seconds: float) -> None:
         self.scheduling.add(seconds)
