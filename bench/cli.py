@@ -1,4 +1,4 @@
-"""`tandem bench`, `tandem bench-load` and `tandem bench-faults`: their flags (BenchSettings's and LoadSettings's
+"""`tandem bench`, `bench-load`, `bench-faults`, `bench-profile` and `bench-mixed`: their flags (their settings'
 options, bench-faults's own) and their runs.
 
 `tandem` (launch.cli) lists both commands and hands their arguments here, so that the product's start-up imports no
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.kinds import KIND_NAMES, TREE_KIND
 from bench.load_settings import LoadSettings
-from bench.settings import BenchSettings, ProfileSettings
+from bench.settings import BenchSettings, MixedSettings, ProfileSettings
 from launch.model_dirs import NGRAM, draft_option, model_dir
 from tandem import flags
 from tandem.extras import BENCH, Extra
@@ -92,6 +92,17 @@ def profile_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def mixed_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem bench-mixed",
+        description="a mixed stream (free code, JSON schema, penalties) through the HTTP API, each class against its "
+        "own target-only speed",
+    )
+    _add_demo_pair(parser)
+    flags.add_options(parser, MixedSettings)
+    return parser
+
+
 def bench_settings_of(args: argparse.Namespace) -> BenchSettings:
     """Raises ValueError for flags that do not fit together."""
     if args.kinds and (args.draft == NGRAM or args.hybrid_ngram or args.address):
@@ -129,6 +140,8 @@ def run_bench_command(command: str, arguments: Sequence[str]) -> int:
         return _run_faults(faults_parser().parse_args(arguments))
     if command == "bench-profile":
         return _run_profile(profile_parser().parse_args(arguments))
+    if command == "bench-mixed":
+        return _run_mixed(mixed_parser().parse_args(arguments))
     args = (bench_parser() if command == "bench" else load_parser()).parse_args(arguments)
     missing = PSUTIL.missing()
     if missing is not None:
@@ -188,4 +201,17 @@ def _run_profile(args: argparse.Namespace) -> int:
     target = model_dir(args.target, DEMO_TARGET, "--target")
     draft = model_dir(args.draft, DEMO_DRAFT, "--draft")
     print(main(flags.settings_of(ProfileSettings, args, target_dir=target, draft_dir=draft)).read_text())
+    return 0
+
+
+def _run_mixed(args: argparse.Namespace) -> int:
+    missing = Extra(BENCH.name, "openai").missing()
+    if missing is not None:
+        print(f"tandem bench-mixed cannot start: {missing}", file=sys.stderr)
+        return 2
+    from bench.mixed import main
+
+    target = model_dir(args.target, DEMO_TARGET, "--target")
+    draft = model_dir(args.draft, DEMO_DRAFT, "--draft")
+    print(main(flags.settings_of(MixedSettings, args, target_dir=target, draft_dir=draft)).read_text())
     return 0

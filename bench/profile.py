@@ -1,9 +1,9 @@
 """`tandem bench-profile`: where one request's time goes in each process of the split stack, by phase.
 
-The stack (`tandem serve`, the demo pair unless --target/--draft say otherwise) decodes held-out prompts one at a
-time, target-only and then speculatively, each twice. In the plain run the kernel's scheduler statistics of the
-target, the draft replica and the orchestrator (/proc/PID/task/*/schedstat, all threads) give each process's time
-on a core and its time waiting for one, per generated token. In the sampled run py-spy samples the three
+The stack (`tandem serve`, the demo pair unless --target/--draft say otherwise, at a fixed k) decodes held-out
+prompts one at a time, target-only and then speculatively, each twice. In the plain run the kernel's scheduler
+statistics of the target, the draft replica and the orchestrator (/proc/PID/task/*/schedstat, all threads) give each
+process's time on a core and its time waiting for one, per generated token. In the sampled run py-spy samples the three
 (`py-spy record --nonblocking`: they are never stopped); a sample is the Python stack of a thread that was running,
 and its phase is that of the innermost frame a rule of PHASES names (a torch call counts as the model code that made
 it), "other" where none does. A process's time on a core is split by its phases' shares of its samples: the
@@ -115,9 +115,10 @@ def service_pids(stack: ServeProcess) -> dict[str, int]:
 
 def run_profile(settings: ProfileSettings) -> list[Profile]:
     """Target-only, then speculative, each over the same prompts at one request at a time."""
-    stack = ServeProcess(
-        ["--target", str(settings.target_dir), "--draft", str(settings.draft_dir), "--port", "0", "--admin-port", "0"]
-    )
+    # A fixed k: the speculative runs profile speculation whatever adaptive k would choose for the pair (the demo
+    # pair's one request drafts 5 either way; a draft that is rarely right would otherwise soon draft nothing).
+    arguments = ["--target", str(settings.target_dir), "--draft", str(settings.draft_dir), "--no-adaptive-k"]
+    stack = ServeProcess([*arguments, "--port", "0", "--admin-port", "0"])
     try:
         return asyncio.run(_profiled_runs(stack.address, settings, service_pids(stack)))
     finally:

@@ -133,3 +133,32 @@ class ProfileSettings:
     )
     rate: int = field(default=250, metadata=flag("--rate", "py-spy samples per second and thread", parse=positive))
     out: Path = field(default=Path("bench/results/profile"), metadata=flag("--out", "where the report goes"))
+
+
+@dataclass(frozen=True)
+class MixedSettings:
+    """Settings of `tandem bench-mixed` (bench/mixed.py); its options are these fields' and --target, --draft."""
+
+    target_dir: Path
+    draft_dir: Path
+    num_prompts: int = field(
+        default=24, metadata=flag("--num-prompts", "requests in the stream, classes interleaved", parse=positive)
+    )
+    max_new_tokens: int = field(
+        default=64, metadata=flag("--max-new-tokens", "max_tokens of each request", parse=positive)
+    )
+    concurrency: tuple[int, ...] = field(
+        default=(1, 4), metadata=flag("--concurrency", "requests in flight at once; one stream per value", count="+")
+    )
+    repeats: int = field(
+        default=3, metadata=flag("--repeats", "speculative and target-only streams at each concurrency", parse=positive)
+    )
+    chat_template: Path | None = field(
+        default=None,
+        metadata=flag(
+            "--chat-template",
+            "a chat template for a target whose tokenizer has none (the demo target's is used for it)",
+            parse=Path,
+        ),
+    )
+    out: Path = field(default=Path("bench/results/mixed"), metadata=flag("--out", "where the report goes"))

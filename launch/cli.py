@@ -27,6 +27,7 @@ BENCH_COMMANDS = {
     "bench-load": "load test: many concurrent streams, a KV pool smaller than them",
     "bench-faults": "faults between the services, one after another under streams: what each costs",
     "bench-profile": "where one request's time goes in each service, by phase (py-spy)",
+    "bench-mixed": "a mixed stream (free, JSON schema, penalties) through the HTTP API, each class vs target-only",
 }
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.profile import read_raw
-from tandem.settings import SERVICE_ENVIRONMENT
+from tandem.settings import DEMO_CHAT_TEMPLATE, SERVICE_ENVIRONMENT
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
 from tests.integration.stack import run_to_exit
 
@@ -234,3 +234,23 @@ def test_bench_structured_puts_constrained_rows_beside_free_ones(
         assert constrained["target_only_tokens_per_second_runs"] != free["target_only_tokens_per_second_runs"]
     table = (out / "latest.md").read_text()
     assert "| split json schema | 2 |" in table and "rows named json schema" in table
+
+
+def test_bench_mixed_measures_each_class_against_its_own_target_only(
+    tmp_path: Path, llama_target: Path, random_draft: Path
+) -> None:
+    """`tandem bench-mixed` on the tiny pair through the HTTP API and the official client: a row per class, outputs
+    identical with and without speculation."""
+    out = tmp_path / "mixed"
+    arguments = ["bench-mixed", "--target", str(llama_target), "--draft", str(random_draft), "--out", str(out)]
+    arguments += ["--chat-template", str(DEMO_CHAT_TEMPLATE), "--num-prompts", "3", "--max-new-tokens", "8"]
+    finished = run_to_exit([*arguments, "--concurrency", "1", "--repeats", "1"], timeout_s=600)
+    assert finished.returncode == 0, finished.stdout
+    rows = json.loads((out / "latest.json").read_text())["rows"]
+    assert [(row["concurrency"], row["class"], row["identical"]) for row in rows] == [
+        (1, "free code", "1/1"),
+        (1, "json schema", "1/1"),
+        (1, "penalties", "1/1"),
+    ]
+    assert all(row["speculative_tok_s"] > 0 and row["target_only_tok_s"] > 0 for row in rows)
+    assert "| 1 | json schema |" in (out / "latest.md").read_text()
