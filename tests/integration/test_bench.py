@@ -237,12 +237,13 @@ def test_bench_structured_puts_constrained_rows_beside_free_ones(
 
 
 def test_bench_mixed_measures_each_class_against_its_own_target_only(
-    tmp_path: Path, llama_target: Path, random_draft: Path
+    tmp_path: Path, long_context_pair: tuple[Path, Path]
 ) -> None:
-    """`tandem bench-mixed` on the tiny pair through the HTTP API and the official client: a row per class, outputs
+    """`tandem bench-mixed` on a tiny pair through the HTTP API and the official client: a row per class, outputs
     identical with and without speculation."""
+    target, draft = long_context_pair
     out = tmp_path / "mixed"
-    arguments = ["bench-mixed", "--target", str(llama_target), "--draft", str(random_draft), "--out", str(out)]
+    arguments = ["bench-mixed", "--target", str(target), "--draft", str(draft), "--out", str(out)]
     arguments += ["--chat-template", str(DEMO_CHAT_TEMPLATE), "--num-prompts", "3", "--max-new-tokens", "8"]
     finished = run_to_exit([*arguments, "--concurrency", "1", "--repeats", "1"], timeout_s=600)
     assert finished.returncode == 0, finished.stdout
