@@ -5,10 +5,12 @@ round of b decoding requests that asks r for k_r drafts yields b + sum over r of
 and costs round(b + sum k_r rows, the requests that draft, max k_r) seconds (orchestrator.loop.speculation). Every
 position (r, j) is ranked by s_r(j), so that a request's positions come in order; the policy takes the prefix of
 that ranking (or of one that puts every request's first position first) with the most tokens per second among those
-that slow no request down: each request's expected tokens per second must be at least what a round without drafts
-gives it. One request alone drafts what pays for it; in a batch where a JSON request's drafts fail, the free-text
-requests beside it draft only as far as the JSON request's own gain covers the longer step (on 2 CPU cores: not at
-all, a Propose costs as much as the step), and a request that decodes target-only is never slowed by the others.
+that slow no class down: each class present (and the requests that cannot draft, together) must expect on average
+at least the tokens per second a round without drafts gives it. One request alone drafts what pays for it; in a
+batch where a JSON request's drafts fail, the free-text requests beside it draft only as far as the JSON request's
+own gain covers the longer step (on 2 CPU cores: not at all, a Propose costs as much as the step), and a request
+that decodes target-only is never slowed by the others; a free request on a bad streak does not hold back the rest
+of its class (an A/B at 8 requests found the batch held to its weakest request drafting nothing).
 
 s_r(j) is the request's own decayed acceptance drawn towards its class's (free text, grammar, penalties: drafts fare
 differently under each) with the weight of PRIOR_ROUNDS rounds, so that a new request starts from its class and
@@ -100,38 +102,42 @@ class Candidate:
     survival: tuple[float, ...]  # estimated acceptance of each position it may draft, falling
     previous: int | None = None  # its k in the last allocation; None: it had none
     counted: bool = True  # whether the allocation must not slow it down (Asking.exempt)
+    group: str = ""  # candidates held to "not slowed" together, on average (its class); "": on its own
 
 
 Seconds = Callable[[int, int, int], float]  # (rows, drafting requests, deepest k) -> seconds of the round
 
 
 def allocate(candidates: Sequence[Candidate], batch: int, seconds: Seconds) -> tuple[dict[str, int], float]:
-    """The k of each candidate that maximise the round's tokens per second without slowing any candidate down (its
-    expected tokens per second at least what a round without drafts gives it), and that rate; `batch`: the round's
-    decoding requests (one row each, candidates or not); candidates not `counted` may be slowed. Two rankings are
+    """The k of each candidate that maximise the round's tokens per second without slowing any group of candidates
+    down (its members' mean expected tokens per second at least what a round without drafts gives them), and that
+    rate; `batch`: the round's decoding requests (one row each, candidates or not); candidates not `counted` may be
+    slowed. Two rankings are
     scanned: every position by survival, and every candidate's first position before the others (where drafting pays
     only if nobody is left without)."""
     plain = max(seconds(batch, 0, 0), 1e-9)
     best_rate, best = batch / plain, dict.fromkeys((c.key for c in candidates), 0)
-    counted = [c.key for c in candidates if c.counted]
+    group_of = {c.key: c.group or c.key for c in candidates if c.counted}
+    size = Counter(group_of.values())
     first, second = _rankings(candidates)
     for ranking in (first, second):
-        if ranking is second and (second == first or all(best[key] for key in counted)):
+        if ranking is second and (second == first or all(best[key] for key in group_of)):
             break  # the first ranking's best drafts for everyone: putting first positions first adds nothing
-        lengths, gained = dict.fromkeys(best, 0), dict.fromkeys(counted, 0.0)
-        tokens, depth, drafting, without = float(batch), 0, 0, len(counted)
+        lengths, gained = dict.fromkeys(best, 0), dict.fromkeys(size, 0.0)
+        tokens, depth, drafting, without = float(batch), 0, 0, len(size)
         for taken, (s, position, key) in enumerate(ranking, 1):
             drafting += lengths[key] == 0
             lengths[key] += 1
-            if key in gained:
-                without -= gained[key] == 0.0 < s
-                gained[key] += s
+            if key in group_of:
+                without -= gained[group_of[key]] == 0.0 < s
+                gained[group_of[key]] += s
             tokens += s
             depth = max(depth, position + 1)
             if without:
-                continue  # a round with drafts is longer than one without: it would slow one that gains nothing
+                continue  # a round with drafts is longer than one without: it would slow a group that gains nothing
             round_seconds = max(seconds(batch + taken, drafting, depth), 1e-9)
-            if tokens / round_seconds > best_rate and round_seconds <= plain * (1 + min(gained.values(), default=0)):
+            least = min((gained[group] / size[group] for group in size), default=0.0)
+            if tokens / round_seconds > best_rate and round_seconds <= plain * (1 + least):
                 best_rate, best = tokens / round_seconds, dict(lengths)
     return best, best_rate
 
@@ -142,6 +148,11 @@ def _rankings(candidates: Sequence[Candidate]) -> tuple[list[tuple[float, int, s
     entries = [(s, position, c.key) for c in candidates for position, s in enumerate(c.survival)]
     ranked = sorted(entries, key=lambda entry: (-entry[0], entry[1]))
     return ranked, sorted(ranked, key=lambda entry: entry[1] > 0)  # a stable sort keeps the order within each
+
+
+def group(asking: Asking) -> str:
+    """Who a request is held to "not slowed" with, on average: its class, or the requests that cannot draft."""
+    return asking.request_class if asking.cap else "no drafts"
 
 
 def _drawn_one(counts: Survival, position: int, prior: float) -> float:
@@ -160,14 +171,19 @@ def _drawn(prior: Sequence[float], own: Survival) -> list[float]:
 
 
 def rate_of(lengths: dict[str, int], candidates: Sequence[Candidate], batch: int, seconds: Seconds) -> float | None:
-    """Tokens per second of a round drafting `lengths` for the candidates; None when it slows a candidate down."""
-    gained = [sum(c.survival[: lengths[c.key]]) for c in candidates if c.counted]
+    """Tokens per second of a round drafting `lengths` for the candidates; None when it slows a group down."""
+    gained: dict[str, list[float]] = {}
+    for c in candidates:
+        if c.counted:
+            gained.setdefault(c.group or c.key, []).append(sum(c.survival[: lengths[c.key]]))
     rows = batch + sum(lengths.values())
     drafting = sum(1 for k in lengths.values() if k > 0)
     round_seconds = max(seconds(rows, drafting, max(lengths.values(), default=0)), 1e-9)
-    if round_seconds > max(seconds(batch, 0, 0), 1e-9) * (1 + min(gained, default=0.0)):
+    least = min((sum(gains) / len(gains) for gains in gained.values()), default=0.0)
+    if round_seconds > max(seconds(batch, 0, 0), 1e-9) * (1 + least):
         return None
-    return (batch + sum(gained)) / round_seconds
+    tokens = batch + sum(sum(c.survival[: lengths[c.key]]) for c in candidates)
+    return tokens / round_seconds
 
 
 @dataclass(frozen=True)
@@ -179,9 +195,7 @@ class Asking:
     own: Survival  # its own rounds
     cap: int  # drafts it may verify this round (0: no replica, or its last token)
     previous: int | None = None  # its k settled in the last step; None: none yet
-    # Not held to "slows nobody down": on its last token (one longer step at most), or paused (it keeps its
-    # multi-pass steps beside a drafting probe, orchestrator.loop.batching._multi_step).
-    exempt: bool = False
+    exempt: bool = False  # not held to "slows no class down": on its last token (one longer step at most)
 
 
 @dataclass(frozen=True)
@@ -213,7 +227,7 @@ class DraftLengths:
         self.current.setdefault(size, self.max_k)
         priors = {name: self._class_prior(name) for name in {a.request_class for a in asking}}
         candidates = [
-            Candidate(a.key, tuple(_drawn(priors[a.request_class], a.own)[: a.cap]), a.previous, not a.exempt)
+            Candidate(a.key, tuple(_drawn(priors[a.request_class], a.own)[: a.cap]), a.previous, not a.exempt, group(a))
             for a in asking
         ]
         seconds = self._seconds(len(asking))
@@ -244,12 +258,16 @@ class DraftLengths:
         return allocate([alone], batch, self._seconds(batch))[0][asking.key]
 
     def admits(self, request_class: str, batch: int) -> bool:
-        """Whether a new request of this class gets a replica. Once measured, one whose first round would draft
-        nothing at this batch size starts paused (no rows captured or streamed, several tokens a step), but for one
-        in EXPLORE_EVERY of its class, so that the class stays measured."""
+        """Whether a new request of this class gets a replica. Once measured, one whose class would draft nothing
+        in a batch of this size starts paused (no rows captured or streamed, several tokens a step), but for one in
+        EXPLORE_EVERY of its class, so that the class stays measured."""
         if not self.adaptive or self.max_k == 0 or not self._measured(batch):
             return True
-        if self.expected(Asking("", request_class, Survival(), self.max_k), batch) > 0:
+        # A batch of this class alone: would it draft? (Alone among requests that draft nothing, a request at 8
+        # never would, and its class-mates arriving beside it never would either.)
+        prior = tuple(self._class_prior(request_class))
+        mates = [Candidate(str(index), prior, group=request_class) for index in range(batch)]
+        if any(allocate(mates, batch, self._seconds(batch))[0].values()):
             return True
         self.skipped[request_class] += 1
         return self.skipped[request_class] % EXPLORE_EVERY == 0
@@ -292,6 +310,12 @@ class DraftLengths:
             return False
         size = bucket(batch)
         return self.current.get(size) == 0 and self.at_zero.get(size, 0) >= PAUSE_AFTER
+
+    def pauses_now(self, batch: int) -> bool:
+        """Whether this step is the one at which the batch size became paused: the requests on their replicas then
+        leave them. Requests admitted later keep theirs (`admits` decides), so that the batch drafts again once
+        enough of them would gain from it."""
+        return self.paused(batch) and self.at_zero[bucket(batch)] == PAUSE_AFTER
 
     def observe_round(self, request_class: str, own: Survival, depth: int, accepted: int) -> None:
         """One request's round: the drafter's tokens verified (its depth) and how many of them were accepted."""

@@ -100,18 +100,19 @@ class Placement:
         return self.assign(), False
 
     def pause_speculation(self) -> int:
-        """While the batch at hand is paused (it drafted nothing for PAUSE_AFTER steps), takes every request but one
-        off its replica: a request at k = 0 still has its hidden rows captured and streamed to the replica each step,
-        so that drafting may resume, and that costs what speculation no longer wins back. A paused request decodes
-        target-only (several tokens a step) to its end; it is not brought back, since the replica would need every
-        row of its context again. The one left, the probe, keeps k measured at this batch size, so that requests
-        admitted after drafting pays again speculate (paused requests keep their multi-pass steps beside it and do
-        not hold it back). Returns the batch size it judged."""
+        """At the step the batch at hand becomes paused (it drafted nothing for PAUSE_AFTER steps), takes every
+        request but one off its replica: a request at k = 0 still has its hidden rows captured and streamed to the
+        replica each step, so that drafting may resume, and that costs what speculation no longer wins back. A
+        paused request decodes target-only (several tokens a step) to its end; it is not brought back, since the
+        replica would need every row of its context again. The one left, the probe, keeps k measured at this batch
+        size; requests admitted later keep their replicas (DraftLengths.admits decides), so that the batch drafts
+        again once enough of them would gain and the paused ones, which no drafts may slow, have ended. Returns the
+        batch size it judged."""
         # The batch size is every request that wants speculation, paused ones included: they share the steps.
         wanting = [request for request in self.requests() if request.wants_speculation and not request.finished]
         batch = min(len(wanting), self.settings.max_num_seqs)
         attached = [request for request in wanting if request.replica is not None]
-        if len(attached) < 2 or not self.speculation.paused(batch):
+        if len(attached) < 2 or not self.speculation.pauses_now(batch):
             return batch
         forget: dict[str, list[str]] = {}
         for request in attached[1:]:

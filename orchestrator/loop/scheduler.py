@@ -310,7 +310,7 @@ class Scheduler:
         return max(0, min(k, request.output.remaining - 2))
 
     def _asking(self, r: ActiveRequest) -> Asking:
-        exempt = r.output.remaining <= 1 or r.drafting is Drafting.PAUSED  # its last token, or paused: not held back
+        exempt = r.output.remaining <= 1  # its last token: one longer step at most
         kind, cap = request_class(r.params.sampling), r.max_drafts(self.settings.num_steps)
         return Asking(r.request_id, kind, r.acceptance, cap, r.settled_length, exempt)
 

@@ -23,6 +23,7 @@ from orchestrator.loop.draft_length import (
     DraftLengths,
     Survival,
     allocate,
+    group,
     rate_of,
     request_class,
 )
@@ -204,16 +205,18 @@ def test_a_large_batch_of_free_requests_drafts_only_where_every_request_gains(ba
     assert rate_of(lengths, candidates, batch, seconds) is not None
 
 
-def test_in_a_mixed_stream_of_four_no_step_plans_to_slow_a_request_down() -> None:
-    """Free code, JSON and penalised requests interleaved, four at a time: every settled choice slows nobody down by
-    the policy's own estimates, and the classes draft in the order of their acceptance."""
+def test_in_a_mixed_stream_of_four_no_step_plans_to_slow_a_class_down() -> None:
+    """Free code, JSON and penalised requests interleaved, four at a time: no settled choice slows a class present
+    down on average, by the policy's own estimates."""
     policy = measured()
     checked = []
 
     def fair(asking: Sequence[Asking], choice: Choice) -> None:
         if not policy._measured(len(asking)):
             return  # every request drafts its cap: that measures them
-        candidates = [Candidate(a.key, tuple(policy.survival(a.request_class, a.own)[: a.cap])) for a in asking]
+        candidates = [
+            Candidate(a.key, tuple(policy.survival(a.request_class, a.own)[: a.cap]), group=group(a)) for a in asking
+        ]
 
         def seconds(rows: int, drafting: int, depth: int) -> float:
             return policy.costs.round_seconds(len(asking), rows, drafting, depth)
@@ -227,7 +230,7 @@ def test_in_a_mixed_stream_of_four_no_step_plans_to_slow_a_request_down() -> Non
 
 def test_a_request_without_drafts_is_not_slowed_by_the_others_unless_exempt() -> None:
     """A request that decodes target-only (it asked for no speculation) shares every step: a free request beside it
-    drafts nothing. One on its last token (or paused, keeping its multi-pass steps) does not count."""
+    drafts nothing. One on its last token (one longer step at most) does not count."""
     policy = measured(draft_scale=0.3)  # a draft cheap enough to pay beside a second request
     replay(policy, [(FREE, trace) for trace in TRACES[FREE][:4]], 1)
     free = Asking("free", FREE, Survival(), 5)
@@ -249,3 +252,18 @@ def test_once_measured_a_class_whose_drafts_do_not_pay_starts_its_requests_pause
     fixed = measured()
     fixed.adaptive = False
     assert fixed.admits(GRAMMAR, 1)
+
+
+def test_a_request_on_a_bad_streak_does_not_hold_back_the_rest_of_its_class() -> None:
+    """Eight free requests, one of which has had its drafts rejected lately: the class gains on average, so the
+    others still draft; a JSON request in their place (a class of its own that gains nothing) keeps them all at 0."""
+    policy = measured(draft_scale=0.3)  # drafting pays at 8 requests
+    replay(policy, [(FREE, trace) for trace in TRACES[FREE][:4]], 1)
+    unlucky = Survival(REQUEST_DECAY)
+    for _ in range(8):
+        unlucky.observe(5, 0)
+    asking = [Asking(f"r{i}", FREE, Survival(REQUEST_DECAY), 5) for i in range(7)]
+    drafting = policy.choose(8, [*asking, Asking("unlucky", FREE, unlucky, 5)]).settled
+    assert min(drafting[a.key] for a in asking) > 0 and drafting["unlucky"] < drafting["r0"], drafting
+    json_beside = policy.choose(8, [*asking, Asking("json", GRAMMAR, unlucky, 5)]).settled
+    assert set(json_beside.values()) == {0}, json_beside

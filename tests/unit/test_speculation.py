@@ -201,8 +201,12 @@ def test_a_batch_size_is_paused_only_once_measurements_settle_it_at_zero() -> No
     assert choose(policy, 32) == 0
     assert not policy.paused(32)  # settled at 0 once: not yet
     for _ in range(PAUSE_AFTER - 1):
+        assert not policy.pauses_now(32)
         assert choose(policy, 32) == 0
     assert policy.paused(32) and policy.paused(17)  # the same bucket
+    assert policy.pauses_now(32)  # the requests on replicas leave them at this step; later ones keep theirs
+    choose(policy, 32)
+    assert policy.paused(32) and not policy.pauses_now(32)
     assert choose(policy, 1) == 5 and not policy.paused(1)
     fixed = warmed()
     fixed.adaptive = False
