@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -104,27 +104,32 @@ Generate = Callable[[orchestrator_pb2.GenerateRequest], AsyncIterator[orchestrat
 RoundSeconds = Callable[[], dict[str, float]]
 
 
+def metrics_text(metrics_url: str) -> str:
+    """A running orchestrator's /metrics text."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        return str(response.read().decode())
+
+
+def counter_totals(exposition: str, name: str) -> Iterator[tuple[dict[str, str], float]]:
+    """The labels and value of each sample of the counter `name` in a /metrics text."""
+    for family in text_string_to_metric_families(exposition):
+        if family.name == name:
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    yield sample.labels, sample.value
+
+
 def round_seconds_of(exposition: str) -> dict[str, float]:
     """The tandem:round_seconds counters by part in an orchestrator's /metrics text (summed over model names)."""
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(exposition):
-        if family.name != "tandem:round_seconds":
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_total"):
-                part = sample.labels["part"]
-                totals[part] = totals.get(part, 0.0) + sample.value
+    for labels, value in counter_totals(exposition, "tandem:round_seconds"):
+        totals[labels["part"]] = totals.get(labels["part"], 0.0) + value
     return totals
 
 
 def scraped_round_seconds(metrics_url: str) -> RoundSeconds:
     """Reads the counters from a running orchestrator's /metrics."""
-
-    def read() -> dict[str, float]:
-        with urllib.request.urlopen(metrics_url, timeout=10) as response:
-            return round_seconds_of(response.read().decode())
-
-    return read
+    return lambda: round_seconds_of(metrics_text(metrics_url))
 
 
 async def run_prompts(

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,9 +29,9 @@ from statistics import median
 from typing import Any
 
 from openai import AsyncOpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.ab import PENALTIES
+from bench.harness import counter_totals, metrics_text
 from bench.machine import machine
 from bench.prompts import held_out_prompts
 from bench.settings import MixedSettings
@@ -111,15 +110,9 @@ async def _run(client: AsyncOpenAI, model: str, prompts: Sequence[str], settings
 
 def draft_length_rounds(metrics_url: str) -> Counter[tuple[str, int]]:
     """The orchestrator's tandem:draft_length_rounds counters now, by (class as named here, k)."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        exposition = response.read().decode()
     rounds: Counter[tuple[str, int]] = Counter()
-    for family in text_string_to_metric_families(exposition):
-        if family.name == "tandem:draft_length_rounds":
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    key = (METRIC_CLASS.get(sample.labels["request_class"], "?"), int(sample.labels["k"]))
-                    rounds[key] += int(sample.value)
+    for labels, value in counter_totals(metrics_text(metrics_url), "tandem:draft_length_rounds"):
+        rounds[(METRIC_CLASS.get(labels["request_class"], "?"), int(labels["k"]))] += int(value)
     return rounds
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.settings import (
+    HttpSettings,
     HybridSettings,
     NgramSettings,
     OrchestratorSettings,
@@ -153,12 +154,5 @@ class MixedSettings:
     repeats: int = field(
         default=3, metadata=flag("--repeats", "speculative and target-only streams at each concurrency", parse=positive)
     )
-    chat_template: Path | None = field(
-        default=None,
-        metadata=flag(
-            "--chat-template",
-            "a chat template for a target whose tokenizer has none (the demo target's is used for it)",
-            parse=Path,
-        ),
-    )
+    chat_template: Path | None = field(default=None, metadata=flag_of(HttpSettings, "chat_template"))
     out: Path = field(default=Path("bench/results/mixed"), metadata=flag("--out", "where the report goes"))

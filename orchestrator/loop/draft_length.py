@@ -112,9 +112,8 @@ def allocate(candidates: Sequence[Candidate], batch: int, seconds: Seconds) -> t
     """The k of each candidate that maximise the round's tokens per second without slowing any group of candidates
     down (its members' mean expected tokens per second at least what a round without drafts gives them), and that
     rate; `batch`: the round's decoding requests (one row each, candidates or not); candidates not `counted` may be
-    slowed. Two rankings are
-    scanned: every position by survival, and every candidate's first position before the others (where drafting pays
-    only if nobody is left without)."""
+    slowed. Two rankings are scanned: every position by survival, and every candidate's first position before the
+    others (where drafting pays only if no group is left without)."""
     plain = max(seconds(batch, 0, 0), 1e-9)
     best_rate, best = batch / plain, dict.fromkeys((c.key for c in candidates), 0)
     group_of = {c.key: c.group or c.key for c in candidates if c.counted}
@@ -231,7 +230,6 @@ class DraftLengths:
             for a in asking
         ]
         seconds = self._seconds(len(asking))
-
         lengths, rate = allocate(candidates, len(asking), seconds)
         kept = {c.key: lengths[c.key] if c.previous is None else min(c.previous, len(c.survival)) for c in candidates}
         kept_rate = rate_of(kept, candidates, len(asking), seconds) if kept != lengths else None
