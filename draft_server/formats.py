@@ -7,6 +7,8 @@
   DeepSeek NextN runs on the DraftRunner, one layer reused at every step, fed the target's post-final-norm hidden;
   chained multi-layer MTP runs on the MTPRunner, fed the target's final stream before or after its norm, as the
   hidden flow (`--mtp-feedback`, "auto": the family's authors') says.
+- DFlash block drafters (`DFlashDraftModel`, z-lab's layout): tandem.models.dflash on the BlockRunner, fed the
+  outputs of the target layers the config names, with the target's embedding and LM head pulled at start-up.
 - Standalone draft models: a target-format checkpoint WITHOUT MTP layers (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
   `Gemma3ForCausalLM`, ... with no `num_nextn_predict_layers`): a plain causal LM with the target's vocabulary on the
   StandaloneRunner, fed the committed tokens only (it subscribes `tokens_only`, no capture indices).
@@ -25,6 +27,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from draft_server.block_runner import BlockRunner
 from draft_server.compat import IncompatibleDraft, check_compatibility
 from draft_server.mtp_runner import MTPRunner
 from draft_server.runner import DraftModel, DraftRunner, ProposeInput
@@ -34,6 +37,7 @@ from draft_server.tree_draft import TreeDrafter
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache
 from tandem.models.aux_layers import CaptureSpec, resolve_capture
 from tandem.models.config import ConfigError, read_hf_config
+from tandem.models.dflash import DFLASH_ARCHITECTURES, SHARED_TABLES, DFlashConfig, load_dflash
 from tandem.models.eagle3 import EAGLE3_LAYER_KINDS, load_eagle3
 from tandem.models.mtp import NextNDraft, declared_mtp_layers, load_mtp
 from tandem.models.registry import TARGET_ARCHITECTURES, load_target, target_architecture
@@ -92,7 +96,7 @@ def as_draft_tree(proposal: list[int] | DraftTree) -> DraftTree:
 @dataclass(frozen=True)
 class PreparedDraft:
     architecture: str  # the checkpoint's
-    kind: str  # "eagle3", "nextn", "chained-mtp" or "standalone"
+    kind: str  # "eagle3", "nextn", "chained-mtp", "standalone" or "dflash"
     capture: CaptureSpec
     missing_tables: tuple[str, ...]  # shared tables to pull from the target (its GetWeights names)
     fill_table: Callable[[str, torch.Tensor], None]  # (name, [vocab, hidden] table)
@@ -248,6 +252,71 @@ def _prepare_standalone(settings: DraftSettings, info: target_pb2.TargetInfo) ->
     )
 
 
+def _prepare_dflash(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
+    model = load_dflash(settings.model_dir, dtype=getattr(torch, settings.dtype), device=settings.device)
+    config = model.config
+    check_dflash(config, info, settings.num_steps)
+    capture = CaptureSpec(config.capture_indices(info.num_layers), "output", config.target_layer_ids)
+    LOG.info(
+        "DFlash draft: %d layers, block %d (up to %d drafts a round), mask token %d; target layer outputs %s -> "
+        "capture indices %s of %d target layers",
+        config.layer.num_layers,
+        config.block_size,
+        config.block_size - 1,
+        config.mask_token_id,
+        list(config.target_layer_ids),
+        list(capture.indices),
+        info.num_layers,
+    )
+    return PreparedDraft(
+        architecture=DFLASH_ARCHITECTURES[0],
+        kind="dflash",
+        capture=capture,
+        missing_tables=SHARED_TABLES,
+        fill_table=model.fill_table,
+        build_runner=lambda cache: BlockRunner(model, cache),
+    )
+
+
+def check_dflash(config: DFlashConfig, info: target_pb2.TargetInfo, num_steps: int) -> None:
+    """Refuses a DFlash draft that does not fit the target (or the asked draft length), naming both values."""
+    last = info.num_layers - 1
+    facts = (
+        ("hidden_size", config.hidden_size, info.hidden_size, config.hidden_size == info.hidden_size),
+        ("vocab_size", config.vocab_size, info.vocab_size, config.vocab_size == info.vocab_size),
+        (
+            "mask_token_id",
+            config.mask_token_id,
+            f"vocab_size {info.vocab_size}",
+            config.mask_token_id < info.vocab_size,
+        ),
+        (
+            "target_layer_ids",
+            list(config.target_layer_ids),
+            f"layers 0..{last}",
+            all(0 <= i <= last for i in config.target_layer_ids),
+        ),
+        (
+            "num_target_layers",
+            config.num_target_layers,
+            info.num_layers,
+            config.num_target_layers in (None, info.num_layers),
+        ),
+        # Gemma targets scale their embedding inside the model; the block would need the scaled rows.
+        ("target family", "unscaled embeddings", info.architecture, not info.architecture.startswith("Gemma")),
+    )
+    problems = [
+        f"{what}: the draft has {ours}, the target has {theirs}" for what, ours, theirs, fits in facts if not fits
+    ]
+    if num_steps > config.block_size - 1:
+        problems.append(
+            f"speculative-num-steps: {num_steps} drafts asked, the draft's block_size {config.block_size} gives "
+            f"{config.block_size - 1}; pass --speculative-num-steps {config.block_size - 1} or fewer"
+        )
+    if problems:
+        raise IncompatibleDraft("DFlash draft does not fit the target: " + "; ".join(problems))
+
+
 def _prepare_target_format(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
     """A target-format checkpoint: MTP layers when its config declares them (num_nextn_predict_layers >= 1),
     otherwise the whole model as a standalone draft."""
@@ -261,5 +330,6 @@ DraftFormat = Callable[[DraftSettings, target_pb2.TargetInfo], PreparedDraft]
 # also name standalone draft models (a target-format checkpoint without MTP layers).
 DRAFT_FORMATS: dict[str, DraftFormat] = {
     **dict.fromkeys(EAGLE3_LAYER_KINDS, _prepare_eagle3),
+    **dict.fromkeys(DFLASH_ARCHITECTURES, _prepare_dflash),
     **dict.fromkeys(TARGET_ARCHITECTURES, _prepare_target_format),
 }

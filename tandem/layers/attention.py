@@ -68,20 +68,7 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         cache: PagedKVCache,
     ) -> torch.Tensor:  # -> [num_tokens, output_size]
-        num_tokens = hidden.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        packed = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size (+ num_heads with the gate)]
-        value_end = q_size + 2 * kv_size
-        value = packed[:, q_size + kv_size : value_end].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            query = self.q_norm(packed[:, :q_size].view(num_tokens, self.num_heads, self.head_dim))
-            key = self.k_norm(packed[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
-            query, key = self.rotary(metadata.positions, query, key)
-        else:
-            # Query and key heads sit side by side in the packed projection: one rotation turns them all.
-            heads = packed[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            rotated = self.rotary.rotate(metadata.positions, heads)
-            query, key = rotated[:, : self.num_heads], rotated[:, self.num_heads :]
+        query, key, value, packed = self.project(hidden, metadata.positions)
         attended = metadata.attention.attend(
             query,
             key,
@@ -91,6 +78,35 @@ class Attention(nn.Module):
             self.scaling,
             self.sliding_window,
         )
+        return self.output(attended, packed)
+
+    def project(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, input_size]
+        positions: torch.Tensor,  # [num_tokens]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # -> query, key, value, packed projection
+        """Queries, keys and values of the tokens, normed and rotated: [num_tokens, heads, head_dim] each."""
+        num_tokens = hidden.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        packed = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size (+ num_heads with the gate)]
+        value = packed[:, q_size + kv_size : q_size + 2 * kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            query = self.q_norm(packed[:, :q_size].view(num_tokens, self.num_heads, self.head_dim))
+            key = self.k_norm(packed[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            query, key = self.rotary(positions, query, key)
+        else:
+            # Query and key heads sit side by side in the packed projection: one rotation turns them all.
+            heads = packed[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            rotated = self.rotary.rotate(positions, heads)
+            query, key = rotated[:, : self.num_heads], rotated[:, self.num_heads :]
+        return query, key, value, packed
+
+    def output(
+        self,
+        attended: torch.Tensor,  # [rows, num_heads, head_dim]
+        packed: torch.Tensor,  # [rows, ...] those rows of the packed projection (for the gate)
+    ) -> torch.Tensor:  # -> [rows, output_size]
         if self.output_gate:
-            attended = attended * packed[:, value_end:, None].sigmoid()  # gate: [num_tokens, num_heads, 1]
-        return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
+            value_end = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+            attended = attended * packed[:, value_end:, None].sigmoid()  # gate: [rows, num_heads, 1]
+        return self.o_proj(attended.reshape(attended.shape[0], self.num_heads * self.head_dim))

@@ -130,24 +130,29 @@ class PagedKVCache:
         self,
         sequences: Sequence[tuple[SequenceKV, int]],
         parents: Sequence[Sequence[int] | None] | None = None,  # per sequence: its new tokens' tree, None: a chain
+        bidirectional: bool = False,  # every sequence's new tokens see each other both ways (no parents then)
     ) -> AttentionMetadata:
         """Plans one packed forward (see plan_table) and has the cache's attention backend plan its page table."""
-        return AttentionMetadata.planned(self.plan_table(sequences, parents), self.backend)
+        return AttentionMetadata.planned(self.plan_table(sequences, parents, bidirectional), self.backend)
 
     def plan_table(
         self,
         sequences: Sequence[tuple[SequenceKV, int]],
         parents: Sequence[Sequence[int] | None] | None = None,
+        bidirectional: bool = False,
     ) -> PageTable:
         """The page table of one packed forward: each (sequence, num_new) appends num_new tokens at sequence.length.
 
         A sequence with parents gets a tree of new tokens (tandem.layers.page_table.tree_mask: parents[i] is -1 or
-        an earlier index); each token sees the context and its ancestors. Reserves blocks for all sequences first
-        (all or nothing, after the trees are checked), then advances their lengths.
+        an earlier index); each token sees the context and its ancestors. `bidirectional` (no parents): each new token
+        sees the context and every new token of its sequence (tandem.layers.page_table). Reserves blocks for all
+        sequences first (all or nothing, after the trees are checked), then advances their lengths.
         """
         trees = list(parents) if parents is not None else [None] * len(sequences)
         if len(trees) != len(sequences):
             raise ValueError(f"parents: {len(trees)} entries for {len(sequences)} sequences")
+        if bidirectional and parents is not None:
+            raise ValueError("parents: a bidirectional step has no trees")
         for index, ((_, num_new), tree) in enumerate(zip(sequences, trees, strict=True)):
             if tree is not None:
                 check_parents(tree, num_new, f"parents[{index}]")
@@ -157,7 +162,7 @@ class PagedKVCache:
         entries = []
         for (sequence, num_new), tree in zip(sequences, trees, strict=True):
             self.reserve(sequence, sequence.length + num_new)
-            entries.append(PlanEntry(sequence.block_ids, sequence.length, num_new, tree))
+            entries.append(PlanEntry(sequence.block_ids, sequence.length, num_new, tree, bidirectional))
         page_table = build_page_table(entries, self.block_size, self.device)
         for sequence, num_new in sequences:
             sequence.length += num_new

@@ -18,6 +18,8 @@ Worked example (page_size 4), three sequences:
     positions        [5, 6, 0, 1, 2, 4, 5, 5, 6]    a tree token sits at the context length plus its depth
     write_slots      [9, 10, 20, 21, 22, 24, 25, 26, 27]   KV row r of a sequence: page r // 4, offset r % 4
     custom_masks     (None, None, C's [4, 4] mask)  None: causal
+A bidirectional entry (a block drafter's block: every new token sees every other) is a chain's positions with an
+all-ones mask, so both backends run it as they run a tree.
 C's mask, row i over its new tokens j (i sees j when j is i or an ancestor of i):
     [[1, 0, 0, 0],
      [1, 1, 0, 0],
@@ -47,6 +49,7 @@ class PlanEntry:
     start: int  # KV rows [0, start) hold its context
     num_new: int  # new tokens, written at KV rows [start, start + num_new)
     parents: Sequence[int] | None = None  # per new token, the index of its parent among them, -1: the context
+    bidirectional: bool = False  # the new tokens see each other both ways (a block drafter's block); no parents
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,9 @@ def build_page_table(
         write_slots += [pages[row // page_size] * page_size + row % page_size for row in range(entry.start, end)]
         if entry.parents is None:
             positions += range(entry.start, end)
-            masks.append(None)
+            masks.append(
+                torch.ones((entry.num_new,) * 2, dtype=torch.bool, device=HOST) if entry.bidirectional else None
+            )
             continue
         check_parents(entry.parents, entry.num_new)
         mask = tree_mask(entry.parents)

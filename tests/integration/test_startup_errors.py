@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny_eagle3, write_tiny_target
+from tests.helpers.dflash_checkpoints import TinyDFlashSpec, write_tiny_dflash
 from tests.helpers.mtp_checkpoints import TinyChainedMTPSpec, write_tiny_chained_mtp
 from tests.integration.stack import run_to_exit
 
@@ -82,6 +83,13 @@ def test_more_steps_than_mtp_layers_are_refused(tmp_path: Path, llama_target: Pa
     draft = write_tiny_chained_mtp(tmp_path / "mtp", llama_target, TinyChainedMTPSpec(num_mtp_layers=2))
     output = serve_to_exit(llama_target, draft, "--speculative-num-steps", "3")
     assert "3 draft steps, but the MTP draft has 2 layers" in output
+
+
+def test_dflash_draft_that_does_not_fit_is_refused(tmp_path: Path, llama_target: Path) -> None:
+    spec = TinyDFlashSpec(target_layer_ids=(1, 9), mask_token_id=500)
+    output = serve_to_exit(llama_target, write_tiny_dflash(tmp_path / "draft", llama_target, spec))
+    assert "target_layer_ids: the draft has [1, 9], the target has layers 0..5" in output
+    assert "mask_token_id: the draft has 500, the target has vocab_size 320" in output
 
 
 def test_unknown_draft_architecture_is_named(tmp_path: Path, llama_target: Path) -> None:

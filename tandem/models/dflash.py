@@ -1,0 +1,230 @@
+"""DFlash block drafter (z-lab's checkpoint layout, arXiv 2602.06036): a whole block of drafts from one forward.
+
+The draft has Qwen3-style decoder layers (per-head q/k norms, rotary, SwiGLU), `fc` and `hidden_norm` over the
+target's features, a final `norm`, and no embedding or LM head of its own: it uses the target's (pulled from the
+target at start-up, `embed_tokens` and `lm_head`). Per request and round:
+
+    context  = hidden_norm(fc(features))   one row per newly verified position p: the outputs of the target layers
+                                           named by `target_layer_ids`, concatenated (the first round: the prompt's)
+    block    = embed([anchor, MASK x (B - 1)])   the anchor is the token the target produced last, at position P + 1
+                                                 when the context ends at P; the block sits at P + 1 .. P + B
+    every layer:  K/V of the context rows = k/v_proj(context) (no input norm), kept in the draft's paged cache;
+                  Q/K/V of the block rows = q/k/v_proj(input_layernorm(block)); k_norm and rotary on both;
+                  the block attends, non-causally, over the cached context, the new context and the whole block
+                  (a "sliding_attention" layer of `layer_types` sees keys > position - sliding_window when the config
+                  sets use_sliding_window, as transformers' Qwen3Config reads it)
+    drafts   = argmax lm_head(norm(block))[1:]    B - 1 drafts, for positions P + 2 .. P + B
+
+The block's K/V is dropped after the forward (the runner cuts the cache back to the context); the next round adds
+the context rows of the positions verified since. Example, B = 4, prompt x0..x4, first token x5: the context is the
+features of positions 0..4, the block [x5, M, M, M] at positions 5..8, and its rows 1..3 draft x6, x7, x8.
+
+Feature ids: `target_layer_ids` name 0-based target layers whose OUTPUT is a feature (transformers'
+`hidden_states[id + 1]`): capture index id + 1, the stream entering the next layer; for the last layer, whose
+output transformers reports after the final norm, index num_layers + 1 (the final norm's output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.layers.attention import Attention
+from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.kv_cache import CacheLayout, PagedKVCache
+from tandem.layers.matmul import Linear
+from tandem.layers.mlp import GatedMLP
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.config import ConfigError, FamilyTraits, ModelConfig, read_hf_config
+from tandem.weights.loader import NameMap, iter_tensors, load_weights, materialized, on_meta
+
+DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
+SHARED_TABLES = ("embed_tokens", "lm_head")  # what the draft takes from the target
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The ids a DFlash config without `target_layer_ids` was trained on: the middle layer for a one-layer draft,
+    else evenly from layer 1 to layer L - 3 (Qwen3-8B, 36 layers, 5 draft layers: 1, 9, 17, 25, 33)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    layer: ModelConfig  # the decoder layers' shapes; hidden_size is the target's, vocab_size the target's
+    block_size: int  # B: the anchor and B - 1 mask tokens, giving B - 1 drafts
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None  # as the config says; None when absent
+    windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layer.vocab_size
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        return self.layer.cache_layout
+
+    def capture_indices(self, num_layers: int) -> tuple[int, ...]:
+        """The target capture indices of the feature ids (module docstring) on a target of `num_layers` layers."""
+        return tuple(num_layers + 1 if i == num_layers - 1 else i + 1 for i in self.target_layer_ids)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> DFlashConfig:
+        architecture = (hf.get("architectures") or ["?"])[0]
+        if architecture not in DFLASH_ARCHITECTURES:
+            raise ConfigError(
+                f"architectures: {architecture!r} is not a DFlash draft ({', '.join(DFLASH_ARCHITECTURES)})"
+            )
+        dflash = hf.get("dflash_config") or {}
+        # Sliding windows are per layer here (layer_types), which ModelConfig refuses for a whole model.
+        plain = {key: value for key, value in hf.items() if key not in ("use_sliding_window", "sliding_window")}
+        bias = bool(hf.get("attention_bias", False))
+        layer = ModelConfig.from_hf(plain, traits=FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm=True))
+        block_size = dflash.get("block_size", hf.get("block_size"))
+        if block_size is None or int(block_size) < 2:
+            raise ConfigError(f"block_size: {block_size!r}; a DFlash draft needs a block of at least 2 tokens")
+        if dflash.get("mask_token_id") is None:
+            raise ConfigError("dflash_config.mask_token_id: missing; a DFlash draft fills its block with it")
+        num_target_layers = hf.get("num_target_layers")
+        ids = dflash.get("target_layer_ids")
+        if ids is None:
+            if num_target_layers is None:
+                raise ConfigError("dflash_config.target_layer_ids: missing, and no num_target_layers to derive them")
+            ids = default_target_layer_ids(int(num_target_layers), layer.num_layers)
+        types = hf.get("layer_types") or ["full_attention"] * layer.num_layers
+        if len(types) != layer.num_layers:
+            raise ConfigError(f"layer_types: {len(types)} entries for {layer.num_layers} layers")
+        # As transformers' Qwen3Config reads it: the window holds only with use_sliding_window; a sliding layer
+        # without one attends over everything.
+        window = int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
+        return cls(
+            layer=layer,
+            block_size=int(block_size),
+            mask_token_id=int(dflash["mask_token_id"]),
+            target_layer_ids=tuple(int(i) for i in ids),
+            num_target_layers=None if num_target_layers is None else int(num_target_layers),
+            windows=tuple(window if kind == "sliding_attention" and window > 0 else None for kind in types),
+        )
+
+
+@dataclass(frozen=True)
+class BlockStep:
+    """One forward's rows: every request's new context rows first (written to the cache, never queries), then every
+    request's block (planned bidirectional: tandem.layers.page_table)."""
+
+    positions: torch.Tensor  # [contexts + blocks] the context rows' positions, then the block rows'
+    context_slots: torch.Tensor  # [contexts] pool slots of the context rows
+    block: AttentionMetadata  # the blocks' attention
+
+    @property
+    def num_context(self) -> int:
+        return self.context_slots.shape[0]
+
+
+class DFlashAttention(Attention):
+    def forward(  # type: ignore[override]
+        self,
+        hidden: torch.Tensor,  # [contexts + blocks, hidden] context rows as they are, block rows normed
+        step: BlockStep,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:  # -> [blocks, hidden]
+        query, key, value, packed = self.project(hidden, step.positions)
+        n = step.num_context
+        keys, values = cache.keys[self.layer_index], cache.values[self.layer_index]
+        keys.index_copy_(0, step.context_slots, key[:n].to(keys.dtype))
+        values.index_copy_(0, step.context_slots, value[:n].to(values.dtype))
+        attended = step.block.attention.attend(
+            query[n:], key[n:], value[n:], keys, values, self.scaling, self.sliding_window
+        )
+        return self.output(attended, packed[n:])
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        layer = config.layer
+        self.input_layernorm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
+        self.self_attn = DFlashAttention(
+            layer_index=index,
+            input_size=layer.hidden_size,
+            output_size=layer.hidden_size,
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim,
+            rotary=rotary,
+            qkv_bias=layer.traits.qkv_bias,
+            o_bias=layer.traits.o_bias,
+            qk_norm_eps=layer.rms_norm_eps,
+            sliding_window=config.windows[index],
+        )
+        self.post_attention_layernorm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
+        self.mlp = GatedMLP(layer.hidden_size, layer.intermediate_size)
+
+    def forward(
+        self,
+        block: torch.Tensor,  # [blocks, hidden] residual stream of the block rows
+        context: torch.Tensor,  # [contexts, hidden] hidden_norm(fc(features)), the same for every layer
+        step: BlockStep,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:  # -> [blocks, hidden]
+        block = block + self.self_attn(torch.cat([context, self.input_layernorm(block)]), step, cache)
+        return block + self.mlp(self.post_attention_layernorm(block))
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        layer = config.layer
+        hidden = layer.hidden_size
+        self.embed_tokens = nn.Embedding(layer.vocab_size, hidden)  # the target's
+        self.rotary = RotaryEmbedding(layer.head_dim, layer.rope)
+        self.layers = nn.ModuleList(DFlashLayer(config, index, self.rotary) for index in range(layer.num_layers))
+        self.fc = Linear(len(config.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, layer.rms_norm_eps)
+        self.norm = RMSNorm(hidden, layer.rms_norm_eps)
+        self.lm_head = Linear(hidden, layer.vocab_size, bias=False)  # the target's
+
+    def forward(
+        self,
+        block_ids: torch.Tensor,  # [blocks] every request's anchor and mask tokens
+        features: torch.Tensor,  # [contexts, len(target_layer_ids) * hidden] the new context rows' target features
+        step: BlockStep,
+        cache: PagedKVCache,
+        logit_rows: torch.Tensor,  # [rows] the block rows whose logits are wanted
+    ) -> torch.Tensor:  # -> [rows, vocab] float32
+        context = self.hidden_norm(self.fc(features))
+        block = self.embed_tokens(block_ids)
+        for layer in self.layers:
+            block = layer(block, context, step, cache)
+        return self.lm_head(self.norm(block[logit_rows])).float()
+
+    def fill_table(self, name: str, table: torch.Tensor) -> None:
+        """Copies the target's `embed_tokens` or `lm_head` ([vocab, hidden]) into the draft."""
+        module = self.embed_tokens if name == "embed_tokens" else self.lm_head
+        module.weight.data.copy_(table)
+
+
+def load_dflash(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DFlashDraft:
+    """Loads a DFlash draft; its embedding and LM head are the target's, left NaN until `fill_table` fills them."""
+    config = DFlashConfig.from_hf(read_hf_config(model_dir))
+    model = materialized(on_meta(lambda: DFlashDraft(config)), device, dtype)
+    for name in SHARED_TABLES:
+        getattr(model, name).weight.data.fill_(float("nan"))
+    optional = frozenset(f"{name}.weight" for name in SHARED_TABLES)
+    load_weights(model, iter_tensors(model_dir), NameMap(), source=str(model_dir), optional=optional)
+    model.eval()
+    return model

@@ -1,0 +1,130 @@
+"""A plain-torch reference of DFlash drafting and of its decoding loop, written from the paper (arXiv 2602.06036) and
+the behaviour of z-lab's public `dflash_generate`, independent of Tandem's model code: no KV cache, every round
+recomputes the draft over the whole context, and the target is transformers' own model.
+
+    features   = concat of transformers' hidden_states[id + 1] over target_layer_ids (the outputs of those layers)
+    context    = hidden_norm(fc(features of positions 0 .. start - 1))
+    block      = target embedding of [anchor, MASK x (B - 1)] at positions start .. start + B - 1
+    per layer: h = input_layernorm(block); q from h; k, v from [context ; h]; q/k norms, rotary at the positions;
+               attention of the block over everything, non-causal (a sliding layer: keys > position - window);
+               block += o_proj(attention); block += mlp(post_attention_layernorm(block))
+    drafts     = argmax target lm_head(norm(block))[1:]
+A round verifies the drafts with the target (greedy), accepts the matching prefix, appends the target's token, and
+adds the features of the anchor and the accepted drafts to the context.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:  # [n, heads, dim], rotate-half
+    dim = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+    rotated_half = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], dim=-1)
+    return x * cos + rotated_half * sin
+
+
+class ReferenceDFlash:
+    def __init__(self, draft_dir: Path, target: PreTrainedModel) -> None:
+        self.config = json.loads((draft_dir / "config.json").read_text())
+        self.weights = load_file(str(draft_dir / "model.safetensors"))
+        self.target = target
+        dflash = self.config["dflash_config"]
+        self.block_size = int(dflash.get("block_size", self.config.get("block_size")))
+        self.mask_token_id = int(dflash["mask_token_id"])
+        self.layer_ids = list(dflash["target_layer_ids"])
+        self.eps = float(self.config["rms_norm_eps"])
+        self.theta = float(self.config.get("rope_parameters", {}).get("rope_theta", self.config.get("rope_theta")))
+        window = self.config["sliding_window"] if self.config.get("use_sliding_window") else None
+        types = self.config.get("layer_types") or ["full_attention"] * self.config["num_hidden_layers"]
+        self.windows = [window if kind == "sliding_attention" else None for kind in types]
+
+    def features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:  # -> [positions, n * hidden]
+        return torch.cat([hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
+
+    def w(self, name: str) -> torch.Tensor:
+        return self.weights[name]
+
+    def block_logits(self, features: torch.Tensor, anchor: int) -> torch.Tensor:  # -> [B - 1, vocab]
+        """The draft's logits for the block after the context `features` (positions 0 .. start - 1)."""
+        start, size = features.shape[0], self.block_size
+        context = rms_norm(features @ self.w("fc.weight").T, self.w("hidden_norm.weight"), self.eps)
+        ids = torch.tensor([anchor] + [self.mask_token_id] * (size - 1))
+        block = self.target.get_input_embeddings()(ids)
+        positions = torch.arange(start + size)
+        for index, window in enumerate(self.windows):
+            block = self.layer(index, block, context, positions, window)
+        normed = rms_norm(block, self.w("norm.weight"), self.eps)
+        return self.target.get_output_embeddings()(normed)[1:]
+
+    def layer(
+        self, index: int, block: torch.Tensor, context: torch.Tensor, positions: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
+        p = f"layers.{index}."
+        heads, kv_heads = self.config["num_attention_heads"], self.config["num_key_value_heads"]
+        dim = self.config["head_dim"]
+        h = rms_norm(block, self.w(p + "input_layernorm.weight"), self.eps)
+        both = torch.cat([context, h])
+        q = (h @ self.w(p + "self_attn.q_proj.weight").T).view(len(h), heads, dim)
+        k = (both @ self.w(p + "self_attn.k_proj.weight").T).view(len(both), kv_heads, dim)
+        v = (both @ self.w(p + "self_attn.v_proj.weight").T).view(len(both), kv_heads, dim)
+        q = rotate(rms_norm(q, self.w(p + "self_attn.q_norm.weight"), self.eps), positions[-len(h) :], self.theta)
+        k = rotate(rms_norm(k, self.w(p + "self_attn.k_norm.weight"), self.eps), positions, self.theta)
+        visible = torch.ones(len(h), len(both), dtype=torch.bool)
+        if window is not None:
+            visible = positions[None, :] > positions[-len(h) :, None] - window
+        groups = heads // kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * dim**-0.5
+        attention = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+        block = block + attention.reshape(len(h), heads * dim) @ self.w(p + "self_attn.o_proj.weight").T
+        x = rms_norm(block, self.w(p + "post_attention_layernorm.weight"), self.eps)
+        gate, up = x @ self.w(p + "mlp.gate_proj.weight").T, x @ self.w(p + "mlp.up_proj.weight").T
+        return block + (F.silu(gate) * up) @ self.w(p + "mlp.down_proj.weight").T
+
+
+@dataclass
+class ReferenceRun:
+    tokens: list[int]  # the new tokens
+    drafts: list[list[int]] = field(default_factory=list)  # per round
+    accepted: list[int] = field(default_factory=list)  # per round: drafts accepted
+
+
+@torch.no_grad()
+def reference_generate(target_dir: Path, draft_dir: Path, prompt: list[int], max_new_tokens: int) -> ReferenceRun:
+    """Greedy DFlash decoding of `prompt`; a round drafts min(B - 1, tokens left - 1), as Tandem's rounds do."""
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    draft = ReferenceDFlash(draft_dir, target)
+    output = target(torch.tensor([prompt]), output_hidden_states=True)
+    features = draft.features(output.hidden_states)
+    tokens = [*prompt, int(output.logits[0, -1].argmax())]
+    run = ReferenceRun(tokens=[])
+    while len(tokens) - len(prompt) < max_new_tokens:
+        k = min(draft.block_size - 1, max_new_tokens - (len(tokens) - len(prompt)) - 1)
+        drafts = draft.block_logits(features, tokens[-1]).argmax(-1)[:k].tolist()
+        start = len(tokens) - 1  # the anchor's position
+        output = target(torch.tensor([tokens + drafts]), output_hidden_states=True)
+        choices = output.logits[0, start:].argmax(-1).tolist()
+        accepted = 0
+        while accepted < k and drafts[accepted] == choices[accepted]:
+            accepted += 1
+        tokens += [*drafts[:accepted], choices[accepted]]
+        features = torch.cat([features, draft.features(output.hidden_states)[start : start + accepted + 1]])
+        run.drafts.append(drafts)
+        run.accepted.append(accepted)
+    run.tokens = tokens[len(prompt) : len(prompt) + max_new_tokens]
+    return run

@@ -1,0 +1,79 @@
+"""DFlash block drafts through the real stack (`tandem serve`): greedy output equal to target-only and to
+transformers' greedy generate, and the rounds (how many, drafts proposed, drafts accepted) equal to a reference of
+the published DFlash loop (tests.helpers.dflash_reference) run on transformers' target.
+
+- Llama target, random 2-layer draft (a sliding-window layer, features of layers 0, 2 and the last, whose output is
+  the target's final norm's), block 4: drafts seldom accepted;
+- Qwen3 target and draft both with a zero final norm, block 5: every logit is 0, so the target always produces
+  token 0 and the draft always drafts it: every draft accepted, rows of a whole block each round. Under a presence
+  penalty the target's choice becomes the lowest id not produced yet; the draft shapes its block row by row with the
+  drafts before it, so it still drafts exactly that and every draft is still accepted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
+from tests.helpers.dflash_checkpoints import TinyDFlashSpec, write_tiny_dflash
+from tests.helpers.dflash_reference import reference_generate
+from tests.integration.stack import draft_info, generate, serve, service_addresses
+from tests.integration.test_greedy_equivalence import reference_greedy
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os"]
+MAX_NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    target = write_tiny_target(tmp_path_factory.mktemp("llama"), TinyTargetSpec(family="llama"))
+    return target, write_tiny_dflash(tmp_path_factory.mktemp("llama-dflash"), target, TinyDFlashSpec())
+
+
+@pytest.fixture(scope="module")
+def accepting_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    target = write_tiny_target(tmp_path_factory.mktemp("qwen3"), TinyTargetSpec(family="qwen3", zero_final_norm=True))
+    spec = TinyDFlashSpec(block_size=5, block_size_location="dflash_config", zero_final_norm=True, seed=1)
+    return target, write_tiny_dflash(tmp_path_factory.mktemp("qwen3-dflash"), target, spec)
+
+
+def test_rounds_and_outputs_equal_the_reference(llama_pair: tuple[Path, Path]) -> None:
+    target, draft = llama_pair
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    with serve(target, draft, "--speculative-num-steps", "3", "--no-adaptive-k") as stack:
+        served = [generate(stack.address, prompt=p, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True) for p in PROMPTS]
+        target_only = [
+            generate(stack.address, prompt=p, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, disable_speculation=True)
+            for p in PROMPTS
+        ]
+        info = draft_info(service_addresses(stack.log)["draft"])
+    assert (info.kind, list(info.capture_indices), info.num_steps) == ("dflash", [1, 3, 5], 3)
+    for prompt, completion, alone in zip(PROMPTS, served, target_only, strict=True):
+        reference = reference_generate(target, draft, tokenizer(prompt).input_ids, MAX_NEW_TOKENS)
+        assert completion.token_ids == alone.token_ids == reference.tokens
+        assert completion.token_ids == reference_greedy(target, prompt, MAX_NEW_TOKENS)
+        stats = completion.stats
+        assert stats.rounds == len(reference.accepted)
+        assert stats.draft_tokens == sum(len(drafts) for drafts in reference.drafts)
+        assert stats.accepted_tokens == sum(reference.accepted)
+
+
+def test_whole_blocks_accepted_with_and_without_a_penalty(accepting_pair: tuple[Path, Path]) -> None:
+    target, draft = accepting_pair
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    with serve(target, draft, "--speculative-num-steps", "4", "--no-adaptive-k") as stack:
+        plain = generate(stack.address, prompt=PROMPTS[0], max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        options = {"prompt": PROMPTS[0], "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, "presence_penalty": 1.0}
+        penalised = generate(stack.address, **options)
+        penalised_alone = generate(stack.address, **options, disable_speculation=True)
+    reference = reference_generate(target, draft, tokenizer(PROMPTS[0]).input_ids, MAX_NEW_TOKENS)
+    assert plain.token_ids == reference.tokens == [0] * MAX_NEW_TOKENS
+    # 1 token from the prefill, then rounds of 4 drafts + 1: 19 tokens in 4 rounds (the last asks for 3 drafts).
+    assert (plain.stats.rounds, plain.stats.draft_tokens, plain.stats.accepted_tokens) == (4, 15, 15)
+    assert reference.accepted == [4, 4, 4, 3]
+    assert penalised.token_ids == penalised_alone.token_ids
+    assert len(set(penalised.token_ids)) == MAX_NEW_TOKENS  # the penalty made every token a new one
+    assert penalised.stats.accepted_tokens == penalised.stats.draft_tokens == plain.stats.draft_tokens

@@ -1,0 +1,196 @@
+"""The DFlash block drafter (tandem.models.dflash on draft_server.block_runner) against a plain-torch reference of the
+published semantics (tests.helpers.dflash_reference), on tiny Llama and Qwen3 targets made with transformers: the
+same drafts, round after round, for requests batched together and for a request replayed from scratch; and the
+start-up checks that refuse a draft that does not fit its target, naming both values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from draft_server.block_runner import BlockRunner
+from draft_server.compat import IncompatibleDraft
+from draft_server.formats import check_dflash
+from draft_server.runner import ProposeInput, TargetRows
+from tandem.models.config import ConfigError, read_hf_config
+from tandem.models.dflash import DFlashConfig, default_target_layer_ids, load_dflash
+from tandem.settings import KVCacheSettings
+from tandem.wire import target_pb2
+from tests.helpers.checkpoints import TinyTargetSpec, read_target_tensor, write_tiny_target
+from tests.helpers.dflash_checkpoints import TinyDFlashSpec, write_tiny_dflash
+from tests.helpers.dflash_reference import ReferenceDFlash
+
+PROMPTS = ([5, 17, 42, 99, 7, 3, 250, 18, 61, 77, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 30, 31, 32, 33, 34, 35, 36, 37])
+ROUNDS = 8
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    target = write_tiny_target(tmp_path_factory.mktemp("target"), TinyTargetSpec(family=request.param))
+    return target, write_tiny_dflash(tmp_path_factory.mktemp("dflash"), target, TinyDFlashSpec())
+
+
+@dataclass
+class Request:
+    """One request decoded greedily by the transformers target, with the rows a Tandem target would send."""
+
+    name: str
+    tokens: list[int]
+    rows: TargetRows
+    drafts: list[list[int]] = field(default_factory=list)
+
+
+def start(target: PreTrainedModel, reference: ReferenceDFlash, name: str, prompt: list[int]) -> Request:
+    output = target(torch.tensor([prompt]), output_hidden_states=True)
+    tokens = [*prompt, int(output.logits[0, -1].argmax())]
+    return Request(name, tokens, TargetRows(0, tokens[1:], reference.features(output.hidden_states)))
+
+
+def verify(
+    target: PreTrainedModel, reference: ReferenceDFlash, request: Request, drafts: list[int], accepted: int
+) -> None:
+    """Takes the first `accepted` drafts as if the target had accepted them (the tiny random draft seldom drafts
+    what the target would, and longer rows are what this test needs), then the target's greedy token; the request's
+    next rows are the positions verified."""
+    anchor = len(request.tokens) - 1
+    output = target(torch.tensor([request.tokens + drafts]), output_hidden_states=True)
+    choices = output.logits[0, anchor:].argmax(-1).tolist()
+    request.tokens += [*drafts[:accepted], choices[accepted]]
+    features = reference.features(output.hidden_states)[anchor : anchor + accepted + 1]
+    request.rows = TargetRows(anchor, request.tokens[anchor + 1 :], features)
+
+
+def runner_for(draft: Path, target_dir: Path) -> BlockRunner:
+    model = load_dflash(draft)
+    model.fill_table("embed_tokens", read_target_tensor(target_dir, "model.embed_tokens.weight"))
+    model.fill_table("lm_head", read_target_tensor(target_dir, "lm_head.weight"))
+    return BlockRunner(model, KVCacheSettings(block_size=4, num_blocks=64))
+
+
+@torch.no_grad()
+def test_drafts_equal_the_reference_round_after_round(pair: tuple[Path, Path]) -> None:
+    target_dir, draft = pair
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    reference = ReferenceDFlash(draft, target)
+    runner = runner_for(draft, target_dir)
+    requests = [start(target, reference, f"r{i}", prompt) for i, prompt in enumerate(PROMPTS)]
+    context = {request.name: request.rows.features for request in requests}
+    for round_number in range(ROUNDS):
+        steps = [3, 1 + round_number % 3]  # the block's B - 1 = 3, and fewer
+        inputs = [ProposeInput(r.name, r.rows, k) for r, k in zip(requests, steps, strict=True)]
+        proposals = runner.propose(inputs)
+        for request, k, proposal in zip(requests, steps, proposals, strict=True):
+            expected = reference.block_logits(context[request.name], request.tokens[-1]).argmax(-1)[:k].tolist()
+            assert proposal == expected, f"{request.name}, round {round_number}"
+            request.drafts.append(proposal)
+            verify(target, reference, request, proposal, accepted=min(k, round_number % 4))
+            context[request.name] = torch.cat([context[request.name], request.rows.features])
+    # The KV holds the context of every position ingested (up to where the rows not yet drafted from start), and no
+    # block rows.
+    assert [runner.requests[r.name].kv.length for r in requests] == [r.rows.start_position for r in requests]
+    assert requests[0].drafts != requests[1].drafts
+
+    # A replay from scratch (rows from position 0 with every verified position) drafts what the continuing run does.
+    replayed = requests[0]
+    runner.release([replayed.name])
+    rows = TargetRows(0, replayed.tokens[1:], context[replayed.name])
+    again = runner.propose([ProposeInput(replayed.name, rows, 3)])[0]
+    assert again == reference.block_logits(context[replayed.name], replayed.tokens[-1]).argmax(-1)[:3].tolist()
+
+
+def test_the_window_and_the_context_matter(pair: tuple[Path, Path]) -> None:
+    """Negative control: the reference's drafts change when its sliding window or its context is taken away, so
+    the equality above checks both."""
+    target_dir, draft = pair
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    reference = ReferenceDFlash(draft, target)
+    with torch.no_grad():
+        request = start(target, reference, "r", list(PROMPTS[1]))
+        features = request.rows.features
+        logits = reference.block_logits(features, request.tokens[-1])
+        reference.windows = [None] * len(reference.windows)
+        assert not torch.allclose(reference.block_logits(features, request.tokens[-1]), logits, atol=1e-3)
+        assert not torch.allclose(reference.block_logits(features[-2:], request.tokens[-1]), logits, atol=1e-3)
+
+
+def test_config_reading(tmp_path: Path) -> None:
+    target = write_tiny_target(tmp_path / "target", TinyTargetSpec(num_layers=8))
+    spec = TinyDFlashSpec(
+        block_size=5,
+        block_size_location="dflash_config",
+        target_layer_ids=None,
+        num_layers=3,
+        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+    )
+    config = DFlashConfig.from_hf(read_hf_config(write_tiny_dflash(tmp_path / "draft", target, spec)))
+    assert (config.block_size, config.mask_token_id, config.windows) == (5, 319, (6, None, 6))
+    assert config.target_layer_ids == default_target_layer_ids(8, 3) == (1, 3, 5)
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B's DFlash drafts
+    assert config.capture_indices(8) == (2, 4, 6)
+    assert DFlashConfig.from_hf(read_hf_config(write_tiny_dflash(tmp_path / "d2", target))).capture_indices(8) == (
+        1,
+        3,
+        4,
+    )
+    # The last layer's output is the final norm's (transformers' last hidden state): capture index L + 1.
+    assert DFlashConfig.from_hf(read_hf_config(write_tiny_dflash(tmp_path / "d3", target))).capture_indices(4) == (
+        1,
+        3,
+        5,
+    )
+
+
+def info(**fields: object) -> target_pb2.TargetInfo:
+    values: dict[str, object] = {"architecture": "LlamaForCausalLM", "hidden_size": 64, "vocab_size": 320}
+    return target_pb2.TargetInfo(**(values | {"num_layers": 4} | fields))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("spec", "target", "num_steps", "named"),
+    [
+        (
+            TinyDFlashSpec(target_layer_ids=(0, 4)),
+            info(),
+            3,
+            "target_layer_ids: the draft has [0, 4], the target has layers 0..3",
+        ),
+        (
+            TinyDFlashSpec(mask_token_id=400),
+            info(),
+            3,
+            "mask_token_id: the draft has 400, the target has vocab_size 320",
+        ),
+        (TinyDFlashSpec(hidden_size=32), info(), 3, "hidden_size: the draft has 32, the target has 64"),
+        (
+            TinyDFlashSpec(vocab_size=300, mask_token_id=5),
+            info(),
+            3,
+            "vocab_size: the draft has 300, the target has 320",
+        ),
+        (TinyDFlashSpec(num_target_layers=36), info(), 3, "num_target_layers: the draft has 36, the target has 4"),
+        (TinyDFlashSpec(), info(), 4, "speculative-num-steps: 4 drafts asked, the draft's block_size 4 gives 3"),
+        (TinyDFlashSpec(), info(architecture="Gemma3ForCausalLM"), 3, "the target has Gemma3ForCausalLM"),
+    ],
+)
+def test_a_draft_that_does_not_fit_is_refused_naming_both(
+    tmp_path: Path, spec: TinyDFlashSpec, target: target_pb2.TargetInfo, num_steps: int, named: str
+) -> None:
+    target_dir = write_tiny_target(tmp_path / "target", TinyTargetSpec())
+    config = DFlashConfig.from_hf(read_hf_config(write_tiny_dflash(tmp_path / "draft", target_dir, spec)))
+    with pytest.raises(IncompatibleDraft, match="DFlash draft does not fit") as refused:
+        check_dflash(config, target, num_steps)
+    assert named in str(refused.value)
+
+
+def test_a_config_without_what_dflash_needs_is_refused(tmp_path: Path) -> None:
+    target = write_tiny_target(tmp_path / "target", TinyTargetSpec())
+    hf = read_hf_config(write_tiny_dflash(tmp_path / "draft", target))
+    with pytest.raises(ConfigError, match="mask_token_id: missing"):
+        DFlashConfig.from_hf(hf | {"dflash_config": {"target_layer_ids": [1]}})
+    with pytest.raises(ConfigError, match="block_size: 1"):
+        DFlashConfig.from_hf(hf | {"block_size": 1})
+    check_dflash(DFlashConfig.from_hf(hf), info(), 3)  # the same draft, as written, fits
