@@ -1,5 +1,5 @@
-"""The draft's runner for a block drafter (DFlash, tandem.models.dflash): one forward per round gives every request
-up to block_size - 1 drafts.
+"""The draft's runner for a block drafter (DFlash and DSpark, tandem.models.dflash): one forward per round gives every
+request up to a block's drafts (DFlash: block_size - 1, from rows 1 ..; DSpark: block_size, from row 0).
 
 A request's draft KV holds the projected context of every verified position, [0, P] once the rows of a round end
 at P. Each round its rows (features of positions s..P and the tokens after them) are written as context from s on
@@ -9,8 +9,9 @@ forward. Example, B = 4: a round whose rows end at 9 (next token x10) drafts fro
 target accepts two drafts and corrects the third, so the next rows are positions 10..12 (tokens x11, x12 and the
 correction), and the next block sits at 13..16.
 
-Drafts are greedy (argmax of the target's LM head over the block rows); a request's penalties, bias and min_tokens
-shape its rows left to right, each row seeing the drafts before it (draft_server.shaping).
+Drafts are greedy: the argmax of each drafting row's logits, which for DSpark add the Markov head's correction from
+the token before (the anchor, then the drafts, left to right); a request's penalties, bias and min_tokens shape its
+rows left to right too, each row seeing the drafts before it (draft_server.shaping).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ class BlockRunner:
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]:
-        """Writes each request's new context, drafts its block, and returns its first num_steps drafts (at most
-        block_size - 1)."""
+        """Writes each request's new context, drafts its block, and returns its first num_steps drafts (at most a
+        block's)."""
         # Every item is checked before any state changes, so that a refused batch leaves the cache as it was.
         for item in inputs:
             self._check(item)
@@ -65,28 +66,32 @@ class BlockRunner:
         block_ids = torch.tensor(
             [t for item in inputs for t in (item.rows.next_tokens[-1], *[mask] * (self.block_size - 1))], device=device
         )
-        rows = [i * self.block_size + j for i, item in enumerate(inputs) for j in range(1, self._steps(item) + 1)]
+        first = self.model.config.first_draft_row
+        rows = [i * self.block_size + first + j for i, item in enumerate(inputs) for j in range(self._steps(item))]
         features = torch.cat([item.rows.features for item in inputs]).to(device=device, dtype=self.cache.keys.dtype)
         try:
-            logits = self.model(block_ids, features, step, self.cache, torch.tensor(rows, device=device))
+            hidden = self.model(block_ids, features, step, self.cache, torch.tensor(rows, device=device))
         finally:
             for request, item in zip(requests, inputs, strict=True):
                 self.cache.truncate(request.kv, item.rows.start_position + len(item.rows.next_tokens))
-        return self._drafts(logits, inputs)
+        return self._drafts(hidden, inputs)
 
-    def _drafts(self, logits: torch.Tensor, inputs: Sequence[ProposeInput]) -> list[list[int]]:
-        """Each request's drafts from its block rows' logits ([sum of num_steps, vocab], request by request)."""
+    def _drafts(self, hidden: torch.Tensor, inputs: Sequence[ProposeInput]) -> list[list[int]]:
+        """Each request's drafts from its drafting rows' outputs ([sum of the steps, hidden], request by request)."""
         counts = [self._steps(item) for item in inputs]
-        if all(item.shaping is None for item in inputs):
-            tokens = logits.argmax(dim=-1).tolist()
-            starts = [sum(counts[:i]) for i in range(len(counts))]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        anchors = [item.rows.next_tokens[-1] for item in inputs]
+        if self.model.markov_head is None and all(item.shaping is None for item in inputs):
+            tokens = self.model.logits(hidden, hidden.new_empty(0, dtype=torch.long)).argmax(dim=-1).tolist()
             return [tokens[start : start + count] for start, count in zip(starts, counts, strict=True)]
         proposals: list[list[int]] = [[] for _ in inputs]
         for step in range(max(counts, default=0)):
-            # Row `step` of each request that drafts that far, shaped with the drafts before it.
+            # Row `step` of each request that drafts that far, given the token before it and shaped with the drafts.
             active = [i for i, count in enumerate(counts) if count > step]
-            row_of = [sum(counts[:i]) + step for i in active]
-            shaped = shape_logits(logits[row_of], [inputs[i].shaping for i in active], [proposals[i] for i in active])
+            previous = [proposals[i][-1] if step else anchors[i] for i in active]
+            rows = hidden[[starts[i] + step for i in active]]
+            logits = self.model.logits(rows, torch.tensor(previous, device=hidden.device))
+            shaped = shape_logits(logits, [inputs[i].shaping for i in active], [proposals[i] for i in active])
             for i, token in zip(active, shaped.argmax(dim=-1).tolist(), strict=True):
                 proposals[i].append(int(token))
         return proposals
@@ -103,8 +108,8 @@ class BlockRunner:
             raise DraftRequestError(f"request {item.request_id!r}: rows at {item.rows.start_position} carry no tokens")
 
     def _steps(self, item: ProposeInput) -> int:
-        """The drafts the item gets: as many as it asks for, up to the block's B - 1."""
-        return min(item.num_steps, self.block_size - 1)
+        """The drafts the item gets: as many as it asks for, up to the block's."""
+        return min(item.num_steps, self.model.config.drafts_per_block)
 
     def _plan(self, item: ProposeInput) -> tuple[SequenceKV | None, int, int]:
         request = self.requests.get(item.request_id)

@@ -7,8 +7,9 @@
   DeepSeek NextN runs on the DraftRunner, one layer reused at every step, fed the target's post-final-norm hidden;
   chained multi-layer MTP runs on the MTPRunner, fed the target's final stream before or after its norm, as the
   hidden flow (`--mtp-feedback`, "auto": the family's authors') says.
-- DFlash block drafters (`DFlashDraftModel`, z-lab's layout): tandem.models.dflash on the BlockRunner, fed the
-  outputs of the target layers the config names, with the target's embedding and LM head pulled at start-up.
+- Block drafters, DFlash (`DFlashDraftModel`, z-lab's layout) and DSpark (`Qwen3DSparkModel`, DeepSpec's):
+  tandem.models.dflash on the BlockRunner, fed the outputs of the target layers the config names, with the target's
+  embedding and LM head pulled at start-up where the checkpoint lacks them.
 - Standalone draft models: a target-format checkpoint WITHOUT MTP layers (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
   `Gemma3ForCausalLM`, ... with no `num_nextn_predict_layers`): a plain causal LM with the target's vocabulary on the
   StandaloneRunner, fed the committed tokens only (it subscribes `tokens_only`, no capture indices).
@@ -37,7 +38,7 @@ from draft_server.tree_draft import TreeDrafter
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache
 from tandem.models.aux_layers import CaptureSpec, resolve_capture
 from tandem.models.config import ConfigError, read_hf_config
-from tandem.models.dflash import DFLASH_ARCHITECTURES, SHARED_TABLES, DFlashConfig, load_dflash
+from tandem.models.dflash import BLOCK_ARCHITECTURES, DFlashConfig, load_dflash
 from tandem.models.eagle3 import EAGLE3_LAYER_KINDS, load_eagle3
 from tandem.models.mtp import NextNDraft, declared_mtp_layers, load_mtp
 from tandem.models.registry import TARGET_ARCHITECTURES, load_target, target_architecture
@@ -96,7 +97,7 @@ def as_draft_tree(proposal: list[int] | DraftTree) -> DraftTree:
 @dataclass(frozen=True)
 class PreparedDraft:
     architecture: str  # the checkpoint's
-    kind: str  # "eagle3", "nextn", "chained-mtp", "standalone" or "dflash"
+    kind: str  # "eagle3", "nextn", "chained-mtp", "standalone", "dflash" or "dspark"
     capture: CaptureSpec
     missing_tables: tuple[str, ...]  # shared tables to pull from the target (its GetWeights names)
     fill_table: Callable[[str, torch.Tensor], None]  # (name, [vocab, hidden] table)
@@ -252,34 +253,37 @@ def _prepare_standalone(settings: DraftSettings, info: target_pb2.TargetInfo) ->
     )
 
 
-def _prepare_dflash(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
-    model = load_dflash(settings.model_dir, dtype=getattr(torch, settings.dtype), device=settings.device)
+def _prepare_block(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
+    model, missing = load_dflash(settings.model_dir, dtype=getattr(torch, settings.dtype), device=settings.device)
     config = model.config
     check_dflash(config, info, settings.num_steps)
     capture = CaptureSpec(config.capture_indices(info.num_layers), "output", config.target_layer_ids)
+    kind = "dflash" if config.dspark is None else "dspark"
     LOG.info(
-        "DFlash draft: %d layers, block %d (up to %d drafts a round), mask token %d; target layer outputs %s -> "
-        "capture indices %s of %d target layers",
+        "%s draft: %d layers, block %d (up to %d drafts a round), mask token %d; target layer outputs %s -> "
+        "capture indices %s of %d target layers; %s",
+        kind,
         config.layer.num_layers,
         config.block_size,
-        config.block_size - 1,
+        config.drafts_per_block,
         config.mask_token_id,
         list(config.target_layer_ids),
         list(capture.indices),
         info.num_layers,
+        "embedding and LM head from the target" if missing else "its own embedding and LM head",
     )
     return PreparedDraft(
-        architecture=DFLASH_ARCHITECTURES[0],
-        kind="dflash",
+        architecture=config.architecture,
+        kind=kind,
         capture=capture,
-        missing_tables=SHARED_TABLES,
+        missing_tables=missing,
         fill_table=model.fill_table,
         build_runner=lambda cache: BlockRunner(model, cache),
     )
 
 
 def check_dflash(config: DFlashConfig, info: target_pb2.TargetInfo, num_steps: int) -> None:
-    """Refuses a DFlash draft that does not fit the target (or the asked draft length), naming both values."""
+    """Refuses a block drafter that does not fit the target (or the asked draft length), naming both values."""
     last = info.num_layers - 1
     facts = (
         ("hidden_size", config.hidden_size, info.hidden_size, config.hidden_size == info.hidden_size),
@@ -294,7 +298,7 @@ def check_dflash(config: DFlashConfig, info: target_pb2.TargetInfo, num_steps: i
             "target_layer_ids",
             list(config.target_layer_ids),
             f"layers 0..{last}",
-            all(0 <= i <= last for i in config.target_layer_ids),
+            all(-1 <= i <= last for i in config.target_layer_ids),
         ),
         (
             "num_target_layers",
@@ -308,13 +312,14 @@ def check_dflash(config: DFlashConfig, info: target_pb2.TargetInfo, num_steps: i
     problems = [
         f"{what}: the draft has {ours}, the target has {theirs}" for what, ours, theirs, fits in facts if not fits
     ]
-    if num_steps > config.block_size - 1:
+    if num_steps > config.drafts_per_block:
         problems.append(
             f"speculative-num-steps: {num_steps} drafts asked, the draft's block_size {config.block_size} gives "
-            f"{config.block_size - 1}; pass --speculative-num-steps {config.block_size - 1} or fewer"
+            f"{config.drafts_per_block}; pass --speculative-num-steps {config.drafts_per_block} or fewer"
         )
     if problems:
-        raise IncompatibleDraft("DFlash draft does not fit the target: " + "; ".join(problems))
+        name = "DFlash" if config.dspark is None else "DSpark"
+        raise IncompatibleDraft(f"{name} draft does not fit the target: " + "; ".join(problems))
 
 
 def _prepare_target_format(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
@@ -330,6 +335,6 @@ DraftFormat = Callable[[DraftSettings, target_pb2.TargetInfo], PreparedDraft]
 # also name standalone draft models (a target-format checkpoint without MTP layers).
 DRAFT_FORMATS: dict[str, DraftFormat] = {
     **dict.fromkeys(EAGLE3_LAYER_KINDS, _prepare_eagle3),
-    **dict.fromkeys(DFLASH_ARCHITECTURES, _prepare_dflash),
+    **dict.fromkeys(BLOCK_ARCHITECTURES, _prepare_block),
     **dict.fromkeys(TARGET_ARCHITECTURES, _prepare_target_format),
 }

@@ -7,6 +7,7 @@ unless --draft names another) into the directories its settings hold.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from tandem.settings import DEMO_DRAFTS
@@ -45,3 +46,19 @@ def shown(path: Path) -> str:
     bench/results), else by its name, so that a record carries no one's home or temporary directories."""
     resolved = path.resolve()
     return str(resolved.relative_to(Path.cwd())) if resolved.is_relative_to(Path.cwd()) else resolved.name
+
+
+def block_drafts(draft_dir: Path | None) -> int | None:
+    """The drafts a round of a block drafter makes in one forward: B - 1 for DFlash (`DFlashDraftModel`, block_size
+    at the top level or in `dflash_config`), B for DSpark (`Qwen3DSparkModel`); None for any other directory."""
+    config_path = draft_dir / "config.json" if draft_dir is not None else None
+    if config_path is None or not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture not in ("DFlashDraftModel", "Qwen3DSparkModel"):
+        return None
+    block_size = (config.get("dflash_config") or {}).get("block_size", config.get("block_size"))
+    if not block_size:
+        return None
+    return int(block_size) - (1 if architecture == "DFlashDraftModel" else 0)

@@ -1,4 +1,5 @@
-"""DFlash block drafter (z-lab's checkpoint layout, arXiv 2602.06036): a whole block of drafts from one forward.
+"""Block drafters: DFlash (z-lab's checkpoint layout, arXiv 2602.06036) and DSpark (DeepSpec's), a whole block of
+drafts from one forward.
 
 The draft has Qwen3-style decoder layers (per-head q/k norms, rotary, SwiGLU), `fc` and `hidden_norm` over the
 target's features, a final `norm`, and no embedding or LM head of its own: it uses the target's (pulled from the
@@ -19,9 +20,15 @@ The block's K/V is dropped after the forward (the runner cuts the cache back to 
 the context rows of the positions verified since. Example, B = 4, prompt x0..x4, first token x5: the context is the
 features of positions 0..4, the block [x5, M, M, M] at positions 5..8, and its rows 1..3 draft x6, x7, x8.
 
+DSpark (`Qwen3DSparkModel`; its fields at the top level of a copy of the target's config, and its own copy of the
+target's embedding and LM head where the checkpoint ships them) runs the same backbone, but every block row drafts:
+row j drafts position P + 2 + j (B drafts), its logits corrected by a low-rank Markov head from the token before it
+(the anchor for row 0, then the drafts, left to right), and a confidence head scores each draft.
+
 Feature ids: `target_layer_ids` name 0-based target layers whose OUTPUT is a feature (transformers'
 `hidden_states[id + 1]`): capture index id + 1, the stream entering the next layer; for the last layer, whose
-output transformers reports after the final norm, index num_layers + 1 (the final norm's output).
+output transformers reports after the final norm, index num_layers + 1 (the final norm's output); DSpark's -1 is
+the embedding's output, index 0.
 """
 
 from __future__ import annotations
@@ -41,10 +48,16 @@ from tandem.layers.mlp import GatedMLP
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ConfigError, FamilyTraits, ModelConfig, read_hf_config
+from tandem.models.eagle3 import checkpoint_has
 from tandem.weights.loader import NameMap, iter_tensors, load_weights, materialized, on_meta
 
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
-SHARED_TABLES = ("embed_tokens", "lm_head")  # what the draft takes from the target
+DSPARK_ARCHITECTURES = ("Qwen3DSparkModel",)
+BLOCK_ARCHITECTURES = DFLASH_ARCHITECTURES + DSPARK_ARCHITECTURES
+SHARED_TABLES = ("embed_tokens", "lm_head")  # what the draft takes from the target when its checkpoint lacks them
+MARKOV_HEADS = ("vanilla", "gated")
+# q/k/v and gate/up pack as in every layer; the gated Markov head's `gate_proj` is no MLP's gate part.
+BLOCK_NAME_MAP = NameMap(renames=(("markov_head.gate_proj.", "markov_head.gate."),))
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -56,6 +69,34 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
 
 
+def feature_capture(layer_ids: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """The target capture indices of feature ids (module docstring) on a target of `num_layers` layers; DSpark's id
+    -1 names the embedding's output, capture index 0."""
+    return tuple(num_layers + 1 if i == num_layers - 1 else i + 1 for i in layer_ids)
+
+
+@dataclass(frozen=True)
+class DSparkHeads:
+    """DSpark's heads after the backbone: the low-rank Markov head and the confidence head."""
+
+    markov_rank: int  # 0: no Markov head
+    markov_type: str  # one of MARKOV_HEADS
+    confidence: bool  # a confidence head
+    confidence_with_markov: bool  # it reads [hidden ; W1[previous token]], else the hidden alone
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> DSparkHeads:
+        rank = int(hf.get("markov_rank") or 0)
+        kind = str(hf.get("markov_head_type") or "vanilla")
+        if rank > 0 and kind not in MARKOV_HEADS:
+            raise ConfigError(f"markov_head_type: {kind!r} is not served ({', '.join(MARKOV_HEADS)})")
+        confidence = bool(hf.get("enable_confidence_head", False))
+        with_markov = confidence and bool(hf.get("confidence_head_with_markov", False))
+        if with_markov and rank == 0:
+            raise ConfigError("confidence_head_with_markov: true, but markov_rank is 0 (no Markov head to read)")
+        return cls(rank, kind, confidence, with_markov)
+
+
 @dataclass(frozen=True)
 class DFlashConfig:
     layer: ModelConfig  # the decoder layers' shapes; hidden_size is the target's, vocab_size the target's
@@ -64,6 +105,18 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...]
     num_target_layers: int | None  # as the config says; None when absent
     windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
+    architecture: str = DFLASH_ARCHITECTURES[0]
+    dspark: DSparkHeads | None = None  # DSpark's heads; None: a DFlash draft
+
+    @property
+    def first_draft_row(self) -> int:
+        """The block row whose output is the first draft: 1 for DFlash (row j drafts position P + 1 + j), 0 for
+        DSpark (row j drafts the token after it, so the anchor's row drafts too)."""
+        return 0 if self.dspark is not None else 1
+
+    @property
+    def drafts_per_block(self) -> int:
+        return self.block_size - self.first_draft_row
 
     @property
     def hidden_size(self) -> int:
@@ -78,26 +131,30 @@ class DFlashConfig:
         return self.layer.cache_layout
 
     def capture_indices(self, num_layers: int) -> tuple[int, ...]:
-        """The target capture indices of the feature ids (module docstring) on a target of `num_layers` layers."""
-        return tuple(num_layers + 1 if i == num_layers - 1 else i + 1 for i in self.target_layer_ids)
+        return feature_capture(self.target_layer_ids, num_layers)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> DFlashConfig:
+        """DFlash keeps its fields in `dflash_config` (block_size may sit at the top level); DSpark (DeepSpec) keeps
+        them at the top level of a copy of the target's config."""
         architecture = (hf.get("architectures") or ["?"])[0]
-        if architecture not in DFLASH_ARCHITECTURES:
+        if architecture not in BLOCK_ARCHITECTURES:
             raise ConfigError(
-                f"architectures: {architecture!r} is not a DFlash draft ({', '.join(DFLASH_ARCHITECTURES)})"
+                f"architectures: {architecture!r} is not a block drafter ({', '.join(BLOCK_ARCHITECTURES)})"
             )
-        dflash = hf.get("dflash_config") or {}
+        dspark = architecture in DSPARK_ARCHITECTURES
+        dflash = hf if dspark else hf.get("dflash_config") or {}
         # Sliding windows are per layer here (layer_types), which ModelConfig refuses for a whole model.
         plain = {key: value for key, value in hf.items() if key not in ("use_sliding_window", "sliding_window")}
         bias = bool(hf.get("attention_bias", False))
         layer = ModelConfig.from_hf(plain, traits=FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm=True))
         block_size = dflash.get("block_size", hf.get("block_size"))
         if block_size is None or int(block_size) < 2:
-            raise ConfigError(f"block_size: {block_size!r}; a DFlash draft needs a block of at least 2 tokens")
+            raise ConfigError(f"block_size: {block_size!r}; a block drafter needs a block of at least 2 tokens")
         if dflash.get("mask_token_id") is None:
-            raise ConfigError("dflash_config.mask_token_id: missing; a DFlash draft fills its block with it")
+            raise ConfigError(
+                f"{'' if dspark else 'dflash_config.'}mask_token_id: missing; the block is filled with it"
+            )
         num_target_layers = hf.get("num_target_layers")
         ids = dflash.get("target_layer_ids")
         if ids is None:
@@ -117,6 +174,8 @@ class DFlashConfig:
             target_layer_ids=tuple(int(i) for i in ids),
             num_target_layers=None if num_target_layers is None else int(num_target_layers),
             windows=tuple(window if kind == "sliding_attention" and window > 0 else None for kind in types),
+            architecture=architecture,
+            dspark=DSparkHeads.from_hf(hf) if dspark else None,
         )
 
 
@@ -184,7 +243,36 @@ class DFlashLayer(nn.Module):
         return block + self.mlp(self.post_attention_layernorm(block))
 
 
+class MarkovHead(nn.Module):
+    """DSpark's correction of a block row's logits from the token before it: W2 W1[previous] (vanilla), or
+    W2 (sigmoid(gate_proj([hidden ; W1[previous]])) * W1[previous]) (gated; `gate` here)."""
+
+    def __init__(self, heads: DSparkHeads, hidden: int, vocab: int) -> None:
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, heads.markov_rank)
+        self.markov_w2 = Linear(heads.markov_rank, vocab, bias=False)
+        # `markov_head.gate_proj` in the checkpoint (BLOCK_NAME_MAP: not a gate/up part of an MLP).
+        self.gate = Linear(hidden + heads.markov_rank, heads.markov_rank) if heads.markov_type == "gated" else None
+
+    def forward(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:  # [n, hidden], [n] -> [n, vocab]
+        embedded = self.markov_w1(previous)
+        if self.gate is not None:
+            embedded = self.gate(torch.cat([hidden, embedded], dim=-1)).sigmoid() * embedded
+        return self.markov_w2(embedded)
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's confidence head: one logit per row from [hidden ; W1[previous]] (with_markov) or the hidden."""
+
+    def __init__(self, heads: DSparkHeads, hidden: int) -> None:
+        super().__init__()
+        self.with_markov = heads.confidence_with_markov
+        self.proj = Linear(hidden + (heads.markov_rank if self.with_markov else 0), 1)
+
+
 class DFlashDraft(nn.Module):
+    """The block drafter: DFlash's backbone, and for DSpark its Markov and confidence heads."""
+
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         self.config = config
@@ -197,6 +285,9 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(hidden, layer.rms_norm_eps)
         self.norm = RMSNorm(hidden, layer.rms_norm_eps)
         self.lm_head = Linear(hidden, layer.vocab_size, bias=False)  # the target's
+        heads = config.dspark
+        self.markov_head = MarkovHead(heads, hidden, layer.vocab_size) if heads and heads.markov_rank else None
+        self.confidence_head = ConfidenceHead(heads, hidden) if heads is not None and heads.confidence else None
 
     def forward(
         self,
@@ -204,13 +295,32 @@ class DFlashDraft(nn.Module):
         features: torch.Tensor,  # [contexts, len(target_layer_ids) * hidden] the new context rows' target features
         step: BlockStep,
         cache: PagedKVCache,
-        logit_rows: torch.Tensor,  # [rows] the block rows whose logits are wanted
-    ) -> torch.Tensor:  # -> [rows, vocab] float32
+        rows: torch.Tensor,  # [rows] the block rows that draft
+    ) -> torch.Tensor:  # -> [rows, hidden] their final-norm outputs
         context = self.hidden_norm(self.fc(features))
         block = self.embed_tokens(block_ids)
         for layer in self.layers:
             block = layer(block, context, step, cache)
-        return self.lm_head(self.norm(block[logit_rows])).float()
+        return self.norm(block[rows])
+
+    def logits(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32
+        """Draft logits of block rows ([n, hidden]) given the token before each ([n]: the anchor, then the drafts):
+        the LM head's, plus DSpark's Markov correction."""
+        logits = self.lm_head(hidden).float()
+        return logits if self.markov_head is None else logits + self.markov_head(hidden, previous).float()
+
+    def confidence(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:  # -> [n] in (0, 1)
+        """DSpark's calibrated chance that each row's draft is accepted given the ones before it; None without a
+        confidence head."""
+        if self.confidence_head is None:
+            return None
+        if (
+            self.markov_head is not None
+            and self.config.dspark is not None
+            and self.config.dspark.confidence_with_markov
+        ):
+            hidden = torch.cat([hidden, self.markov_head.markov_w1(previous)], dim=-1)
+        return self.confidence_head.proj(hidden).float().squeeze(-1).sigmoid()
 
     def fill_table(self, name: str, table: torch.Tensor) -> None:
         """Copies the target's `embed_tokens` or `lm_head` ([vocab, hidden]) into the draft."""
@@ -218,13 +328,17 @@ class DFlashDraft(nn.Module):
         module.weight.data.copy_(table)
 
 
-def load_dflash(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DFlashDraft:
-    """Loads a DFlash draft; its embedding and LM head are the target's, left NaN until `fill_table` fills them."""
+def load_dflash(
+    model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[DFlashDraft, tuple[str, ...]]:
+    """Loads a block drafter; returns it and the shared tables its checkpoint lacks (DFlash's never has them, a
+    DSpark checkpoint may), left NaN until `fill_table` fills them from the target."""
     config = DFlashConfig.from_hf(read_hf_config(model_dir))
     model = materialized(on_meta(lambda: DFlashDraft(config)), device, dtype)
     for name in SHARED_TABLES:
         getattr(model, name).weight.data.fill_(float("nan"))
     optional = frozenset(f"{name}.weight" for name in SHARED_TABLES)
-    load_weights(model, iter_tensors(model_dir), NameMap(), source=str(model_dir), optional=optional)
+    load_weights(model, iter_tensors(model_dir), BLOCK_NAME_MAP, source=str(model_dir), optional=optional)
+    missing = tuple(name for name in SHARED_TABLES if not checkpoint_has(model_dir, f"{name}.weight"))
     model.eval()
-    return model
+    return model, missing

@@ -1,4 +1,5 @@
-"""Tiny DFlash drafts in z-lab's checkpoint layout, for a tiny target written by tests.helpers.checkpoints.
+"""Tiny block drafters, DFlash in z-lab's checkpoint layout and DSpark in DeepSpec's, for a tiny target written by
+tests.helpers.checkpoints.
 
 The decoder layers come from transformers' own Qwen3Model (the backbone z-lab's DFlashDraftModel is built of): its
 state dict gives `layers.N.*` and `norm.weight` without the `model.` prefix, as DFlash checkpoints store them; `fc`
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3Model
 
-from tests.helpers.checkpoints import dense_weight, norm_weight, redraw_parameters
+from tests.helpers.checkpoints import dense_weight, norm_weight, read_target_tensor, redraw_parameters
 
 
 @dataclass(frozen=True)
@@ -95,3 +96,74 @@ def dflash_config(config: Qwen3Config, spec: TinyDFlashSpec, vocab: int, num_tar
         dflash_config=dflash,
     )
     return written
+
+
+@dataclass(frozen=True)
+class TinyDSparkSpec:
+    """A DSpark draft in DeepSpec's layout: a copy of the target's (Qwen3) config with the draft's layer count and
+    DSpark's fields at the top level, weights without a `model.` prefix, the target's embedding and LM head copied in
+    (`include_tables`) as DeepSpec's trainer saves them."""
+
+    num_layers: int = 2
+    block_size: int = 4  # DSpark drafts from every row: 4 drafts a round
+    target_layer_ids: Sequence[int] = (-1, 1, 3)  # -1: the embedding's output
+    markov_rank: int = 8  # 0: no Markov head
+    markov_head_type: Literal["vanilla", "gated"] = "vanilla"
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+    include_tables: bool = True
+    seed: int = 0
+
+
+def write_tiny_dspark(directory: Path, target_dir: Path, spec: TinyDSparkSpec = TinyDSparkSpec()) -> Path:
+    target = json.loads((target_dir / "config.json").read_text())
+    hidden, vocab = target["hidden_size"], target["vocab_size"]
+    fields = {key: target[key] for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps")}
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=target["intermediate_size"],
+        num_hidden_layers=spec.num_layers,
+        max_position_embeddings=target["max_position_embeddings"],
+        rope_theta=10000.0,
+        dtype="float32",
+        **fields,
+    )
+    with torch.random.fork_rng(devices=[]):
+        backbone = Qwen3Model(config)
+    generator = torch.Generator().manual_seed(spec.seed)
+    redraw_parameters(backbone, generator)
+    tensors = {name: t.contiguous() for name, t in backbone.state_dict().items() if not name.startswith("embed_")}
+    if spec.include_tables:
+        tensors["embed_tokens.weight"] = read_target_tensor(target_dir, "model.embed_tokens.weight")
+        tensors["lm_head.weight"] = read_target_tensor(target_dir, "lm_head.weight")
+    tensors["fc.weight"] = dense_weight((hidden, len(spec.target_layer_ids) * hidden), generator)
+    tensors["hidden_norm.weight"] = norm_weight((hidden,), generator)
+    rank = spec.markov_rank
+    if rank:
+        tensors["markov_head.markov_w1.weight"] = dense_weight((vocab, rank), generator) * 10
+        tensors["markov_head.markov_w2.weight"] = dense_weight((vocab, rank), generator)
+        if spec.markov_head_type == "gated":
+            tensors["markov_head.gate_proj.weight"] = dense_weight((rank, hidden + rank), generator)
+            tensors["markov_head.gate_proj.bias"] = dense_weight((rank,), generator)
+    if spec.confidence_head:
+        width = hidden + (rank if spec.confidence_with_markov else 0)
+        tensors["confidence_head.proj.weight"] = dense_weight((1, width), generator)
+        tensors["confidence_head.proj.bias"] = dense_weight((1,), generator)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    written = config.to_dict() | {
+        "architectures": ["Qwen3DSparkModel"],
+        "num_target_layers": target["num_hidden_layers"],
+        "block_size": spec.block_size,
+        "tie_word_embeddings": False,
+        "mask_token_id": vocab - 1,
+        "target_layer_ids": list(spec.target_layer_ids),
+        "num_anchors": 512,
+        "enable_confidence_head": spec.confidence_head,
+        "confidence_head_with_markov": spec.confidence_with_markov,
+        "markov_rank": rank,
+        "markov_head_type": spec.markov_head_type,
+    }
+    (directory / "config.json").write_text(json.dumps(written, indent=2))
+    return directory

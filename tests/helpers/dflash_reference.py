@@ -1,6 +1,7 @@
-"""A plain-torch reference of DFlash drafting and of its decoding loop, written from the paper (arXiv 2602.06036) and
-the behaviour of z-lab's public `dflash_generate`, independent of Tandem's model code: no KV cache, every round
-recomputes the draft over the whole context, and the target is transformers' own model.
+"""A plain-torch reference of DFlash and DSpark drafting and of their decoding loop, written from the papers (DFlash:
+arXiv 2602.06036; DSpark: DeepSpec's) and the behaviour of their public code (z-lab's `dflash_generate`, DeepSpec's
+`build_dspark_proposal`), independent of Tandem's model code: no KV cache, every round recomputes the draft over the
+whole context, and the target is transformers' own model.
 
     features   = concat of transformers' hidden_states[id + 1] over target_layer_ids (the outputs of those layers)
     context    = hidden_norm(fc(features of positions 0 .. start - 1))
@@ -9,6 +10,10 @@ recomputes the draft over the whole context, and the target is transformers' own
                attention of the block over everything, non-causal (a sliding layer: keys > position - window);
                block += o_proj(attention); block += mlp(post_attention_layernorm(block))
     drafts     = argmax target lm_head(norm(block))[1:]
+DSpark (a DFlash backbone; its fields at the top level of its config, its own copy of the target's embedding and LM
+head where it ships them) drafts from every row: row j's logits are lm_head(h_j) + W2 W1[prev_j] (the gated head:
+W2 (sigmoid(gate_proj([h_j ; W1[prev_j]])) * W1[prev_j])), prev_0 the anchor and prev_j the draft of row j - 1, left
+to right; its confidence in row j is sigmoid(proj([h_j ; W1[prev_j]])) (or of h_j alone).
 A round verifies the drafts with the target (greedy), accepts the matching prefix, appends the target's token, and
 adds the features of the anchor and the accepted drafts to the context.
 """
@@ -43,7 +48,8 @@ class ReferenceDFlash:
         self.config = json.loads((draft_dir / "config.json").read_text())
         self.weights = load_file(str(draft_dir / "model.safetensors"))
         self.target = target
-        dflash = self.config["dflash_config"]
+        self.dspark = self.config["architectures"] == ["Qwen3DSparkModel"]
+        dflash = self.config if self.dspark else self.config["dflash_config"]
         self.block_size = int(dflash.get("block_size", self.config.get("block_size")))
         self.mask_token_id = int(dflash["mask_token_id"])
         self.layer_ids = list(dflash["target_layer_ids"])
@@ -54,22 +60,68 @@ class ReferenceDFlash:
         self.windows = [window if kind == "sliding_attention" else None for kind in types]
 
     def features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:  # -> [positions, n * hidden]
-        return torch.cat([hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
+        return torch.cat([hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)  # id -1: the embedding
 
     def w(self, name: str) -> torch.Tensor:
         return self.weights[name]
 
-    def block_logits(self, features: torch.Tensor, anchor: int) -> torch.Tensor:  # -> [B - 1, vocab]
-        """The draft's logits for the block after the context `features` (positions 0 .. start - 1)."""
+    def block_hidden(self, features: torch.Tensor, anchor: int) -> torch.Tensor:  # -> [B, hidden]
+        """The draft's final-norm outputs for the block after the context `features` (positions 0 .. start - 1)."""
         start, size = features.shape[0], self.block_size
         context = rms_norm(features @ self.w("fc.weight").T, self.w("hidden_norm.weight"), self.eps)
         ids = torch.tensor([anchor] + [self.mask_token_id] * (size - 1))
-        block = self.target.get_input_embeddings()(ids)
+        block = self.embedding(ids)
         positions = torch.arange(start + size)
         for index, window in enumerate(self.windows):
             block = self.layer(index, block, context, positions, window)
-        normed = rms_norm(block, self.w("norm.weight"), self.eps)
-        return self.target.get_output_embeddings()(normed)[1:]
+        return rms_norm(block, self.w("norm.weight"), self.eps)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        if "embed_tokens.weight" in self.weights:
+            return self.weights["embed_tokens.weight"][ids]
+        return self.target.get_input_embeddings()(ids)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if "lm_head.weight" in self.weights:
+            return hidden @ self.weights["lm_head.weight"].T
+        return self.target.get_output_embeddings()(hidden)
+
+    def block_logits(self, features: torch.Tensor, anchor: int) -> torch.Tensor:  # -> [B - 1, vocab]
+        """DFlash's draft logits: the LM head over block rows 1 .. B - 1."""
+        return self.head(self.block_hidden(features, anchor))[1:]
+
+    def drafts(self, features: torch.Tensor, anchor: int, k: int) -> tuple[list[int], list[float]]:
+        """The first k drafts of the block, and (DSpark with a confidence head) each one's confidence."""
+        hidden = self.block_hidden(features, anchor)
+        if not self.dspark:
+            return self.head(hidden)[1:].argmax(-1)[:k].tolist(), []
+        drafts: list[int] = []
+        confidences: list[float] = []
+        previous = anchor
+        for j in range(k):
+            logits = self.head(hidden[j])
+            embedded = self.weights["markov_head.markov_w1.weight"][previous] if self.markov else None
+            if embedded is not None:
+                if "markov_head.gate_proj.weight" in self.weights:
+                    gate = torch.cat([hidden[j], embedded]) @ self.w("markov_head.gate_proj.weight").T
+                    embedded = (gate + self.w("markov_head.gate_proj.bias")).sigmoid() * embedded
+                logits = logits + embedded @ self.w("markov_head.markov_w2.weight").T
+            if "confidence_head.proj.weight" in self.weights:
+                own = (
+                    self.weights["markov_head.markov_w1.weight"][previous]
+                    if self.config.get("confidence_head_with_markov")
+                    else None
+                )
+                row = hidden[j] if own is None else torch.cat([hidden[j], own])
+                score = row @ self.w("confidence_head.proj.weight")[0] + self.w("confidence_head.proj.bias")[0]
+                confidences.append(float(score.sigmoid()))
+            previous = int(logits.argmax())
+            drafts.append(previous)
+        return drafts, confidences
+
+    @property
+    def markov(self) -> bool:
+        return "markov_head.markov_w1.weight" in self.weights
 
     def layer(
         self, index: int, block: torch.Tensor, context: torch.Tensor, positions: torch.Tensor, window: int | None
@@ -106,7 +158,8 @@ class ReferenceRun:
 
 @torch.no_grad()
 def reference_generate(target_dir: Path, draft_dir: Path, prompt: list[int], max_new_tokens: int) -> ReferenceRun:
-    """Greedy DFlash decoding of `prompt`; a round drafts min(B - 1, tokens left - 1), as Tandem's rounds do."""
+    """Greedy block-draft decoding of `prompt`; a round drafts min(a block's drafts, tokens left - 1), as Tandem's
+    rounds do."""
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     draft = ReferenceDFlash(draft_dir, target)
     output = target(torch.tensor([prompt]), output_hidden_states=True)
@@ -114,8 +167,9 @@ def reference_generate(target_dir: Path, draft_dir: Path, prompt: list[int], max
     tokens = [*prompt, int(output.logits[0, -1].argmax())]
     run = ReferenceRun(tokens=[])
     while len(tokens) - len(prompt) < max_new_tokens:
-        k = min(draft.block_size - 1, max_new_tokens - (len(tokens) - len(prompt)) - 1)
-        drafts = draft.block_logits(features, tokens[-1]).argmax(-1)[:k].tolist()
+        per_block = draft.block_size - (0 if draft.dspark else 1)
+        k = min(per_block, max_new_tokens - (len(tokens) - len(prompt)) - 1)
+        drafts, _ = draft.drafts(features, tokens[-1], k)
         start = len(tokens) - 1  # the anchor's position
         output = target(torch.tensor([tokens + drafts]), output_hidden_states=True)
         choices = output.logits[0, start:].argmax(-1).tolist()

@@ -7,7 +7,9 @@ the published DFlash loop (tests.helpers.dflash_reference) run on transformers' 
 - Qwen3 target and draft both with a zero final norm, block 5: every logit is 0, so the target always produces
   token 0 and the draft always drafts it: every draft accepted, rows of a whole block each round. Under a presence
   penalty the target's choice becomes the lowest id not produced yet; the draft shapes its block row by row with the
-  drafts before it, so it still drafts exactly that and every draft is still accepted.
+  drafts before it, so it still drafts exactly that and every draft is still accepted;
+- Qwen3 target, random DSpark draft (features of the embedding, layer 1 and the last, a Markov head, a confidence head,
+  its own copy of the target's tables), block 4: 4 drafts a round, each corrected by the one before.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
-from tests.helpers.dflash_checkpoints import TinyDFlashSpec, write_tiny_dflash
+from tests.helpers.dflash_checkpoints import TinyDFlashSpec, TinyDSparkSpec, write_tiny_dflash, write_tiny_dspark
 from tests.helpers.dflash_reference import reference_generate
 from tests.integration.stack import draft_info, generate, serve, service_addresses
 from tests.integration.test_greedy_equivalence import reference_greedy
@@ -40,16 +42,19 @@ def accepting_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
     return target, write_tiny_dflash(tmp_path_factory.mktemp("qwen3-dflash"), target, spec)
 
 
-def test_rounds_and_outputs_equal_the_reference(llama_pair: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_rounds_and_outputs_equal_the_reference(llama_pair: tuple[Path, Path], tp: int) -> None:
+    """At tp 2 the draft assembles the target's embedding and LM head from the two ranks' vocab-parallel shards."""
     target, draft = llama_pair
     tokenizer = AutoTokenizer.from_pretrained(str(target))
-    with serve(target, draft, "--speculative-num-steps", "3", "--no-adaptive-k") as stack:
+    with serve(target, draft, "--no-adaptive-k", "--tp", str(tp)) as stack:
         served = [generate(stack.address, prompt=p, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True) for p in PROMPTS]
         target_only = [
             generate(stack.address, prompt=p, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, disable_speculation=True)
             for p in PROMPTS
         ]
         info = draft_info(service_addresses(stack.log)["draft"])
+    # No --speculative-num-steps: the whole block, B - 1 = 3 drafts.
     assert (info.kind, list(info.capture_indices), info.num_steps) == ("dflash", [1, 3, 5], 3)
     for prompt, completion, alone in zip(PROMPTS, served, target_only, strict=True):
         reference = reference_generate(target, draft, tokenizer(prompt).input_ids, MAX_NEW_TOKENS)
@@ -64,7 +69,7 @@ def test_rounds_and_outputs_equal_the_reference(llama_pair: tuple[Path, Path]) -
 def test_whole_blocks_accepted_with_and_without_a_penalty(accepting_pair: tuple[Path, Path]) -> None:
     target, draft = accepting_pair
     tokenizer = AutoTokenizer.from_pretrained(str(target))
-    with serve(target, draft, "--speculative-num-steps", "4", "--no-adaptive-k") as stack:
+    with serve(target, draft, "--speculative-num-steps", "4", "--no-adaptive-k") as stack:  # B - 1 = 4
         plain = generate(stack.address, prompt=PROMPTS[0], max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
         options = {"prompt": PROMPTS[0], "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, "presence_penalty": 1.0}
         penalised = generate(stack.address, **options)
@@ -77,3 +82,22 @@ def test_whole_blocks_accepted_with_and_without_a_penalty(accepting_pair: tuple[
     assert penalised.token_ids == penalised_alone.token_ids
     assert len(set(penalised.token_ids)) == MAX_NEW_TOKENS  # the penalty made every token a new one
     assert penalised.stats.accepted_tokens == penalised.stats.draft_tokens == plain.stats.draft_tokens
+
+
+def test_dspark_rounds_and_outputs_equal_the_reference(tmp_path: Path) -> None:
+    target = write_tiny_target(tmp_path / "qwen3", TinyTargetSpec(family="qwen3"))
+    draft = write_tiny_dspark(tmp_path / "dspark", target, TinyDSparkSpec())
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    with serve(target, draft, "--no-adaptive-k") as stack:
+        served = [generate(stack.address, prompt=p, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True) for p in PROMPTS]
+        info = draft_info(service_addresses(stack.log)["draft"])
+    assert (info.kind, list(info.capture_indices), info.num_steps) == ("dspark", [0, 2, 5], 4)
+    for prompt, completion in zip(PROMPTS, served, strict=True):
+        reference = reference_generate(target, draft, tokenizer(prompt).input_ids, MAX_NEW_TOKENS)
+        assert completion.token_ids == reference.tokens == reference_greedy(target, prompt, MAX_NEW_TOKENS)
+        stats = completion.stats
+        assert (stats.rounds, stats.draft_tokens, stats.accepted_tokens) == (
+            len(reference.accepted),
+            sum(len(drafts) for drafts in reference.drafts),
+            sum(reference.accepted),
+        )

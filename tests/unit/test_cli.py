@@ -3,6 +3,7 @@ refuse together."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -185,3 +186,20 @@ def test_the_keepalive_timeout_reaches_every_child_and_is_at_least_a_second(
     with pytest.raises(SystemExit):
         build_parser().parse_args([*ORCHESTRATOR, "--keepalive-timeout", "0.5"])
     assert "0.5: a keepalive timeout must be at least 1 second" in capsys.readouterr().err
+
+
+def test_a_block_drafter_drafts_its_whole_block_unless_told_otherwise(tmp_path: Path) -> None:
+    block = tmp_path / "dflash"
+    block.mkdir()
+    config = {"architectures": ["DFlashDraftModel"], "dflash_config": {"mask_token_id": 3, "block_size": 16}}
+    (block / "config.json").write_text(json.dumps(config))
+
+    def steps(*arguments: str) -> int:
+        args = build_parser().parse_args(["serve", "--target", "t", "--draft", str(block), *arguments])
+        settings = serve_settings_of(args)
+        assert settings.draft_settings("r", "a").num_steps == settings.scheduler.num_steps
+        return settings.scheduler.num_steps
+
+    assert steps() == 15
+    assert steps("--speculative-num-steps", "6") == 6
+    assert serve_settings().scheduler.num_steps == SchedulerSettings.num_steps  # a draft that is no block drafter

@@ -1,7 +1,8 @@
-"""The DFlash block drafter (tandem.models.dflash on draft_server.block_runner) against a plain-torch reference of the
-published semantics (tests.helpers.dflash_reference), on tiny Llama and Qwen3 targets made with transformers: the
-same drafts, round after round, for requests batched together and for a request replayed from scratch; and the
-start-up checks that refuse a draft that does not fit its target, naming both values."""
+"""The block drafters, DFlash and DSpark (tandem.models.dflash on draft_server.block_runner), against a plain-torch
+reference of the published semantics (tests.helpers.dflash_reference), on tiny Llama and Qwen3 targets made with
+transformers: the same drafts, round after round, for requests batched together and for a request replayed from
+scratch, and DSpark's confidences; and the start-up checks that refuse a draft that does not fit its target, naming
+both values."""
 
 from __future__ import annotations
 
@@ -21,17 +22,46 @@ from tandem.models.dflash import DFlashConfig, default_target_layer_ids, load_df
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
 from tests.helpers.checkpoints import TinyTargetSpec, read_target_tensor, write_tiny_target
-from tests.helpers.dflash_checkpoints import TinyDFlashSpec, write_tiny_dflash
+from tests.helpers.dflash_checkpoints import TinyDFlashSpec, TinyDSparkSpec, write_tiny_dflash, write_tiny_dspark
 from tests.helpers.dflash_reference import ReferenceDFlash
 
 PROMPTS = ([5, 17, 42, 99, 7, 3, 250, 18, 61, 77, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 30, 31, 32, 33, 34, 35, 36, 37])
 ROUNDS = 8
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+PAIRS = {
+    "llama-dflash": ("llama", lambda d, t: write_tiny_dflash(d, t, TinyDFlashSpec())),
+    "qwen3-dflash": ("qwen3", lambda d, t: write_tiny_dflash(d, t, TinyDFlashSpec())),
+    # DSpark: drafts from every row, a Markov head (vanilla, gated), a confidence head, its own copy of the tables.
+    "qwen3-dspark": ("qwen3", lambda d, t: write_tiny_dspark(d, t, TinyDSparkSpec())),
+    "qwen3-dspark-gated": (
+        "qwen3",
+        lambda d, t: write_tiny_dspark(
+            d, t, TinyDSparkSpec(markov_head_type="gated", confidence_with_markov=False, include_tables=False)
+        ),
+    ),
+}
+
+
+def written(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    family, write_draft = PAIRS[name]
+    target = write_tiny_target(tmp_path_factory.mktemp("target"), TinyTargetSpec(family=family))
+    return target, write_draft(tmp_path_factory.mktemp("draft"), target)
+
+
+@pytest.fixture(scope="module", params=list(PAIRS))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    target = write_tiny_target(tmp_path_factory.mktemp("target"), TinyTargetSpec(family=request.param))
-    return target, write_tiny_dflash(tmp_path_factory.mktemp("dflash"), target, TinyDFlashSpec())
+    return written(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=[name for name in PAIRS if "dspark" in name])
+def dspark_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return written(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=[name for name in PAIRS if "dflash" in name])
+def dflash_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return written(request.param, tmp_path_factory)
 
 
 @dataclass
@@ -65,9 +95,10 @@ def verify(
 
 
 def runner_for(draft: Path, target_dir: Path) -> BlockRunner:
-    model = load_dflash(draft)
-    model.fill_table("embed_tokens", read_target_tensor(target_dir, "model.embed_tokens.weight"))
-    model.fill_table("lm_head", read_target_tensor(target_dir, "lm_head.weight"))
+    model, missing = load_dflash(draft)
+    tables = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
+    for name in missing:
+        model.fill_table(name, read_target_tensor(target_dir, tables[name]))
     return BlockRunner(model, KVCacheSettings(block_size=4, num_blocks=64))
 
 
@@ -79,12 +110,14 @@ def test_drafts_equal_the_reference_round_after_round(pair: tuple[Path, Path]) -
     runner = runner_for(draft, target_dir)
     requests = [start(target, reference, f"r{i}", prompt) for i, prompt in enumerate(PROMPTS)]
     context = {request.name: request.rows.features for request in requests}
+    per_block = runner.model.config.drafts_per_block
+    assert per_block == (4 if reference.dspark else 3)
     for round_number in range(ROUNDS):
-        steps = [3, 1 + round_number % 3]  # the block's B - 1 = 3, and fewer
+        steps = [per_block, 1 + round_number % 3]  # a whole block, and fewer
         inputs = [ProposeInput(r.name, r.rows, k) for r, k in zip(requests, steps, strict=True)]
         proposals = runner.propose(inputs)
         for request, k, proposal in zip(requests, steps, proposals, strict=True):
-            expected = reference.block_logits(context[request.name], request.tokens[-1]).argmax(-1)[:k].tolist()
+            expected, _ = reference.drafts(context[request.name], request.tokens[-1], k)
             assert proposal == expected, f"{request.name}, round {round_number}"
             request.drafts.append(proposal)
             verify(target, reference, request, proposal, accepted=min(k, round_number % 4))
@@ -99,13 +132,36 @@ def test_drafts_equal_the_reference_round_after_round(pair: tuple[Path, Path]) -
     runner.release([replayed.name])
     rows = TargetRows(0, replayed.tokens[1:], context[replayed.name])
     again = runner.propose([ProposeInput(replayed.name, rows, 3)])[0]
-    assert again == reference.block_logits(context[replayed.name], replayed.tokens[-1]).argmax(-1)[:3].tolist()
+    assert again == reference.drafts(context[replayed.name], replayed.tokens[-1], 3)[0]
 
 
-def test_the_window_and_the_context_matter(pair: tuple[Path, Path]) -> None:
+@torch.no_grad()
+def test_dspark_confidences_equal_the_reference(dspark_pair: tuple[Path, Path]) -> None:
+    target_dir, draft = dspark_pair
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    reference = ReferenceDFlash(draft, target)
+    runner = runner_for(draft, target_dir)
+    request = start(target, reference, "r", list(PROMPTS[0]))
+    rows: list[torch.Tensor] = []
+    hook = runner.model.register_forward_hook(lambda module, args, hidden: rows.append(hidden))
+    (drafts,) = runner.propose([ProposeInput("r", request.rows, 4)])
+    hook.remove()
+    previous = torch.tensor([request.tokens[-1], *drafts[:-1]])
+    confidences = runner.model.confidence(rows[0], previous)
+    expected_drafts, expected = reference.drafts(request.rows.features, request.tokens[-1], 4)
+    assert drafts == expected_drafts and confidences is not None
+    assert torch.allclose(confidences, torch.tensor(expected), atol=1e-5)
+    # Negative control: without the Markov head the same block drafts otherwise, so the equality above checks it.
+    reference.weights["markov_head.markov_w2.weight"] = torch.zeros_like(
+        reference.weights["markov_head.markov_w2.weight"]
+    )
+    assert reference.drafts(request.rows.features, request.tokens[-1], 4)[0] != drafts
+
+
+def test_the_window_and_the_context_matter(dflash_pair: tuple[Path, Path]) -> None:
     """Negative control: the reference's drafts change when its sliding window or its context is taken away, so
     the equality above checks both."""
-    target_dir, draft = pair
+    target_dir, draft = dflash_pair
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     reference = ReferenceDFlash(draft, target)
     with torch.no_grad():
