@@ -39,7 +39,8 @@ def bench_parser() -> argparse.ArgumentParser:
         choices=KIND_NAMES,
         help="measure these draft kinds side by side, each on a stack of its own: chain, tree (the shape flags', or "
         f"topk {TREE_KIND.topk} with {TREE_KIND.num_draft_tokens} draft tokens), ngram, "
-        "hybrid (the --draft model with n-gram drafts merged in)",
+        "hybrid (the --draft model with n-gram drafts merged in), block (the --block-draft block drafter, its whole "
+        "block a round)",
     )
     flags.add_options(parser, BenchSettings)
     return parser

@@ -103,7 +103,7 @@ async def _run(
 def _start_stack(settings: BenchSettings, kind: DraftKind) -> ServeProcess:
     """`tandem serve` of the benchmark's target with this kind's drafts, on free ports."""
     scheduler = {
-        "num_steps": settings.num_steps,
+        "num_steps": kind.steps(settings),
         "adaptive_k": settings.adaptive_k,
         "draft_ahead": settings.draft_ahead,
     }
@@ -127,7 +127,7 @@ def _colocated(settings: BenchSettings, kind: DraftKind) -> ColocatedEngine:
             ngram=kind.ngram,
             hybrid=kind.hybrid,
             placement=placement_of(DeviceRequest(dtype=settings.dtype)),  # as the started stack resolves it
-            num_steps=settings.num_steps,
+            num_steps=kind.steps(settings),
             tree=kind.tree,
             adaptive_k=settings.adaptive_k,
         )

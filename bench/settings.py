@@ -15,7 +15,7 @@ from orchestrator.settings import (
 )
 from tandem.devices import DTYPES
 from tandem.flags import flag, flag_of, nested, non_negative, positive, thread_count
-from tandem.settings import TreeShape
+from tandem.settings import DEMO_DIR, TreeShape
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,11 @@ class BenchSettings:
     # `--kinds`: draft kinds measured side by side on the draft model (bench/kinds.py), each on a stack of its own;
     # (): the one configuration of the fields above. The command's option: its choices are bench.kinds's.
     kinds: tuple[str, ...] = ()
+    # The block kind's draft (a DFlash directory), drafting its block's B - 1 tokens a round.
+    block_draft: Path = field(
+        default=DEMO_DIR / "dflash",
+        metadata=flag("--block-draft", "the block drafter of --kinds block (default: demo:dflash)", parse=Path),
+    )
     # A running stack; None: start one with `tandem serve`.
     address: str | None = field(
         default=None, metadata=flag("--address", "a running stack to measure (default: start one)")

@@ -8,6 +8,7 @@ Stages, each with a progress bar and its wall time recorded in DIR/metadata.json
     eagle3      an EAGLE3 head (Llama layer) trained with the unrolled chain (training-time test) -> DIR/eagle3/
     eagle3-mla  an EAGLE3 head with an MLA layer (Kimi-K2.5 layout), the same chain             -> DIR/eagle3-mla/
     mtp         3 chained MTP layers (Step-3.5 style), each on the previous one's outputs       -> DIR/mtp/
+    dflash      a DFlash block drafter (2 layers, block 8), all of a block's drafts in one forward -> DIR/dflash/
     evaluate    per head, greedy acceptance length on held-out prompts (k = 5, or the MTP head's layers), step timings
 The heads are described in training.demo_heads. The loss curves go to DIR/loss_curve.json and .md.
 
@@ -95,6 +96,7 @@ class DemoSettings:
             self.heads,
             draft_training=replace(self.heads.draft_training, budget_seconds=head_seconds),
             mtp_training=replace(self.heads.mtp_training, budget_seconds=head_seconds),
+            dflash_training=replace(self.heads.dflash_training, budget_seconds=head_seconds),
         )
         return replace(
             self,
@@ -174,7 +176,9 @@ def run_demo(
             settings.heads.draft_training.bf16_autocast,
         )
     target_config: dict[str, Any] = json.loads((target_dir / "config.json").read_text())
-    context = HeadContext(settings.heads, target, target_config, data, capture, pad_id)
+    context = HeadContext(
+        settings.heads, target, target_config, data, capture, pad_id, settings.continuation_prompt_tokens
+    )
     trained: dict[str, dict[str, Any]] = {}
     for name in heads:
         with clock.stage(name):

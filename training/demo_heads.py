@@ -3,6 +3,7 @@
     eagle3      EAGLE3 head with a Llama layer (SpecForge layout), unrolled chain of training.eagle3
     eagle3-mla  EAGLE3 head with an MLA layer (Eagle3DeepseekV2ForCausalLM, Kimi-K2.5 layout), the same chain
     mtp         chained MTP layers (Step-3.5 style, training.mtp), one draft step per layer
+    dflash      a DFlash block drafter (z-lab layout, training.dflash), a block of drafts per forward
 
 Every head is trained on the same greedy continuations of the served target (training.demo's data stage),
 collected once at the union of the heads' capture indices; each head takes its own columns (captured_features).
@@ -17,7 +18,9 @@ from typing import Any
 
 import torch
 
+from tandem.models.dflash import feature_capture
 from tandem.models.llama import LlamaForCausalLM
+from training.dflash import DFlashShape, build_dflash, dflash_training_defaults, save_dflash, train_dflash
 from training.eagle3 import (
     DraftData,
     DraftShape,
@@ -48,6 +51,9 @@ class HeadSettings:
     mtp_shape: MTPShape = field(default_factory=MTPShape)
     draft_training: DraftTraining = field(default_factory=DraftTraining)  # both EAGLE3 heads
     mtp_training: DraftTraining = field(default_factory=mtp_training_defaults)
+    dflash_shape: DFlashShape = field(default_factory=DFlashShape)
+    dflash_training: DraftTraining = field(default_factory=dflash_training_defaults)
+    dflash_anchors: int = 16  # anchors (blocks) per sequence per batch
     eval_num_steps: int = 5  # k of the acceptance measurement; an MTP head drafts at most one step per layer
     seed: int = 0
 
@@ -62,6 +68,7 @@ class HeadContext:
     data: DraftData
     capture: tuple[int, ...]  # the capture indices data.features was collected at, in order
     pad_id: int
+    prompt_length: int  # of every sequence in data; the rest is the target's greedy continuation
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,27 @@ def train_mtp_head(context: HeadContext, directory: Path, on_point: Callable[[Lo
     return record_summary(record, context.data) | {"capture_indices": [capture], "chain": True}
 
 
+def train_dflash_head(context: HeadContext, directory: Path, on_point: Callable[[LossPoint], None]) -> dict[str, Any]:
+    settings = context.settings
+    shape = settings.dflash_shape
+    # The mask token is the padding token: the frozen target embedding's row of a token no text holds.
+    hf_config = shape.hf_config(context.target_config, context.pad_id)
+    model = build_dflash(hf_config, context.target, settings.seed)
+    capture = feature_capture(shape.target_layer_ids, context.target.config.num_layers)
+    features = captured_features(context.data.features, context.capture, capture)
+    record = train_dflash(
+        model,
+        context.data,
+        features,
+        context.prompt_length,
+        settings.dflash_anchors,
+        settings.dflash_training,
+        on_point,
+    )
+    save_dflash(model, hf_config, directory)
+    return record_summary(record, context.data) | {"capture_indices": list(capture), "block_size": shape.block_size}
+
+
 def chain_note(training: DraftTraining, steps: str) -> str:
     weights = sum(training.step_decay**step for step in range(training.num_steps))
     return (
@@ -148,5 +176,11 @@ DEMO_HEADS: dict[str, DemoHead] = {
         train=train_mtp_head,
         num_steps=lambda settings: min(settings.eval_num_steps, settings.mtp_shape.num_layers),
         note=lambda settings: chain_note(settings.mtp_training, "chained MTP layers (full vocabulary)"),
+    ),
+    "dflash": DemoHead(
+        capture=lambda settings, layers: feature_capture(settings.dflash_shape.target_layer_ids, layers),
+        train=train_dflash_head,
+        num_steps=lambda settings: settings.dflash_shape.block_size - 1,
+        note=lambda settings: chain_note(settings.dflash_training, "block positions (one forward)"),
     ),
 }

@@ -217,7 +217,10 @@ def target_forward(
         hidden = decoder_layer(layer, hidden, positions, cache, index)  # type: ignore[arg-type]
     if model.config.num_layers in wanted:
         captured[model.config.num_layers] = hidden
-    return DenseTargetOutput(normed=model.model.norm(hidden), captured=captured)
+    normed = model.model.norm(hidden)
+    if model.config.num_layers + 1 in wanted:  # the final norm's output
+        captured[model.config.num_layers + 1] = normed
+    return DenseTargetOutput(normed=normed, captured=captured)
 
 
 def chain_mask(time: int, step: int) -> torch.Tensor:  # -> [time, (step + 1) * time] bool, True = visible

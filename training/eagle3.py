@@ -99,7 +99,7 @@ class DraftShape:
             "head_dim": self.hidden_size // self.num_heads,
             "hidden_act": "silu",
             "rms_norm_eps": target_config["rms_norm_eps"],
-            "rope_theta": _rope_theta(target_config),
+            "rope_theta": rope_theta(target_config),
             "rope_scaling": None,
             "max_position_embeddings": target_config["max_position_embeddings"],
         }
@@ -123,7 +123,7 @@ class DraftShape:
             "v_head_dim": latent.v_head_dim,
             "hidden_act": "silu",
             "rms_norm_eps": target_config["rms_norm_eps"],
-            "rope_theta": _rope_theta(target_config),
+            "rope_theta": rope_theta(target_config),
             "rope_scaling": None,
             "rope_interleave": True,
             "attention_bias": False,
@@ -288,6 +288,6 @@ def save_draft(draft: Eagle3Draft, hf_config: dict[str, Any], directory: Path) -
     save_tensors(tensors, directory)
 
 
-def _rope_theta(target_config: dict[str, Any]) -> float:
+def rope_theta(target_config: dict[str, Any]) -> float:
     parameters = target_config.get("rope_parameters") or {}
     return float(parameters.get("rope_theta", target_config.get("rope_theta", 10000.0)))

@@ -18,10 +18,12 @@ from typing import Protocol
 import torch
 from tqdm import tqdm
 
+from draft_server.block_runner import BlockRunner
 from draft_server.mtp_runner import MTPRunner
 from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from tandem.models.aux_layers import resolve_capture
 from tandem.models.config import read_hf_config
+from tandem.models.dflash import BLOCK_ARCHITECTURES, load_dflash
 from tandem.models.eagle3 import load_eagle3
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.mtp import load_mtp
@@ -58,8 +60,15 @@ def load_proposer(
 ) -> tuple[Proposer, tuple[int, ...]]:
     """The serving runner for the draft directory and the target capture indices it consumes, filling from the target
     what the checkpoint shares with it (as the draft server does over GetWeights). An MTP checkpoint is told apart
-    by its format key, num_nextn_predict_layers (tandem.models.mtp); anything else is an EAGLE3 head."""
-    if read_hf_config(draft_dir).get("num_nextn_predict_layers"):
+    by its format key, num_nextn_predict_layers (tandem.models.mtp), a block drafter by its architecture name; anything
+    else is an EAGLE3 head."""
+    hf = read_hf_config(draft_dir)
+    if (hf.get("architectures") or [""])[0] in BLOCK_ARCHITECTURES:
+        block, _ = load_dflash(draft_dir)
+        block.fill_table("embed_tokens", target.model.embed_tokens.weight.detach())
+        block.fill_table("lm_head", target.lm_head.weight.detach())
+        return BlockRunner(block, cache), block.config.capture_indices(target.config.num_layers)
+    if hf.get("num_nextn_predict_layers"):
         loaded = load_mtp(draft_dir)
         if loaded.model.config.style != "chained":
             raise ValueError(f"{draft_dir}: evaluation runs chained MTP heads, got {loaded.model.config.style!r}")

@@ -1,5 +1,6 @@
 """Structured output under every draft kind but the default chain (tests/integration/test_http_api.py has that one):
-trees, n-gram drafts in the orchestrator and the hybrid of both, through `tandem serve` and the official client. The
+trees, n-gram drafts in the orchestrator, the hybrid of both and the demo's DFlash block drafter, through `tandem
+serve` and the official client. The
 JSON validates and is the same with and without speculation, and constrained requests accept drafts."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tandem.settings import DEMO_DRAFT, DEMO_TARGET
+from tandem.settings import DEMO_DRAFT, DEMO_DRAFTS, DEMO_TARGET
 from tests.integration.stack import DEMO_HTTP, TREE, SharedStacks, Stack, generate
 from tests.integration.test_http_api import BOUNDED_SCHEMA, PROMPT, json_schema_chat, structured_completion
 
@@ -18,6 +19,7 @@ KINDS = {
     "eagle3 tree": (DEMO_DRAFT, TREE),
     "ngram": (None, ["--draft", "ngram"]),
     "hybrid tree": (DEMO_DRAFT, ["--hybrid-ngram", *TREE]),
+    "dflash block": (DEMO_DRAFTS["dflash"], []),
 }
 
 
