@@ -1,7 +1,7 @@
 """An interleaved A/B of two code trees (CONTRIBUTING.md: a latency feature stays only when it beats the noise).
 
-    python -m bench.ab --a DIR [--a-module launch.cli] --b DIR [--pairs 10] [--concurrency 1 8] [--structured]
-                       [--penalties] [--out FILE]
+    python -m bench.ab --a DIR [--a-module launch.cli] --b DIR [--draft D] [--pairs 10] [--concurrency 1 8]
+                       [--structured] [--penalties] [--out FILE]
 
 Both trees serve the demo pair with `tandem serve` at once (each its own three processes, started from its own
 source with PYTHONPATH), and the held-out prompts run greedy against one, then the other, the order alternating from
@@ -32,11 +32,12 @@ from launch.processes import ServeProcess
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5}
 
 
-def _stack(tree: Path, module: str) -> ServeProcess:
-    """`tandem serve` of the demo pair from `tree`'s source (run from a directory outside both trees: `python -m`
-    puts the working directory first on the path)."""
+def _stack(tree: Path, module: str, draft: str | None) -> ServeProcess:
+    """`tandem serve` of the demo pair (with `draft`, else the default head) from `tree`'s source (run from a
+    directory outside both trees: `python -m` puts the working directory first on the path)."""
     environment = {**os.environ, "PYTHONPATH": str(tree)}
-    return ServeProcess(["--port", "0", "--admin-port", "0"], module=module, env=environment)
+    drafting = ["--draft", draft] if draft else []
+    return ServeProcess(["--port", "0", "--admin-port", "0", *drafting], module=module, env=environment)
 
 
 async def _pairs(
@@ -86,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for side in ("a", "b"):
         parser.add_argument(f"--{side}", type=Path, required=True, help=f"source tree {side.upper()}")
         parser.add_argument(f"--{side}-module", default="launch.cli", help="its CLI module (default launch.cli)")
+    parser.add_argument("--draft", help="both stacks' --draft (e.g. demo:dflash); default: the demo head")
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompts", type=int, default=32)
@@ -95,7 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the pairs and summary here (JSON)")
     args = parser.parse_args(argv)
     prompts, schemas = structured_prompts(args.prompts) if args.structured else (held_out_prompts(args.prompts), [])
-    stacks = {side: _stack(getattr(args, side).resolve(), getattr(args, f"{side}_module")) for side in ("a", "b")}
+    stacks = {
+        side: _stack(getattr(args, side).resolve(), getattr(args, f"{side}_module"), args.draft) for side in ("a", "b")
+    }
     try:
         addresses = {side: stack.address for side, stack in stacks.items()}
         result = asyncio.run(_pairs(addresses, prompts, schemas, args))

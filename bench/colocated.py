@@ -39,6 +39,7 @@ from orchestrator.peers.backends import (
     StepOutcome,
     StepResult,
 )
+from orchestrator.peers.grpc_backends import BLOCK_KINDS
 from orchestrator.peers.replicas import ReplicaPool
 from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
 from tandem.models.registry import load_target
@@ -59,8 +60,9 @@ REPLICA_ID = "colocated"
 class LocalDraft:
     """A DraftBackend over an in-process draft runner; the target hands it rows directly."""
 
-    def __init__(self, runner: ProposalRunner, stream: RowStream) -> None:
+    def __init__(self, runner: ProposalRunner, stream: RowStream, kind: str = "") -> None:
         self.runner = runner
+        self.one_forward = kind in BLOCK_KINDS
         self.stream = stream  # what the target sends it of each committed position
         self.rows: dict[tuple[str, int], TargetRows] = {}
         self.requests: Mapping[str, TargetRequest] = {}  # the target's, for their options (draft_server.shaping)
@@ -75,7 +77,7 @@ class LocalDraft:
         inputs = [self._input(t.request_id, self._take(t.request_id, t.round), t.num_steps) for t in tasks]
         started = time.perf_counter()
         drafts, exhausted = propose_what_fits(self.runner, inputs)
-        return ProposedBatch(drafts, exhausted, time.perf_counter() - started)
+        return ProposedBatch(drafts, exhausted, time.perf_counter() - started, one_forward=self.one_forward)
 
     def _input(self, request_id: str, rows: TargetRows, num_steps: int) -> ProposeInput:
         """The rows with the request's options and its tokens up to them, as a replica hands them its runner."""
@@ -199,7 +201,7 @@ class ColocatedEngine:
                 table = assemble_shards(target_runner.weight_shards(name), model.config.vocab_size)
                 prepared.fill_table(name, table)
             runner = prepared.build_proposer(cache, settings.tree)
-            draft = LocalDraft(runner, RowStream(prepared.capture.indices, prepared.tokens_only))
+            draft = LocalDraft(runner, RowStream(prepared.capture.indices, prepared.tokens_only), prepared.kind)
             replicas.add(REPLICA_ID, "in-process", with_hybrid(draft, scheduler_settings))
         if settings.ngram is not None:
             add_ngram_replica(replicas, settings.ngram)

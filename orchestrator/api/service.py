@@ -109,8 +109,15 @@ async def connect_replica(
     except BaseException:
         await channel.close()  # draft discovery retries an address that does not answer: no channel piles up
         raise
-    LOG.info("draft replica %s at %s: %s, %d steps", draft.replica_id, address, draft.architecture, draft.num_steps)
-    backend = GrpcDraft(stub, call_timeout_s, session)
+    LOG.info(
+        "draft replica %s at %s: %s (%s), %d steps",
+        draft.replica_id,
+        address,
+        draft.architecture,
+        draft.kind,
+        draft.num_steps,
+    )
+    backend = GrpcDraft(stub, call_timeout_s, session, draft.kind)
     return draft.replica_id, with_hybrid(backend, scheduler)
 
 

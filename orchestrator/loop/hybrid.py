@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from orchestrator.loop.ngram import lookup
 from orchestrator.loop.proposing import drafts_allowed
@@ -80,7 +81,7 @@ class HybridDrafter:
                 drafted, lookup(task.tokens, task.num_steps, ngram.min_n, ngram.max_n)
             )
         lookups = time.perf_counter() - started
-        return ProposedBatch(drafts, batch.exhausted, batch.compute_seconds + lookups, batch.ahead_seconds)
+        return replace(batch, drafts=drafts, compute_seconds=batch.compute_seconds + lookups)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         await self.model.release(request_ids)

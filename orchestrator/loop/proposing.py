@@ -96,6 +96,7 @@ class Proposer:
         for listener in self.listeners:
             listener(replica, call_seconds)
         k = max(task.num_steps for task in tasks)
+        self.speculation.costs.one_forward = batch.one_forward
         self.speculation.costs.observe_propose(len(tasks), k, call_seconds, batch.compute_seconds, new_rows)
 
     def _fault(self, tasks: Sequence[ProposeTask], batch: ProposedBatch) -> str:

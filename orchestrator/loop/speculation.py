@@ -9,6 +9,7 @@ A round of b decoding requests that verifies n rows in all, drafted by `drafting
                                         u: the replica's compute seconds per draft step (the ingest of a
                                            round's rows counts as a step);
                                         g: what ingesting new requests' prompts adds, per Propose
+                  (a block drafter drafts any k in one forward: its steps count as 1 whatever k is, so u * 2)
     (h, u, g measured per bucket of the number of requests a Propose carries)
 
 A Propose that carries a request new to its replica (or started over there) ingests every row of its context: that
@@ -180,6 +181,13 @@ class RoundCosts:
     draft: dict[int, DraftCost] = field(default_factory=dict)  # by bucket(drafting requests): u_b, g_b
     draft_hop: dict[int, Recent] = field(default_factory=dict)  # by bucket(drafting requests): h_b
     scheduling: Average = field(default_factory=Average)
+    # The replicas draft any k in one forward (block drafters: ProposedBatch.one_forward), so a Propose's compute
+    # does not grow with k.
+    one_forward: bool = False
+
+    def draft_steps(self, k: int) -> int:
+        """The draft steps of a Propose of at most k drafts, as the model counts them."""
+        return 1 if self.one_forward else k
 
     def measured(self, batch: int) -> bool:
         """Whether the target's steps and the Proposes at this batch size are measured well enough to decide by."""
@@ -207,7 +215,7 @@ class RoundCosts:
             return 0.0
         size = min(self.draft, key=lambda measured: abs(measured.bit_length() - bucket(drafting).bit_length()))
         draft = self.draft[size]
-        return self.draft_hop[size].value + draft.ingest + draft.per_step * (depth + 1)
+        return self.draft_hop[size].value + draft.ingest + draft.per_step * (self.draft_steps(depth) + 1)
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         """A target step: tokens computed (prompt chunks, verified tokens and drafts) and the call's seconds."""
@@ -223,7 +231,7 @@ class RoundCosts:
             return
         size = bucket(batch)
         self.draft_hop.setdefault(size, Recent()).add(max(0.0, call_seconds - compute_seconds))
-        self.draft.setdefault(size, DraftCost()).add(k + 1, new_rows, compute_seconds)
+        self.draft.setdefault(size, DraftCost()).add(self.draft_steps(k) + 1, new_rows, compute_seconds)
 
     def observe_scheduling(self, seconds: float) -> None:
         self.scheduling.add(seconds)

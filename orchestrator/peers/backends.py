@@ -103,6 +103,8 @@ class ProposedBatch:
     # Draft compute for these requests done before the call (drafted ahead, StepItem.draft_ahead); compute_seconds
     # is what the call still waited for.
     ahead_seconds: float = 0.0
+    # The replica drafts any number of tokens in one forward (a block drafter): its compute does not grow with k.
+    one_forward: bool = False
 
 
 class TargetBackend(Protocol):

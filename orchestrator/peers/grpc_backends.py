@@ -215,11 +215,16 @@ def _step_item(item: StepItem) -> target_pb2.StepItem:
     return message
 
 
-class GrpcDraft:
-    """A draft replica over gRPC; `session` as for GrpcTarget."""
+# Draft kinds (DraftInfo.kind) that draft any k in one forward.
+BLOCK_KINDS = frozenset({"dflash", "dspark"})
 
-    def __init__(self, stub: draft_pb2_grpc.DraftStub, timeout_s: float, session: str = "") -> None:
+
+class GrpcDraft:
+    """A draft replica over gRPC; `session` as for GrpcTarget; `kind` its DraftInfo.kind."""
+
+    def __init__(self, stub: draft_pb2_grpc.DraftStub, timeout_s: float, session: str = "", kind: str = "") -> None:
         self.stub = stub
+        self.one_forward = kind in BLOCK_KINDS
         self.timeout_s = timeout_s
         self.metadata = session_metadata(session) if session else ()
         self._propose: CallStream[draft_pb2.ProposeResponse] = CallStream(
@@ -234,7 +239,7 @@ class GrpcDraft:
         response = await self._propose.call(draft_pb2.ProposeRequest(items=items))
         drafts = {r.request_id: tree_from_proto(r.drafts) for r in response.results if not r.HasField("error")}
         exhausted = {r.request_id: r.error.message for r in response.results if r.HasField("error")}
-        return ProposedBatch(drafts, exhausted, response.compute_seconds, response.ahead_seconds)
+        return ProposedBatch(drafts, exhausted, response.compute_seconds, response.ahead_seconds, self.one_forward)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         try:
