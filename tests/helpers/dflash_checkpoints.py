@@ -64,11 +64,8 @@ def write_tiny_dflash(directory: Path, target_dir: Path, spec: TinyDFlashSpec = 
         use_sliding_window=True,
         dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):
-        backbone = Qwen3Model(config)
     generator = torch.Generator().manual_seed(spec.seed)
-    redraw_parameters(backbone, generator)
-    tensors = {name: t.contiguous() for name, t in backbone.state_dict().items() if not name.startswith("embed_")}
+    tensors = backbone_tensors(config, generator)
     if spec.zero_final_norm:
         tensors["norm.weight"] = torch.zeros_like(tensors["norm.weight"])
     num_features = len(spec.target_layer_ids) if spec.target_layer_ids is not None else spec.num_layers
@@ -78,6 +75,15 @@ def write_tiny_dflash(directory: Path, target_dir: Path, spec: TinyDFlashSpec = 
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(dflash_config(config, spec, vocab, num_target_layers), indent=2))
     return directory
+
+
+def backbone_tensors(config: Qwen3Config, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The decoder layers and final norm of transformers' Qwen3Model of `config`, redrawn from `generator`, under
+    their names without the `model.` prefix; no embedding."""
+    with torch.random.fork_rng(devices=[]):  # the constructor's init draws from the global RNG
+        backbone = Qwen3Model(config)
+    redraw_parameters(backbone, generator)
+    return {name: t.contiguous() for name, t in backbone.state_dict().items() if not name.startswith("embed_")}
 
 
 def dflash_config(config: Qwen3Config, spec: TinyDFlashSpec, vocab: int, num_target_layers: int) -> dict[str, Any]:
@@ -129,11 +135,8 @@ def write_tiny_dspark(directory: Path, target_dir: Path, spec: TinyDSparkSpec = 
         dtype="float32",
         **fields,
     )
-    with torch.random.fork_rng(devices=[]):
-        backbone = Qwen3Model(config)
     generator = torch.Generator().manual_seed(spec.seed)
-    redraw_parameters(backbone, generator)
-    tensors = {name: t.contiguous() for name, t in backbone.state_dict().items() if not name.startswith("embed_")}
+    tensors = backbone_tensors(config, generator)
     if spec.include_tables:
         tensors["embed_tokens.weight"] = read_target_tensor(target_dir, "model.embed_tokens.weight")
         tensors["lm_head.weight"] = read_target_tensor(target_dir, "lm_head.weight")

@@ -8,12 +8,17 @@ the published DFlash loop (tests.helpers.dflash_reference) run on transformers' 
   token 0 and the draft always drafts it: every draft accepted, rows of a whole block each round. Under a presence
   penalty the target's choice becomes the lowest id not produced yet; the draft shapes its block row by row with the
   drafts before it, so it still drafts exactly that and every draft is still accepted;
+- a DFlash replica killed mid-stream: its requests replayed on the other, outputs unchanged;
 - Qwen3 target, random DSpark draft (features of the embedding, layer 1 and the last, a Markov head, a confidence head,
   its own copy of the target's tables), block 4: 4 drafts a round, each corrected by the one before.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,6 +29,7 @@ from tests.helpers.dflash_checkpoints import TinyDFlashSpec, TinyDSparkSpec, wri
 from tests.helpers.dflash_reference import reference_generate
 from tests.integration.stack import draft_info, generate, serve, service_addresses
 from tests.integration.test_greedy_equivalence import reference_greedy
+from tests.integration.test_replicas import greedy, replica_pid, target_only
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os"]
 MAX_NEW_TOKENS = 20
@@ -101,3 +107,19 @@ def test_dspark_rounds_and_outputs_equal_the_reference(tmp_path: Path) -> None:
             sum(len(drafts) for drafts in reference.drafts),
             sum(reference.accepted),
         )
+
+
+def test_a_killed_block_replica_costs_no_request(llama_pair: tuple[Path, Path]) -> None:
+    """Two DFlash replicas, one SIGKILLed while 16 streams run: its requests move to the other, which takes their
+    whole context from position 0 (a replay), and every output still equals target-only."""
+    target, draft = llama_pair
+    prompts = [f"def function_{index}(value):\n    return" for index in range(16)]
+    with serve(target, draft, "--draft-replicas", "2", "--no-adaptive-k") as stack:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(greedy, stack.address, prompt, 120) for prompt in prompts]
+            time.sleep(1.0)  # the streams are running
+            os.kill(replica_pid(stack, "draft-1"), signal.SIGKILL)
+            speculative = [future.result(timeout=300) for future in futures]
+        assert any("draft replica draft-1 demoted" in line for line in stack.log)
+        reference = target_only(stack.address, prompts, 120)
+    assert speculative == reference
