@@ -116,7 +116,7 @@ def _step(what: str, call: Callable[[], T]) -> T:
 async def _main(stack: ServeProcess, baseline: TransformersBaseline, prompts: list[str], tokens: int) -> bool:
     demo = Demo(stack, baseline)
     try:
-        print("--- a completion, streamed (speculative: the demo's EAGLE3 head drafts up to 5 tokens a round) ---")
+        print("--- a completion, streamed (speculative: the demo's DFlash drafter drafts up to 7 tokens a round) ---")
         await demo.tandem(STREAMED_PROMPT, STREAMED_TOKENS, speculate=True, echo=True)
         print(f"--- {len(prompts)} held-out prompts x {tokens} tokens in each mode, interleaved ---")
         rates, same = await measure(demo, prompts, tokens)
@@ -133,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per completion (default 64)")
     args = parser.parse_args(argv)
     prompts = held_out_prompts(args.prompts)
-    serve = ["--port", "0", "--admin-port", "0"]
+    # The demo's fastest drafter at one request (docs/benchmarks.md, "Block drafters beside EAGLE3").
+    serve = ["--port", "0", "--admin-port", "0", "--draft", "demo:dflash"]
     stack = _step(
         "starting tandem serve (the demo pair: target, draft and orchestrator processes)", lambda: ServeProcess(serve)
     )

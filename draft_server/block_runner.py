@@ -82,7 +82,7 @@ class BlockRunner:
         starts = [sum(counts[:i]) for i in range(len(counts))]
         anchors = [item.rows.next_tokens[-1] for item in inputs]
         if self.model.markov_head is None and all(item.shaping is None for item in inputs):
-            tokens = self.model.logits(hidden, hidden.new_empty(0, dtype=torch.long)).argmax(dim=-1).tolist()
+            tokens = self.model.logits(hidden).argmax(dim=-1).tolist()
             return [tokens[start : start + count] for start, count in zip(starts, counts, strict=True)]
         proposals: list[list[int]] = [[] for _ in inputs]
         for step in range(max(counts, default=0)):
@@ -97,7 +97,7 @@ class BlockRunner:
         return proposals
 
     def _check(self, item: ProposeInput) -> None:
-        """Raises DraftRequestError unless the item's rows continue its request's context and fit its block."""
+        """Raises DraftRequestError unless the item's rows carry tokens and continue its request's context."""
         held = self.requests[item.request_id].kv.length if item.request_id in self.requests else 0
         if held < item.rows.start_position:
             raise DraftRequestError(

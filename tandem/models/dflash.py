@@ -303,11 +303,15 @@ class DFlashDraft(nn.Module):
             block = layer(block, context, step, cache)
         return self.norm(block[rows])
 
-    def logits(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32
-        """Draft logits of block rows ([n, hidden]) given the token before each ([n]: the anchor, then the drafts):
-        the LM head's, plus DSpark's Markov correction."""
+    def logits(self, hidden: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:  # -> [n, vocab]
+        """Draft logits (float32) of block rows ([n, hidden]) given the token before each ([n]: the anchor, then the
+        drafts; DSpark's Markov correction needs them): the LM head's, plus that correction."""
         logits = self.lm_head(hidden).float()
-        return logits if self.markov_head is None else logits + self.markov_head(hidden, previous).float()
+        if self.markov_head is None:
+            return logits
+        if previous is None:
+            raise ValueError("a DSpark draft's logits need the token before each row")
+        return logits + self.markov_head(hidden, previous).float()
 
     def confidence(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:  # -> [n] in (0, 1)
         """DSpark's calibrated chance that each row's draft is accepted given the ones before it; None without a

@@ -58,7 +58,7 @@ def test_dense_block_logits_equal_the_block_runner(saved_target: Path, saved_dra
         features = torch.cat([output.captured[index] for index in capture], dim=-1)  # [1, 12, 3 * hidden]
         dense = block_logits(draft, features, tokens, torch.tensor([5, 8]))  # [1, 2, 3, vocab]
     recorded: list[torch.Tensor] = []
-    hook = draft.register_forward_hook(lambda module, args, hidden: recorded.append(draft.logits(hidden, args[0])))
+    hook = draft.register_forward_hook(lambda module, args, hidden: recorded.append(draft.logits(hidden)))
     runner = BlockRunner(draft, KVCacheSettings(num_blocks=16, block_size=4))
     # Round one: positions 0..4 are context, x5 the anchor; round two: positions 5..7 added, x8 the anchor.
     for start, end in ((0, 5), (5, 8)):
