@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from bench.kinds import KIND_NAMES, TREE_KIND
 from bench.load_settings import LoadSettings
@@ -199,10 +200,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         return 2
     from bench.profile import main
 
-    target = model_dir(args.target, DEMO_TARGET, "--target")
-    draft = model_dir(args.draft, DEMO_DRAFT, "--draft")
-    print(main(flags.settings_of(ProfileSettings, args, target_dir=target, draft_dir=draft)).read_text())
-    return 0
+    return _print_report(main, ProfileSettings, args)
 
 
 def _run_mixed(args: argparse.Namespace) -> int:
@@ -212,7 +210,13 @@ def _run_mixed(args: argparse.Namespace) -> int:
         return 2
     from bench.mixed import main
 
+    return _print_report(main, MixedSettings, args)
+
+
+def _print_report(main: Callable[[Any], Path], settings: type[Any], args: argparse.Namespace) -> int:
+    """Runs a bench command's `main` on its settings (the demo pair unless --target and --draft name others) and
+    prints the report it wrote."""
     target = model_dir(args.target, DEMO_TARGET, "--target")
     draft = model_dir(args.draft, DEMO_DRAFT, "--draft")
-    print(main(flags.settings_of(MixedSettings, args, target_dir=target, draft_dir=draft)).read_text())
+    print(main(flags.settings_of(settings, args, target_dir=target, draft_dir=draft)).read_text())
     return 0

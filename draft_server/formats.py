@@ -37,8 +37,9 @@ from draft_server.standalone_runner import StandaloneRunner
 from draft_server.tree_draft import TreeDrafter
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache
 from tandem.models.aux_layers import CaptureSpec, resolve_capture
+from tandem.models.block_format import BLOCK_ARCHITECTURES
 from tandem.models.config import ConfigError, read_hf_config
-from tandem.models.dflash import BLOCK_ARCHITECTURES, DFlashConfig, load_dflash
+from tandem.models.dflash import DFlashConfig, load_dflash
 from tandem.models.eagle3 import EAGLE3_LAYER_KINDS, load_eagle3
 from tandem.models.mtp import NextNDraft, declared_mtp_layers, load_mtp
 from tandem.models.registry import TARGET_ARCHITECTURES, load_target, target_architecture

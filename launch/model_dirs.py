@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+from tandem.models.block_format import drafts_per_round
 from tandem.settings import DEMO_DRAFTS
 
 NGRAM = (
@@ -49,16 +50,9 @@ def shown(path: Path) -> str:
 
 
 def block_drafts(draft_dir: Path | None) -> int | None:
-    """The drafts a round of a block drafter makes in one forward: B - 1 for DFlash (`DFlashDraftModel`, block_size
-    at the top level or in `dflash_config`), B for DSpark (`Qwen3DSparkModel`); None for any other directory."""
+    """The drafts a round of the block drafter in `draft_dir` makes in one forward (tandem.models.block_format);
+    None for any other directory."""
     config_path = draft_dir / "config.json" if draft_dir is not None else None
     if config_path is None or not config_path.is_file():
         return None
-    config = json.loads(config_path.read_text())
-    architecture = (config.get("architectures") or [None])[0]
-    if architecture not in ("DFlashDraftModel", "Qwen3DSparkModel"):
-        return None
-    block_size = (config.get("dflash_config") or {}).get("block_size", config.get("block_size"))
-    if not block_size:
-        return None
-    return int(block_size) - (1 if architecture == "DFlashDraftModel" else 0)
+    return drafts_per_round(json.loads(config_path.read_text()))

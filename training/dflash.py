@@ -27,7 +27,7 @@ from tandem.models.llama import LlamaForCausalLM
 from training.checkpoint import checkpoint_tensors, save_tensors
 from training.dense import attend, project_qkv
 from training.eagle3 import DraftData, rope_theta
-from training.heads import DraftRecord, DraftTraining, step_losses, train_head
+from training.heads import DraftRecord, DraftTraining, draw_matrices, step_losses, train_head
 from training.target import LossPoint, OptimiserSettings
 
 IGNORED_LABEL = -100
@@ -83,11 +83,8 @@ def dflash_training_defaults() -> DraftTraining:
 def build_dflash(hf_config: dict[str, Any], target: LlamaForCausalLM, seed: int) -> DFlashDraft:
     """A freshly initialised draft with the target's embedding and LM head, frozen."""
     model = DFlashDraft(DFlashConfig.from_hf(hf_config))
-    generator = torch.Generator().manual_seed(seed)
+    draw_matrices(model, seed)
     with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() >= 2:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
         model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
         model.lm_head.weight.copy_(target.lm_head.weight)
     model.embed_tokens.weight.requires_grad_(False)

@@ -31,7 +31,7 @@ from tandem.models.eagle3 import Eagle3Config, Eagle3Draft
 from tandem.models.llama import LlamaForCausalLM
 from training.checkpoint import checkpoint_tensors, save_tensors
 from training.dense import unrolled_draft_logits
-from training.heads import DraftRecord, DraftTraining, step_losses, train_head
+from training.heads import DraftRecord, DraftTraining, draw_matrices, step_losses, train_head
 from training.target import LossPoint, greedy_generate
 
 IGNORED_LABEL = -100
@@ -192,11 +192,8 @@ def d2t_offsets(draft_to_target: torch.Tensor) -> torch.Tensor:  # [draft_vocab]
 def build_draft(hf_config: dict[str, Any], draft_to_target: torch.Tensor, seed: int) -> Eagle3Draft:
     """A freshly initialised head from its config.json dict, with d2t set."""
     model = Eagle3Draft(Eagle3Config.from_hf(hf_config))
-    generator = torch.Generator().manual_seed(seed)
+    draw_matrices(model, seed)
     with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() >= 2:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
         model.d2t.copy_(d2t_offsets(draft_to_target))  # type: ignore[operator]
     return model
 

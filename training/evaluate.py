@@ -22,8 +22,9 @@ from draft_server.block_runner import BlockRunner
 from draft_server.mtp_runner import MTPRunner
 from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from tandem.models.aux_layers import resolve_capture
+from tandem.models.block_format import BLOCK_ARCHITECTURES, architecture_name
 from tandem.models.config import read_hf_config
-from tandem.models.dflash import BLOCK_ARCHITECTURES, load_dflash
+from tandem.models.dflash import load_dflash
 from tandem.models.eagle3 import load_eagle3
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.mtp import load_mtp
@@ -63,16 +64,16 @@ def load_proposer(
     by its format key, num_nextn_predict_layers (tandem.models.mtp), a block drafter by its architecture name; anything
     else is an EAGLE3 head."""
     hf = read_hf_config(draft_dir)
-    if (hf.get("architectures") or [""])[0] in BLOCK_ARCHITECTURES:
-        block, _ = load_dflash(draft_dir)
-        block.fill_table("embed_tokens", target.model.embed_tokens.weight.detach())
-        block.fill_table("lm_head", target.lm_head.weight.detach())
+    tables = {"embed_tokens": target.model.embed_tokens.weight, "lm_head": target.lm_head.weight}
+    if architecture_name(hf) in BLOCK_ARCHITECTURES:
+        block, missing = load_dflash(draft_dir)
+        for name in missing:
+            block.fill_table(name, tables[name].detach())
         return BlockRunner(block, cache), block.config.capture_indices(target.config.num_layers)
     if hf.get("num_nextn_predict_layers"):
         loaded = load_mtp(draft_dir)
         if loaded.model.config.style != "chained":
             raise ValueError(f"{draft_dir}: evaluation runs chained MTP heads, got {loaded.model.config.style!r}")
-        tables = {"embed_tokens": target.model.embed_tokens.weight, "lm_head": target.lm_head.weight}
         for name in loaded.missing_shared:
             loaded.model.fill_shared(name, tables[name].detach())
         return MTPRunner(loaded.model, cache, chain=True), (loaded.model.config.capture_index,)

@@ -44,6 +44,16 @@ class DraftRecord:
     step_accuracy: tuple[float, ...]  # per chain step: draft argmax == label, on the last batches
 
 
+def draw_matrices(model: nn.Module, seed: int) -> None:
+    """A fresh head's initial weights: every matrix N(0, 0.02) from a generator of `seed`, in parameter order;
+    vectors (norms, biases) stay as built."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+
+
 def train_head(
     model: nn.Module,
     parameters: Iterable[nn.Parameter],  # the trained ones; shared tables of the target stay frozen

@@ -47,13 +47,18 @@ from tandem.layers.matmul import Linear
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.block_format import (
+    BLOCK_ARCHITECTURES,
+    DFLASH_ARCHITECTURES,
+    DSPARK_ARCHITECTURES,
+    architecture_name,
+    block_fields,
+    block_size_of,
+)
 from tandem.models.config import ConfigError, FamilyTraits, ModelConfig, read_hf_config
 from tandem.models.eagle3 import checkpoint_has
 from tandem.weights.loader import NameMap, iter_tensors, load_weights, materialized, on_meta
 
-DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
-DSPARK_ARCHITECTURES = ("Qwen3DSparkModel",)
-BLOCK_ARCHITECTURES = DFLASH_ARCHITECTURES + DSPARK_ARCHITECTURES
 SHARED_TABLES = ("embed_tokens", "lm_head")  # what the draft takes from the target when its checkpoint lacks them
 MARKOV_HEADS = ("vanilla", "gated")
 # q/k/v and gate/up pack as in every layer; the gated Markov head's `gate_proj` is no MLP's gate part.
@@ -137,18 +142,18 @@ class DFlashConfig:
     def from_hf(cls, hf: dict[str, Any]) -> DFlashConfig:
         """DFlash keeps its fields in `dflash_config` (block_size may sit at the top level); DSpark (DeepSpec) keeps
         them at the top level of a copy of the target's config."""
-        architecture = (hf.get("architectures") or ["?"])[0]
+        architecture = architecture_name(hf)
         if architecture not in BLOCK_ARCHITECTURES:
             raise ConfigError(
                 f"architectures: {architecture!r} is not a block drafter ({', '.join(BLOCK_ARCHITECTURES)})"
             )
         dspark = architecture in DSPARK_ARCHITECTURES
-        dflash = hf if dspark else hf.get("dflash_config") or {}
+        dflash = block_fields(hf)
         # Sliding windows are per layer here (layer_types), which ModelConfig refuses for a whole model.
         plain = {key: value for key, value in hf.items() if key not in ("use_sliding_window", "sliding_window")}
         bias = bool(hf.get("attention_bias", False))
         layer = ModelConfig.from_hf(plain, traits=FamilyTraits(qkv_bias=bias, o_bias=bias, qk_norm=True))
-        block_size = dflash.get("block_size", hf.get("block_size"))
+        block_size = block_size_of(hf)
         if block_size is None or int(block_size) < 2:
             raise ConfigError(f"block_size: {block_size!r}; a block drafter needs a block of at least 2 tokens")
         if dflash.get("mask_token_id") is None:
@@ -318,11 +323,7 @@ class DFlashDraft(nn.Module):
         confidence head."""
         if self.confidence_head is None:
             return None
-        if (
-            self.markov_head is not None
-            and self.config.dspark is not None
-            and self.config.dspark.confidence_with_markov
-        ):
+        if self.confidence_head.with_markov and self.markov_head is not None:  # with_markov implies the head
             hidden = torch.cat([hidden, self.markov_head.markov_w1(previous)], dim=-1)
         return self.confidence_head.proj(hidden).float().squeeze(-1).sigmoid()
 

@@ -94,6 +94,12 @@ def verify(
     request.rows = TargetRows(anchor, request.tokens[anchor + 1 :], features)
 
 
+def reference_of(target_dir: Path, draft: Path) -> tuple[PreTrainedModel, ReferenceDFlash]:
+    """transformers' target and the reference drafter over it."""
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    return target, ReferenceDFlash(draft, target)
+
+
 def runner_for(draft: Path, target_dir: Path) -> BlockRunner:
     model, missing = load_dflash(draft)
     tables = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
@@ -105,8 +111,7 @@ def runner_for(draft: Path, target_dir: Path) -> BlockRunner:
 @torch.no_grad()
 def test_drafts_equal_the_reference_round_after_round(pair: tuple[Path, Path]) -> None:
     target_dir, draft = pair
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    reference = ReferenceDFlash(draft, target)
+    target, reference = reference_of(target_dir, draft)
     runner = runner_for(draft, target_dir)
     requests = [start(target, reference, f"r{i}", prompt) for i, prompt in enumerate(PROMPTS)]
     context = {request.name: request.rows.features for request in requests}
@@ -138,8 +143,7 @@ def test_drafts_equal_the_reference_round_after_round(pair: tuple[Path, Path]) -
 @torch.no_grad()
 def test_dspark_confidences_equal_the_reference(dspark_pair: tuple[Path, Path]) -> None:
     target_dir, draft = dspark_pair
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    reference = ReferenceDFlash(draft, target)
+    target, reference = reference_of(target_dir, draft)
     runner = runner_for(draft, target_dir)
     request = start(target, reference, "r", list(PROMPTS[0]))
     rows: list[torch.Tensor] = []
@@ -162,8 +166,7 @@ def test_the_window_and_the_context_matter(dflash_pair: tuple[Path, Path]) -> No
     """Negative control: the reference's drafts change when its sliding window or its context is taken away, so
     the equality above checks both."""
     target_dir, draft = dflash_pair
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    reference = ReferenceDFlash(draft, target)
+    target, reference = reference_of(target_dir, draft)
     with torch.no_grad():
         request = start(target, reference, "r", list(PROMPTS[1]))
         features = request.rows.features
