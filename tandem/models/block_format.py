@@ -24,9 +24,15 @@ def block_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return hf if architecture_name(hf) in DSPARK_ARCHITECTURES else hf.get("dflash_config") or {}
 
 
+def draft_value(hf: dict[str, Any], name: str, default: Any = None) -> Any:
+    """A block drafter's field: from the mapping of its own fields, else the top level, else `default` (z-lab reads
+    every DFlash field so)."""
+    return block_fields(hf).get(name, hf.get(name, default))
+
+
 def block_size_of(hf: dict[str, Any]) -> Any:
     """The config's block size as written (None when absent)."""
-    return block_fields(hf).get("block_size", hf.get("block_size"))
+    return draft_value(hf, "block_size")
 
 
 def drafts_per_round(hf: dict[str, Any]) -> int | None:

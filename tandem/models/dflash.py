@@ -16,6 +16,10 @@ target at start-up, `embed_tokens` and `lm_head`). Per request and round:
                   sets use_sliding_window, as transformers' Qwen3Config reads it)
     drafts   = argmax lm_head(norm(block))[1:]    B - 1 drafts, for positions P + 2 .. P + B
 
+The embedding rows are the target's table as stored times the config's `input_embedding_scale` (1 when absent; a
+Gemma target's drafter names the scale its target applies inside), and the logits are the LM head's times
+`output_multiplier`, softcapped by `final_logit_softcapping` where set (z-lab's newer fields).
+
 The block's K/V is dropped after the forward (the runner cuts the cache back to the context); the next round adds
 the context rows of the positions verified since. Example, B = 4, prompt x0..x4, first token x5: the context is the
 features of positions 0..4, the block [x5, M, M, M] at positions 5..8, and its rows 1..3 draft x6, x7, x8.
@@ -54,6 +58,7 @@ from tandem.models.block_format import (
     architecture_name,
     block_fields,
     block_size_of,
+    draft_value,
 )
 from tandem.models.config import ConfigError, FamilyTraits, ModelConfig, read_hf_config
 from tandem.models.eagle3 import checkpoint_has
@@ -112,6 +117,13 @@ class DFlashConfig:
     windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
     architecture: str = DFLASH_ARCHITECTURES[0]
     dspark: DSparkHeads | None = None  # DSpark's heads; None: a DFlash draft
+    # The block's rows are the target's embedding rows as stored times this (`input_embedding_scale`: a Gemma
+    # target's drafter names the scale its model applies inside, sqrt(hidden)).
+    embedding_scale: float = 1.0
+    # The draft logits are the target's LM head times `output_multiplier`, then softcapped where the config sets
+    # `final_logit_softcapping` (tanh(logits / cap) * cap).
+    output_multiplier: float = 1.0
+    logit_softcap: float | None = None
 
     @property
     def first_draft_row(self) -> int:
@@ -172,6 +184,7 @@ class DFlashConfig:
         # As transformers' Qwen3Config reads it: the window holds only with use_sliding_window; a sliding layer
         # without one attends over everything.
         window = int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
+        softcap = draft_value(hf, "final_logit_softcapping")
         return cls(
             layer=layer,
             block_size=int(block_size),
@@ -181,6 +194,9 @@ class DFlashConfig:
             windows=tuple(window if kind == "sliding_attention" and window > 0 else None for kind in types),
             architecture=architecture,
             dspark=DSparkHeads.from_hf(hf) if dspark else None,
+            embedding_scale=float(draft_value(hf, "input_embedding_scale", 1.0)),
+            output_multiplier=float(draft_value(hf, "output_multiplier", 1.0)),
+            logit_softcap=float(softcap) if softcap else None,
         )
 
 
@@ -304,14 +320,20 @@ class DFlashDraft(nn.Module):
     ) -> torch.Tensor:  # -> [rows, hidden] their final-norm outputs
         context = self.hidden_norm(self.fc(features))
         block = self.embed_tokens(block_ids)
+        if self.config.embedding_scale != 1.0:
+            block = block * self.config.embedding_scale
         for layer in self.layers:
             block = layer(block, context, step, cache)
         return self.norm(block[rows])
 
     def logits(self, hidden: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:  # -> [n, vocab]
         """Draft logits (float32) of block rows ([n, hidden]) given the token before each ([n]: the anchor, then the
-        drafts; DSpark's Markov correction needs them): the LM head's, plus that correction."""
-        logits = self.lm_head(hidden).float()
+        drafts; DSpark's Markov correction needs them): the LM head's (scaled and capped as the config says), plus
+        that correction."""
+        config = self.config
+        logits = self.lm_head(hidden).float() * config.output_multiplier
+        if config.logit_softcap is not None:
+            logits = torch.tanh(logits / config.logit_softcap) * config.logit_softcap
         if self.markov_head is None:
             return logits
         if previous is None:

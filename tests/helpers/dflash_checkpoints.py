@@ -40,6 +40,8 @@ class TinyDFlashSpec:
     # norm.weight = 0 makes every draft logit 0, so every draft is token 0 (the target's argmax when its own final
     # norm is zero too: every draft accepted)
     zero_final_norm: bool = False
+    # More dflash_config fields, e.g. (("input_embedding_scale", 8.0),) as a Gemma target's drafter carries
+    dflash_fields: tuple[tuple[str, float], ...] = ()
     seed: int = 0
 
 
@@ -91,6 +93,7 @@ def dflash_config(config: Qwen3Config, spec: TinyDFlashSpec, vocab: int, num_tar
     dflash: dict[str, Any] = {"mask_token_id": vocab - 1 if spec.mask_token_id is None else spec.mask_token_id}
     if spec.target_layer_ids is not None:
         dflash["target_layer_ids"] = list(spec.target_layer_ids)
+    dflash.update(spec.dflash_fields)
     if spec.block_size_location == "dflash_config":
         dflash["block_size"] = spec.block_size
     else:

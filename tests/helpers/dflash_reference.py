@@ -10,6 +10,9 @@ whole context, and the target is transformers' own model.
                attention of the block over everything, non-causal (a sliding layer: keys > position - window);
                block += o_proj(attention); block += mlp(post_attention_layernorm(block))
     drafts     = argmax target lm_head(norm(block))[1:]
+The block's embedding is the target's table as stored times the config's `input_embedding_scale` (1 when absent; a
+Gemma target's drafter names sqrt(hidden)), and the logits are multiplied by `output_multiplier` and softcapped by
+`final_logit_softcapping` where set, as z-lab's newer code does.
 DSpark (a DFlash backbone; its fields at the top level of its config, its own copy of the target's embedding and LM
 head where it ships them) drafts from every row: row j's logits are lm_head(h_j) + W2 W1[prev_j] (the gated head:
 W2 (sigmoid(gate_proj([h_j ; W1[prev_j]])) * W1[prev_j])), prev_0 the anchor and prev_j the draft of row j - 1, left
@@ -58,6 +61,10 @@ class ReferenceDFlash:
         window = self.config["sliding_window"] if self.config.get("use_sliding_window") else None
         types = self.config.get("layer_types") or ["full_attention"] * self.config["num_hidden_layers"]
         self.windows = [window if kind == "sliding_attention" else None for kind in types]
+        # z-lab's newer fields, read from dflash_config first, then the top level (DSpark: the top level).
+        self.embedding_scale = float(dflash.get("input_embedding_scale", self.config.get("input_embedding_scale", 1)))
+        self.output_multiplier = float(dflash.get("output_multiplier", self.config.get("output_multiplier", 1)))
+        self.softcap = dflash.get("final_logit_softcapping", self.config.get("final_logit_softcapping"))
 
     def features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:  # -> [positions, n * hidden]
         return torch.cat([hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)  # id -1: the embedding
@@ -77,14 +84,18 @@ class ReferenceDFlash:
         return rms_norm(block, self.w("norm.weight"), self.eps)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        if "embed_tokens.weight" in self.weights:
-            return self.weights["embed_tokens.weight"][ids]
-        return self.target.get_input_embeddings()(ids)
+        """The table's rows as stored (not through a Gemma target's scaling module) times input_embedding_scale."""
+        table = self.weights.get("embed_tokens.weight", self.target.get_input_embeddings().weight)
+        assert isinstance(table, torch.Tensor)
+        return F.embedding(ids, table) * self.embedding_scale
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         if "lm_head.weight" in self.weights:
-            return hidden @ self.weights["lm_head.weight"].T
-        return self.target.get_output_embeddings()(hidden)
+            logits = hidden @ self.weights["lm_head.weight"].T
+        else:
+            logits = self.target.get_output_embeddings()(hidden)
+        logits = logits * self.output_multiplier
+        return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
 
     def block_logits(self, features: torch.Tensor, anchor: int) -> torch.Tensor:  # -> [B - 1, vocab]
         """DFlash's draft logits: the LM head over block rows 1 .. B - 1."""

@@ -8,6 +8,8 @@ the published DFlash loop (tests.helpers.dflash_reference) run on transformers' 
   token 0 and the draft always drafts it: every draft accepted, rows of a whole block each round. Under a presence
   penalty the target's choice becomes the lowest id not produced yet; the draft shapes its block row by row with the
   drafts before it, so it still drafts exactly that and every draft is still accepted;
+- a Gemma 3 target (tied embedding, sliding layers) and a random DFlash draft that scales the block's embedding rows
+  by its input_embedding_scale and caps its logits;
 - a DFlash replica killed mid-stream: its requests replayed on the other, outputs unchanged;
 - Qwen3 target, random DSpark draft (features of the embedding, layer 1 and the last, a Markov head, a confidence head,
   its own copy of the target's tables), block 4: 4 drafts a round, each corrected by the one before.
@@ -27,6 +29,7 @@ from transformers import AutoTokenizer
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.helpers.dflash_checkpoints import TinyDFlashSpec, TinyDSparkSpec, write_tiny_dflash, write_tiny_dspark
 from tests.helpers.dflash_reference import reference_generate
+from tests.helpers.gemma3_checkpoints import TinyGemma3Spec, write_tiny_gemma3
 from tests.integration.stack import draft_info, generate, serve, service_addresses
 from tests.integration.test_greedy_equivalence import reference_greedy
 from tests.integration.test_replicas import greedy, replica_pid, target_only
@@ -48,10 +51,18 @@ def accepting_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
     return target, write_tiny_dflash(tmp_path_factory.mktemp("qwen3-dflash"), target, spec)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_rounds_and_outputs_equal_the_reference(llama_pair: tuple[Path, Path], tp: int) -> None:
-    """At tp 2 the draft assembles the target's embedding and LM head from the two ranks' vocab-parallel shards."""
-    target, draft = llama_pair
+@pytest.fixture(scope="module")
+def gemma_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    target = write_tiny_gemma3(tmp_path_factory.mktemp("gemma3"), TinyGemma3Spec())
+    spec = TinyDFlashSpec(dflash_fields=(("input_embedding_scale", 8.0), ("final_logit_softcapping", 2.0)))
+    return target, write_tiny_dflash(tmp_path_factory.mktemp("gemma3-dflash"), target, spec)
+
+
+@pytest.mark.parametrize(("pair", "tp"), [("llama_pair", 1), ("llama_pair", 2), ("gemma_pair", 1)])
+def test_rounds_and_outputs_equal_the_reference(pair: str, tp: int, request: pytest.FixtureRequest) -> None:
+    """At tp 2 the draft assembles the target's embedding and LM head from the two ranks' vocab-parallel shards. The
+    Gemma 3 target's drafter scales the stored embedding rows by its config's input_embedding_scale."""
+    target, draft = request.getfixturevalue(pair)
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     with serve(target, draft, "--no-adaptive-k", "--tp", str(tp)) as stack:
         served = [generate(stack.address, prompt=p, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True) for p in PROMPTS]

@@ -1,11 +1,12 @@
 """The block drafters, DFlash and DSpark (tandem.models.dflash on draft_server.block_runner), against a plain-torch
-reference of the published semantics (tests.helpers.dflash_reference), on tiny Llama and Qwen3 targets made with
-transformers: the same drafts, round after round, for requests batched together and for a request replayed from
-scratch, and DSpark's confidences; and the start-up checks that refuse a draft that does not fit its target, naming
-both values."""
+reference of the published semantics (tests.helpers.dflash_reference), on tiny Llama, Qwen3 and Gemma 3 targets made
+with transformers (a Gemma target's drafter scales the embedding rows and the logits): the same drafts, round after
+round, for requests batched together and for a request replayed from scratch, the same logits, and DSpark's
+confidences; and the start-up checks that refuse a draft that does not fit its target, naming both values."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,14 +25,25 @@ from tandem.wire import target_pb2
 from tests.helpers.checkpoints import TinyTargetSpec, read_target_tensor, write_tiny_target
 from tests.helpers.dflash_checkpoints import TinyDFlashSpec, TinyDSparkSpec, write_tiny_dflash, write_tiny_dspark
 from tests.helpers.dflash_reference import ReferenceDFlash
+from tests.helpers.gemma3_checkpoints import TinyGemma3Spec, write_tiny_gemma3
 
 PROMPTS = ([5, 17, 42, 99, 7, 3, 250, 18, 61, 77, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 30, 31, 32, 33, 34, 35, 36, 37])
 ROUNDS = 8
 
 
+def target_of(family: str) -> Callable[[Path], Path]:
+    if family == "gemma3":
+        return lambda directory: write_tiny_gemma3(directory, TinyGemma3Spec())
+    return lambda directory: write_tiny_target(directory, TinyTargetSpec(family=family))  # type: ignore[arg-type]
+
+
+# A Gemma target's drafter: the block's rows are the stored table times sqrt(hidden) (its model scales inside), and
+# the logits scaled and capped (a cap of 2 bends logits of a few units).
+GEMMA_FIELDS = (("input_embedding_scale", 8.0), ("output_multiplier", 0.5), ("final_logit_softcapping", 2.0))
 PAIRS = {
     "llama-dflash": ("llama", lambda d, t: write_tiny_dflash(d, t, TinyDFlashSpec())),
     "qwen3-dflash": ("qwen3", lambda d, t: write_tiny_dflash(d, t, TinyDFlashSpec())),
+    "gemma3-dflash": ("gemma3", lambda d, t: write_tiny_dflash(d, t, TinyDFlashSpec(dflash_fields=GEMMA_FIELDS))),
     # DSpark: drafts from every row, a Markov head (vanilla, gated), a confidence head, its own copy of the tables.
     "qwen3-dspark": ("qwen3", lambda d, t: write_tiny_dspark(d, t, TinyDSparkSpec())),
     "qwen3-dspark-gated": (
@@ -45,7 +57,7 @@ PAIRS = {
 
 def written(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     family, write_draft = PAIRS[name]
-    target = write_tiny_target(tmp_path_factory.mktemp("target"), TinyTargetSpec(family=family))
+    target = target_of(family)(tmp_path_factory.mktemp("target"))
     return target, write_draft(tmp_path_factory.mktemp("draft"), target)
 
 
@@ -103,8 +115,9 @@ def reference_of(target_dir: Path, draft: Path) -> tuple[PreTrainedModel, Refere
 def runner_for(draft: Path, target_dir: Path) -> BlockRunner:
     model, missing = load_dflash(draft)
     tables = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
+    tied = read_hf_config(target_dir).get("tie_word_embeddings", False)
     for name in missing:
-        model.fill_table(name, read_target_tensor(target_dir, tables[name]))
+        model.fill_table(name, read_target_tensor(target_dir, tables["embed_tokens" if tied else name]))
     return BlockRunner(model, KVCacheSettings(block_size=4, num_blocks=64))
 
 
@@ -160,6 +173,27 @@ def test_dspark_confidences_equal_the_reference(dspark_pair: tuple[Path, Path]) 
         reference.weights["markov_head.markov_w2.weight"]
     )
     assert reference.drafts(request.rows.features, request.tokens[-1], 4)[0] != drafts
+
+
+@torch.no_grad()
+def test_a_gemma_drafters_scales_are_applied(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The block's logits equal the reference's with the embedding scale, output multiplier and softcap of a Gemma
+    target's drafter; without any one of them the reference's differ (so the equality checks each)."""
+    target_dir, draft = written("gemma3-dflash", tmp_path_factory)
+    target, reference = reference_of(target_dir, draft)
+    runner = runner_for(draft, target_dir)
+    request = start(target, reference, "r", list(PROMPTS[1]))
+    rows: list[torch.Tensor] = []
+    hook = runner.model.register_forward_hook(lambda module, args, hidden: rows.append(hidden))
+    runner.propose([ProposeInput("r", request.rows, 3)])
+    hook.remove()
+    logits = reference.block_logits(request.rows.features, request.tokens[-1])
+    assert torch.allclose(runner.model.logits(rows[0]), logits, atol=1e-4)
+    assert logits.abs().max() < 2.0  # capped at 2
+    for name, plain in (("embedding_scale", 1.0), ("output_multiplier", 1.0), ("softcap", None)):
+        changed = ReferenceDFlash(draft, target)
+        setattr(changed, name, plain)
+        assert not torch.allclose(changed.block_logits(request.rows.features, request.tokens[-1]), logits, atol=1e-3)
 
 
 def test_the_window_and_the_context_matter(dflash_pair: tuple[Path, Path]) -> None:
@@ -232,7 +266,6 @@ def info(**fields: object) -> target_pb2.TargetInfo:
         ),
         (TinyDFlashSpec(num_target_layers=36), info(), 3, "num_target_layers: the draft has 36, the target has 4"),
         (TinyDFlashSpec(), info(), 4, "speculative-num-steps: 4 drafts asked, the draft's block_size 4 gives 3"),
-        (TinyDFlashSpec(), info(architecture="Gemma3ForCausalLM"), 3, "the target has Gemma3ForCausalLM"),
     ],
 )
 def test_a_draft_that_does_not_fit_is_refused_naming_both(
