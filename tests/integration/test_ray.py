@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from launch.processes import ServeProcess
+from tests.helpers.dflash_checkpoints import TinyDFlashSpec, write_tiny_dflash
 from tests.integration.stack import Completion, generate, run_to_exit, serve
 from tests.integration.test_greedy_equivalence import reference_greedy
 
@@ -175,16 +176,20 @@ def started_again(stack: ServeProcess, name: str) -> tuple[str, int]:
     return found[1][0], int(found[1][1])
 
 
-def test_tensor_parallel_target_and_two_drafts_on_two_cpus(llama_target: Path, random_draft: Path) -> None:
+def test_tensor_parallel_target_and_two_block_drafters_on_two_cpus(llama_target: Path, tmp_path: Path) -> None:
+    """Two replicas of a DFlash drafter (random; block 4, so 3 drafts a round by default) pull the target's tables
+    from the two ranks' vocab-parallel shards."""
     # Two rank bundles of a CPU and two replicas of half a CPU ask for three: the local cluster counts three.
     expected = [reference_greedy(llama_target, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
-    arguments = (*RAY, "--tp", "2", "--draft-replicas", "2", "--speculative-num-steps", "3")
-    with serve(llama_target, random_draft, *arguments) as stack:
+    draft = write_tiny_dflash(tmp_path / "dflash", llama_target, TinyDFlashSpec(target_layer_ids=(0, 2, 5)))
+    arguments = (*RAY, "--tp", "2", "--draft-replicas", "2", "--no-adaptive-k")
+    with serve(llama_target, draft, *arguments) as stack:
         completions = greedy(stack.address, disable_speculation=False)
         services = serving(stack.log)
         assert stack.stop() == 0
     assert [c.token_ids for c in completions] == expected
-    assert all(c.stats.draft_tokens > 0 for c in completions)
+    # More than 2 drafts a round on average: whole blocks of 3 (the last rounds ask only for the tokens left).
+    assert all(c.stats.draft_tokens > 2 * c.stats.rounds for c in completions)
     assert any("starting a local Ray cluster of 3 CPUs: this process may run on 2," in line for line in stack.log)
     assert any("(speculative, 2 draft replicas, 5 Ray actors)" in line for line in stack.log)
     assert list(services) == ["target", "draft-0", "draft-1", "orchestrator"]  # rank 1 serves nothing
