@@ -9,6 +9,7 @@ Stages, each with a progress bar and its wall time recorded in DIR/metadata.json
     eagle3-mla  an EAGLE3 head with an MLA layer (Kimi-K2.5 layout), the same chain             -> DIR/eagle3-mla/
     mtp         3 chained MTP layers (Step-3.5 style), each on the previous one's outputs       -> DIR/mtp/
     dflash      a DFlash block drafter (2 layers, block 8), all of a block's drafts in one forward -> DIR/dflash/
+    dspark      a DSpark block drafter (2 layers, block 7: 7 drafts), Markov and confidence heads -> DIR/dspark/
     evaluate    per head, greedy acceptance length on held-out prompts (k = 5, or the MTP head's layers), step timings
 The heads are described in training.demo_heads. The loss curves go to DIR/loss_curve.json and .md.
 
@@ -97,6 +98,7 @@ class DemoSettings:
             draft_training=replace(self.heads.draft_training, budget_seconds=head_seconds),
             mtp_training=replace(self.heads.mtp_training, budget_seconds=head_seconds),
             dflash_training=replace(self.heads.dflash_training, budget_seconds=head_seconds),
+            dspark_training=replace(self.heads.dspark_training, budget_seconds=head_seconds),
         )
         return replace(
             self,

@@ -4,6 +4,8 @@
     eagle3-mla  EAGLE3 head with an MLA layer (Eagle3DeepseekV2ForCausalLM, Kimi-K2.5 layout), the same chain
     mtp         chained MTP layers (Step-3.5 style, training.mtp), one draft step per layer
     dflash      a DFlash block drafter (z-lab layout, training.dflash), a block of drafts per forward
+    dspark      a DSpark block drafter (DeepSpec layout): the same backbone, every row drafting, a Markov head and a
+                confidence head
 
 Every head is trained on the same greedy continuations of the served target (training.demo's data stage),
 collected once at the union of the heads' capture indices; each head takes its own columns (captured_features).
@@ -20,7 +22,14 @@ import torch
 
 from tandem.models.dflash import feature_capture
 from tandem.models.llama import LlamaForCausalLM
-from training.dflash import DFlashShape, build_dflash, dflash_training_defaults, save_dflash, train_dflash
+from training.dflash import (
+    DFlashShape,
+    DSparkShape,
+    build_dflash,
+    dflash_training_defaults,
+    save_dflash,
+    train_dflash,
+)
 from training.eagle3 import (
     DraftData,
     DraftShape,
@@ -53,7 +62,9 @@ class HeadSettings:
     mtp_training: DraftTraining = field(default_factory=mtp_training_defaults)
     dflash_shape: DFlashShape = field(default_factory=DFlashShape)
     dflash_training: DraftTraining = field(default_factory=dflash_training_defaults)
-    dflash_anchors: int = 16  # anchors (blocks) per sequence per batch
+    dflash_anchors: int = 16  # anchors (blocks) per sequence per batch, DSpark's too
+    dspark_shape: DSparkShape = field(default_factory=DSparkShape)
+    dspark_training: DraftTraining = field(default_factory=dflash_training_defaults)
     eval_num_steps: int = 5  # k of the acceptance measurement; an MTP head drafts at most one step per layer
     seed: int = 0
 
@@ -127,25 +138,38 @@ def train_mtp_head(context: HeadContext, directory: Path, on_point: Callable[[Lo
     return record_summary(record, context.data) | {"capture_indices": [capture], "chain": True}
 
 
-def train_dflash_head(context: HeadContext, directory: Path, on_point: Callable[[LossPoint], None]) -> dict[str, Any]:
+def train_block_head(
+    shape: DFlashShape,
+    training: DraftTraining,
+    context: HeadContext,
+    directory: Path,
+    on_point: Callable[[LossPoint], None],
+) -> dict[str, Any]:
     settings = context.settings
-    shape = settings.dflash_shape
     # The mask token is the padding token: the frozen target embedding's row of a token no text holds.
     hf_config = shape.hf_config(context.target_config, context.pad_id)
     model = build_dflash(hf_config, context.target, settings.seed)
     capture = feature_capture(shape.target_layer_ids, context.target.config.num_layers)
     features = captured_features(context.data.features, context.capture, capture)
     record = train_dflash(
-        model,
-        context.data,
-        features,
-        context.prompt_length,
-        settings.dflash_anchors,
-        settings.dflash_training,
-        on_point,
+        model, context.data, features, context.prompt_length, settings.dflash_anchors, training, on_point
     )
     save_dflash(model, hf_config, directory)
     return record_summary(record, context.data) | {"capture_indices": list(capture), "block_size": shape.block_size}
+
+
+def block_demo_head(
+    shape: Callable[[HeadSettings], DFlashShape], training: Callable[[HeadSettings], DraftTraining]
+) -> DemoHead:
+    """A block drafter's demo head; its acceptance is measured at a whole block's drafts."""
+    return DemoHead(
+        capture=lambda settings, layers: feature_capture(shape(settings).target_layer_ids, layers),
+        train=lambda context, directory, on_point: train_block_head(
+            shape(context.settings), training(context.settings), context, directory, on_point
+        ),
+        num_steps=lambda settings: shape(settings).drafts_per_round,
+        note=lambda settings: chain_note(training(settings), "block positions (one forward)"),
+    )
 
 
 def chain_note(training: DraftTraining, steps: str) -> str:
@@ -177,10 +201,6 @@ DEMO_HEADS: dict[str, DemoHead] = {
         num_steps=lambda settings: min(settings.eval_num_steps, settings.mtp_shape.num_layers),
         note=lambda settings: chain_note(settings.mtp_training, "chained MTP layers (full vocabulary)"),
     ),
-    "dflash": DemoHead(
-        capture=lambda settings, layers: feature_capture(settings.dflash_shape.target_layer_ids, layers),
-        train=train_dflash_head,
-        num_steps=lambda settings: settings.dflash_shape.block_size - 1,
-        note=lambda settings: chain_note(settings.dflash_training, "block positions (one forward)"),
-    ),
+    "dflash": block_demo_head(lambda settings: settings.dflash_shape, lambda settings: settings.dflash_training),
+    "dspark": block_demo_head(lambda settings: settings.dspark_shape, lambda settings: settings.dspark_training),
 }

@@ -1,14 +1,20 @@
-"""Training a DFlash block drafter (tandem.models.dflash) on the target's greedy continuations.
+"""Training a block drafter (tandem.models.dflash: DFlash, or DSpark) on the target's greedy continuations.
 
 Each batch takes `anchors_per_batch` anchor positions a, the same for every sequence of the batch, in the generated
 part of the sequences (a >= prompt_length - 1, so that every token after an anchor is the target's greedy choice).
 Anchor a's block is [x_a, MASK x (B - 1)] at positions a .. a + B - 1; its context is the features of positions
-0 .. a - 1; its row j (1 .. B - 1) is trained towards x_{a + j}, the target's greedy token there, with weight
-step_decay ** (j - 1) (the paper decays the loss with the position in the block too). All the blocks of a batch run
-in one dense forward over the serving module's own submodules (training.dense): every block row sees the context
-before its anchor and the rows of its own block, both ways, as a served block does.
+0 .. a - 1; its i-th draft (0-based; DFlash: block row i + 1, DSpark: row i) is trained towards x_{a + 1 + i}, the
+target's greedy token there, with weight step_decay ** i (the paper decays the loss with the position in the block
+too). All the blocks of a batch run in one dense forward over the serving module's own submodules (training.dense):
+every block row sees the context before its anchor and the rows of its own block, both ways, as a served block does.
 
-The embedding and LM head are the target's, frozen; the checkpoint leaves them out (z-lab's layout).
+DSpark adds, after the backbone, the Markov head (draft i's logits corrected from x_{a + i}, the token before it:
+the target's, as the accepted drafts before it would be) and the confidence head, trained by binary cross-entropy
+towards whether draft i's argmax is x_{a + 1 + i} (on the backbone's rows as they are, not moving them): the chance
+that a draft is accepted given that the ones before it were.
+
+The embedding and LM head are the target's, frozen; the checkpoint leaves them out (z-lab's layout; a DSpark
+checkpoint without them takes the target's too).
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from torch.nn.functional import binary_cross_entropy_with_logits
 
-from tandem.layers.matmul import Linear
 from tandem.models.dflash import DFlashConfig, DFlashDraft, DFlashLayer
 from tandem.models.llama import LlamaForCausalLM
 from training.checkpoint import checkpoint_tensors, save_tensors
@@ -69,6 +75,35 @@ class DFlashShape:
             "torch_dtype": "bfloat16",
         }
 
+    @property
+    def drafts_per_round(self) -> int:
+        return self.block_size - 1
+
+
+@dataclass(frozen=True)
+class DSparkShape(DFlashShape):
+    block_size: int = 7  # 7 drafts a round: every row drafts
+    markov_rank: int = 256
+
+    def hf_config(self, target_config: dict[str, Any], mask_token_id: int) -> dict[str, Any]:
+        """DeepSpec's layout: the block fields at the top level, with the Markov and confidence heads'."""
+        config = super().hf_config(target_config, mask_token_id)
+        return (
+            config
+            | config.pop("dflash_config")
+            | {
+                "architectures": ["Qwen3DSparkModel"],
+                "markov_rank": self.markov_rank,
+                "markov_head_type": "vanilla",
+                "enable_confidence_head": True,
+                "confidence_head_with_markov": True,
+            }
+        )
+
+    @property
+    def drafts_per_round(self) -> int:
+        return self.block_size
+
 
 def dflash_training_defaults() -> DraftTraining:
     return DraftTraining(
@@ -92,13 +127,14 @@ def build_dflash(hf_config: dict[str, Any], target: LlamaForCausalLM, seed: int)
     return model
 
 
-def block_logits(
+def block_hidden(
     model: DFlashDraft,
     features: torch.Tensor,  # [batch, time, len(ids) * hidden]
     tokens: torch.Tensor,  # [batch, time]
     anchors: torch.Tensor,  # [anchors] positions, increasing
-) -> torch.Tensor:  # -> [batch, anchors, B - 1, vocab]
-    """Every anchor's block of every sequence in one dense forward (module docstring)."""
+) -> torch.Tensor:  # -> [batch, anchors, drafts, hidden]
+    """The final-norm outputs of every anchor's drafting rows, every sequence in one dense forward (module
+    docstring)."""
     batch, time = tokens.shape
     size, mask_id = model.config.block_size, model.config.mask_token_id
     offsets = torch.arange(size)
@@ -115,9 +151,19 @@ def block_logits(
         query, key, value = project_qkv(layer.self_attn, rows, positions)
         block = block + attend(layer.self_attn, query[:, :, time:], key, value, visible)
         block = block + layer.mlp(layer.post_attention_layernorm(block))
-    normed = model.norm(block).view(batch, len(anchors), size, -1)[:, :, 1:]
-    lm_head: Linear = model.lm_head
-    return lm_head(normed)
+    return model.norm(block).view(batch, len(anchors), size, -1)[:, :, model.config.first_draft_row :]
+
+
+def block_logits(
+    model: DFlashDraft, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor
+) -> torch.Tensor:  # -> [batch, anchors, drafts, vocab]
+    """Every anchor's draft logits, DSpark's corrected from the target's token before each draft."""
+    return model.logits(block_hidden(model, features, tokens, anchors), tokens[:, draft_offsets(model, anchors)])
+
+
+def draft_offsets(model: DFlashDraft, anchors: torch.Tensor) -> torch.Tensor:  # -> [anchors, drafts]
+    """Positions of the token before each draft: a + i for draft i of anchor a (its label sits at a + 1 + i)."""
+    return anchors[:, None] + torch.arange(model.config.drafts_per_block)
 
 
 def train_dflash(
@@ -129,30 +175,39 @@ def train_dflash(
     settings: DraftTraining,
     on_point: Callable[[LossPoint], None] = lambda point: None,
 ) -> DraftRecord:
-    size = model.config.block_size
+    drafts = model.config.drafts_per_block
     length = data.tokens.shape[1]
     generator = torch.Generator().manual_seed(settings.seed + 1)
-    choices = torch.arange(prompt_length - 1, length - size + 1)
+    choices = torch.arange(prompt_length - 1, length - drafts)
 
     def batch_loss(rows: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
         picked = torch.randperm(len(choices), generator=generator)[:anchors_per_batch]
         anchors = choices[picked.sort().values]
         tokens = data.tokens[rows]
-        logits = block_logits(model, features[rows].float(), tokens, anchors)
-        labels = tokens[:, anchors[:, None] + torch.arange(1, size)]  # [batch, anchors, B - 1]
-        return step_losses(
-            [logits[:, :, j] for j in range(size - 1)],
-            [labels[:, :, j] for j in range(size - 1)],
+        hidden = block_hidden(model, features[rows].float(), tokens, anchors)
+        previous = tokens[:, draft_offsets(model, anchors)]  # [batch, anchors, drafts]
+        labels = tokens[:, draft_offsets(model, anchors) + 1]
+        logits = model.logits(hidden, previous)
+        loss, accuracies = step_losses(
+            [logits[:, :, i] for i in range(drafts)],
+            [labels[:, :, i] for i in range(drafts)],
             settings.step_decay,
             IGNORED_LABEL,
         )
+        if model.confidence_head is None:
+            return loss, accuracies
+        correct = (logits.argmax(dim=-1) == labels).float()
+        scores = model.confidence_logits(hidden.detach(), previous).float()
+        return loss + binary_cross_entropy_with_logits(scores, correct), accuracies
 
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    return train_head(model, trained, data.tokens.shape[0], batch_loss, settings, "dflash", on_point)
+    label = "dflash" if model.config.dspark is None else "dspark"
+    return train_head(model, trained, data.tokens.shape[0], batch_loss, settings, label, on_point)
 
 
 def save_dflash(model: DFlashDraft, hf_config: dict[str, Any], directory: Path) -> None:
-    """config.json and model.safetensors (bf16) in z-lab's layout: no embedding, no LM head, no `model.` prefix."""
+    """config.json and model.safetensors (bf16) in z-lab's layout (DSpark's: the same names, its heads' added): no
+    embedding, no LM head, no `model.` prefix."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     tensors = checkpoint_tensors(model)

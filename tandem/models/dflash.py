@@ -343,11 +343,14 @@ class DFlashDraft(nn.Module):
     def confidence(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:  # -> [n] in (0, 1)
         """DSpark's calibrated chance that each row's draft is accepted given the ones before it; None without a
         confidence head."""
-        if self.confidence_head is None:
-            return None
+        return None if self.confidence_head is None else self.confidence_logits(hidden, previous).sigmoid()
+
+    def confidence_logits(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [...]
+        """The confidence head's logit of each row (the model must have the head)."""
+        assert self.confidence_head is not None
         if self.confidence_head.with_markov and self.markov_head is not None:  # with_markov implies the head
             hidden = torch.cat([hidden, self.markov_head.markov_w1(previous)], dim=-1)
-        return self.confidence_head.proj(hidden).float().squeeze(-1).sigmoid()
+        return self.confidence_head.proj(hidden).float().squeeze(-1)
 
     def fill_table(self, name: str, table: torch.Tensor) -> None:
         """Copies the target's `embed_tokens` or `lm_head` ([vocab, hidden]) into the draft."""
