@@ -33,7 +33,7 @@ DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_TARGET = DEMO_DIR / "target"
 DEMO_DRAFT = DEMO_DIR / "eagle3"
 # The demo heads for the demo target, selectable as `--draft demo:<name>`.
-DEMO_DRAFTS = {name: DEMO_DIR / name for name in ("eagle3", "eagle3-mla", "mtp", "dflash")}
+DEMO_DRAFTS = {name: DEMO_DIR / name for name in ("eagle3", "eagle3-mla", "mtp", "dflash", "dspark")}
 # The demo target is a code model without a chat template; `tandem serve` gives it this one for /v1/chat/completions.
 DEMO_CHAT_TEMPLATE = DEMO_DIR / "chat_template.jinja"
 
