@@ -84,13 +84,18 @@ class BlockRunner:
         if self.model.markov_head is None and all(item.shaping is None for item in inputs):
             tokens = self.model.logits(hidden).argmax(dim=-1).tolist()
             return [tokens[start : start + count] for start, count in zip(starts, counts, strict=True)]
+        head = self.model.head_logits(hidden)
         proposals: list[list[int]] = [[] for _ in inputs]
         for step in range(max(counts, default=0)):
             # Row `step` of each request that drafts that far, given the token before it and shaped with the drafts.
             active = [i for i, count in enumerate(counts) if count > step]
-            previous = [proposals[i][-1] if step else anchors[i] for i in active]
-            rows = hidden[[starts[i] + step for i in active]]
-            logits = self.model.logits(rows, torch.tensor(previous, device=hidden.device))
+            index = [starts[i] + step for i in active]
+            logits = head[index]
+            if self.model.markov_head is not None:
+                previous = [proposals[i][-1] if step else anchors[i] for i in active]
+                logits = (
+                    logits + self.model.markov_head(hidden[index], torch.tensor(previous, device=hidden.device)).float()
+                )
             shaped = shape_logits(logits, [inputs[i].shaping for i in active], [proposals[i] for i in active])
             for i, token in zip(active, shaped.argmax(dim=-1).tolist(), strict=True):
                 proposals[i].append(int(token))

@@ -328,17 +328,21 @@ class DFlashDraft(nn.Module):
 
     def logits(self, hidden: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:  # -> [n, vocab]
         """Draft logits (float32) of block rows ([n, hidden]) given the token before each ([n]: the anchor, then the
-        drafts; DSpark's Markov correction needs them): the LM head's (scaled and capped as the config says), plus
-        that correction."""
-        config = self.config
-        logits = self.lm_head(hidden).float() * config.output_multiplier
-        if config.logit_softcap is not None:
-            logits = torch.tanh(logits / config.logit_softcap) * config.logit_softcap
+        drafts; DSpark's Markov correction needs them): the LM head's (head_logits), plus that correction."""
+        logits = self.head_logits(hidden)
         if self.markov_head is None:
             return logits
         if previous is None:
             raise ValueError("a DSpark draft's logits need the token before each row")
         return logits + self.markov_head(hidden, previous).float()
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32
+        """The LM head's logits, scaled and capped as the config says; no Markov correction."""
+        config = self.config
+        logits = self.lm_head(hidden).float() * config.output_multiplier
+        if config.logit_softcap is not None:
+            logits = torch.tanh(logits / config.logit_softcap) * config.logit_softcap
+        return logits
 
     def confidence(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor | None:  # -> [n] in (0, 1)
         """DSpark's calibrated chance that each row's draft is accepted given the ones before it; None without a
