@@ -11,7 +11,9 @@ correction), and the next block sits at 13..16.
 
 Drafts are greedy: the argmax of each drafting row's logits, which for DSpark add the Markov head's correction from
 the token before (the anchor, then the drafts, left to right); a request's penalties, bias and min_tokens shape its
-rows left to right too, each row seeing the drafts before it (draft_server.shaping).
+rows left to right too, each row seeing the drafts before it (draft_server.shaping). DSpark's confidence head scores
+each draft given the token before it (DraftTree.scores): the orchestrator may verify fewer of them
+(orchestrator.loop.confidence).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from draft_server.shaping import shape_logits
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.layers.matmul import prepack
 from tandem.models.dflash import BlockStep, DFlashDraft
+from tandem.sampling.draft_tree import DraftTree
 from tandem.settings import KVCacheSettings
 
 
@@ -47,9 +50,9 @@ class BlockRunner:
         self.requests: dict[str, BlockRequest] = {}
 
     @torch.inference_mode()
-    def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]:
+    def propose(self, inputs: Sequence[ProposeInput]) -> list[DraftTree]:
         """Writes each request's new context, drafts its block, and returns its first num_steps drafts (at most a
-        block's)."""
+        block's), a chain scored by the drafter's confidence where it has a confidence head."""
         # Every item is checked before any state changes, so that a refused batch leaves the cache as it was.
         for item in inputs:
             self._check(item)
@@ -76,30 +79,36 @@ class BlockRunner:
                 self.cache.truncate(request.kv, item.rows.start_position + len(item.rows.next_tokens))
         return self._drafts(hidden, inputs)
 
-    def _drafts(self, hidden: torch.Tensor, inputs: Sequence[ProposeInput]) -> list[list[int]]:
-        """Each request's drafts from its drafting rows' outputs ([sum of the steps, hidden], request by request)."""
+    def _drafts(self, hidden: torch.Tensor, inputs: Sequence[ProposeInput]) -> list[DraftTree]:
+        """Each request's drafts from its drafting rows' outputs ([sum of the steps, hidden], request by request),
+        scored where the drafter has a confidence head."""
         counts = [self._steps(item) for item in inputs]
         starts = [sum(counts[:i]) for i in range(len(counts))]
         anchors = [item.rows.next_tokens[-1] for item in inputs]
-        if self.model.markov_head is None and all(item.shaping is None for item in inputs):
-            tokens = self.model.logits(hidden).argmax(dim=-1).tolist()
-            return [tokens[start : start + count] for start, count in zip(starts, counts, strict=True)]
-        head = self.model.head_logits(hidden)
+        model = self.model
+        if model.markov_head is None and model.confidence_head is None and all(item.shaping is None for item in inputs):
+            tokens = model.logits(hidden).argmax(dim=-1).tolist()
+            return [DraftTree.chain(tokens[start : start + count]) for start, count in zip(starts, counts, strict=True)]
+        head = model.head_logits(hidden)  # every drafting row's LM head at once; the Markov correction row by row
         proposals: list[list[int]] = [[] for _ in inputs]
         for step in range(max(counts, default=0)):
             # Row `step` of each request that drafts that far, given the token before it and shaped with the drafts.
             active = [i for i, count in enumerate(counts) if count > step]
-            index = [starts[i] + step for i in active]
-            logits = head[index]
-            if self.model.markov_head is not None:
+            rows = [starts[i] + step for i in active]
+            logits = head[rows]
+            if model.markov_head is not None:
                 previous = [proposals[i][-1] if step else anchors[i] for i in active]
-                logits = (
-                    logits + self.model.markov_head(hidden[index], torch.tensor(previous, device=hidden.device)).float()
-                )
+                logits = logits + model.markov_head(hidden[rows], torch.tensor(previous, device=hidden.device)).float()
             shaped = shape_logits(logits, [inputs[i].shaping for i in active], [proposals[i] for i in active])
             for i, token in zip(active, shaped.argmax(dim=-1).tolist(), strict=True):
                 proposals[i].append(int(token))
-        return proposals
+        before = [token for i, tokens in enumerate(proposals) for token in (anchors[i], *tokens[:-1]) if tokens]
+        confidence = model.confidence(hidden, torch.tensor(before, device=hidden.device))
+        scores = confidence.tolist() if confidence is not None else []
+        return [
+            DraftTree.chain(tokens, scores[start : start + len(tokens)])
+            for tokens, start in zip(proposals, starts, strict=True)
+        ]
 
     def _check(self, item: ProposeInput) -> None:
         """Raises DraftRequestError unless the item's rows carry tokens and continue its request's context."""

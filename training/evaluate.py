@@ -28,6 +28,7 @@ from tandem.models.dflash import load_dflash
 from tandem.models.eagle3 import load_eagle3
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.mtp import load_mtp
+from tandem.sampling.draft_tree import DraftTree
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from target_server.runner import TargetRunner
@@ -50,9 +51,9 @@ class AcceptanceReport:
 
 
 class Proposer(Protocol):
-    """What the evaluation drives of a draft runner (DraftRunner and MTPRunner have it)."""
+    """What the evaluation drives of a draft runner (DraftRunner, MTPRunner, BlockRunner: its drafts are chains)."""
 
-    def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]: ...
+    def propose(self, inputs: Sequence[ProposeInput]) -> Sequence[list[int]] | Sequence[DraftTree]: ...
     def release(self, request_ids: Sequence[str]) -> None: ...
 
 
@@ -112,7 +113,8 @@ def measure_acceptance(
             (proposal,) = draft_runner.propose([ProposeInput(request_id, rows, num_steps)])
             draft_times.append(time.perf_counter() - started)
             started = time.perf_counter()
-            result = target_runner.verify(request_id, proposal)
+            tokens = proposal.tokens if isinstance(proposal, DraftTree) else proposal
+            result = target_runner.verify(request_id, tokens)
             verify_times.append(time.perf_counter() - started)
             accepted_counts.append(result.accepted)
             generated.extend(result.new_tokens)

@@ -216,6 +216,7 @@ class DraftLengths:
     explored: dict[int, int] = field(default_factory=dict)  # by bucket(batch): steps below the caps
     rounds: Counter[tuple[str, int]] = field(default_factory=Counter)  # (class, k) -> rounds asked (metrics)
     skipped: Counter[str] = field(default_factory=Counter)  # class -> new requests it started paused
+    confidence_cuts: int = 0  # drafts left unverified by their drafter's confidence (orchestrator.loop.confidence)
 
     def choose(self, batch: int, asking: Sequence[Asking]) -> Choice:
         """Each decoding request's k for a step in which `batch` requests speculate (paused ones included)."""

@@ -234,3 +234,11 @@ class SchedulerCollector(Collector):
         for (request_class, k), rounds in sorted(policy.rounds.items()):
             lengths.add_metric([name, request_class, str(k)], rounds)
         yield lengths
+        cuts = CounterMetricFamily(
+            "tandem:drafts_cut_by_confidence",
+            "Drafts proposed but not verified: their drafter's confidence (DSpark's) said they would not pay for "
+            "their rows (orchestrator/loop/confidence.py)",
+            labels=["model_name"],
+        )
+        cuts.add_metric([name], policy.confidence_cuts)
+        yield cuts

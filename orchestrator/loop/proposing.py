@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from orchestrator.loop.batching import ActiveRequest, Drafting, PlannedItem
+from orchestrator.loop.confidence import cut_by_confidence
 from orchestrator.loop.draft_length import DraftLengths
 from orchestrator.loop.placement import Placement
 from orchestrator.peers.backends import ProposedBatch, ProposeTask
@@ -42,8 +43,8 @@ class Proposer:
         self.listeners: list[Callable[[str, float], None]] = []
 
     async def propose(self, decode: Sequence[PlannedItem]) -> tuple[Drafts, dict[str, ReplicaTiming]]:
-        """The drafts of the step's decoding requests that have room for some, by request id, and each replica's
-        timing."""
+        """The drafts of the step's decoding requests that have room for some, by request id (scored ones cut where
+        their confidence says the rest will not pay: orchestrator.loop.confidence), and each replica's timing."""
         requests: dict[str, ActiveRequest] = {}
         by_replica: dict[str, list[ProposeTask]] = {}
         for entry in decode:
@@ -70,7 +71,7 @@ class Proposer:
             self._accept(replica, tasks, batch, call_seconds, requests)
             drafts.update(batch.drafts)
             timings[replica] = ReplicaTiming(call_seconds, batch.compute_seconds, batch.ahead_seconds)
-        return drafts, timings
+        return cut_by_confidence(drafts, self.speculation, len(decode)), timings
 
     def _accept(
         self,

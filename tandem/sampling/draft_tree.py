@@ -6,6 +6,9 @@ are in an order where a parent comes before its children. A chain of k drafts is
 [-1, 0, ..., k - 2]: every node the only child of the one before. On the wire a chain carries no parents
 (tandem.wire.drafts), which is the common case.
 
+A drafter that scores its drafts (DSpark's confidence head) gives `scores`, one per node: its chance that the node
+is accepted given that its path to it was (prefix survival of a chain: s_0 * ... * s_j); none otherwise.
+
 Worked example: tokens [5, 6, 7, 8, 9], parents [-1, -1, 0, 1, 1]: the root's children are nodes 0 and 1, node 0's
 child is 2, node 1's are 3 and 4; depths [1, 1, 2, 2, 2], so a round can add at most 2 drafts (plus the target's
 correction or bonus token).
@@ -21,16 +24,17 @@ from dataclasses import dataclass
 class DraftTree:
     tokens: tuple[int, ...] = ()
     parents: tuple[int, ...] = ()  # one per token: -1 (the root) or an earlier node's index
+    scores: tuple[float, ...] = ()  # one per token, or none (module docstring)
 
     @classmethod
-    def chain(cls, tokens: Sequence[int]) -> DraftTree:
-        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+    def chain(cls, tokens: Sequence[int], scores: Sequence[float] = ()) -> DraftTree:
+        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)), tuple(scores))
 
     @classmethod
-    def of(cls, tokens: Sequence[int], parents: Sequence[int] = ()) -> DraftTree:
-        """A tree from tokens and parents as the wire carries them: no parents for a chain. Call `fault` before
-        trusting what another process sent."""
-        return cls(tuple(tokens), tuple(parents)) if parents else cls.chain(tokens)
+    def of(cls, tokens: Sequence[int], parents: Sequence[int] = (), scores: Sequence[float] = ()) -> DraftTree:
+        """A tree from tokens, parents and scores as the wire carries them: no parents for a chain. Call `fault`
+        before trusting what another process sent."""
+        return cls(tuple(tokens), tuple(parents), tuple(scores)) if parents else cls.chain(tokens, scores)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -77,17 +81,23 @@ class DraftTree:
         return children
 
     def first(self, count: int) -> DraftTree:
-        """The first `count` nodes (a chain's first drafts; a tree's first nodes keep their parents)."""
-        return DraftTree(self.tokens[:count], self.parents[:count])
+        """The first `count` nodes (a chain's first drafts; a tree's first nodes keep their parents and scores)."""
+        return DraftTree(self.tokens[:count], self.parents[:count], self.scores[:count])
 
     def fault(self, max_tokens: int, vocab_size: int | None = None) -> str:
         """What is wrong with drafts another process sent ("" if nothing): more than `max_tokens`, parents that do
-        not make a tree, or (when `vocab_size` is given) ids outside the vocabulary."""
+        not make a tree, scores that are not one probability per node, or (when `vocab_size` is given) ids outside
+        the vocabulary."""
         if len(self.tokens) > max_tokens:
             return f"draft_tokens: {len(self.tokens)}, at most {max_tokens}"
         fault = parents_fault(self.parents, len(self.tokens))
         if fault:
             return fault
+        if self.scores and len(self.scores) != len(self.tokens):
+            return f"scores: {len(self.scores)} entries for {len(self.tokens)} nodes"
+        for index, score in enumerate(self.scores):
+            if not 0.0 <= score <= 1.0:  # NaN fails too
+                return f"scores[{index}]: {score} is not a probability"
         for index, token in enumerate(self.tokens):
             if vocab_size is not None and not 0 <= token < vocab_size:
                 return f"draft_tokens[{index}]: {token} is outside the vocabulary [0, {vocab_size})"

@@ -68,12 +68,14 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class DraftTree(_message.Message):
-    __slots__ = ("tokens", "parents")
+    __slots__ = ("tokens", "parents", "scores")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CallError(_message.Message):
     __slots__ = ("code", "message")

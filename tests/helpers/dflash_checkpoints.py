@@ -121,6 +121,8 @@ class TinyDSparkSpec:
     confidence_head: bool = True
     confidence_with_markov: bool = True
     include_tables: bool = True
+    zero_final_norm: bool = False  # as TinyDFlashSpec's: every draft token 0 (with no Markov head)
+    confidence_bias: float | None = None  # the confidence head's bias (None: random); with zero rows, every score
     seed: int = 0
 
 
@@ -140,6 +142,8 @@ def write_tiny_dspark(directory: Path, target_dir: Path, spec: TinyDSparkSpec = 
     )
     generator = torch.Generator().manual_seed(spec.seed)
     tensors = backbone_tensors(config, generator)
+    if spec.zero_final_norm:
+        tensors["norm.weight"] = torch.zeros_like(tensors["norm.weight"])
     if spec.include_tables:
         tensors["embed_tokens.weight"] = read_target_tensor(target_dir, "model.embed_tokens.weight")
         tensors["lm_head.weight"] = read_target_tensor(target_dir, "lm_head.weight")
@@ -156,6 +160,8 @@ def write_tiny_dspark(directory: Path, target_dir: Path, spec: TinyDSparkSpec = 
         width = hidden + (rank if spec.confidence_with_markov else 0)
         tensors["confidence_head.proj.weight"] = dense_weight((1, width), generator)
         tensors["confidence_head.proj.bias"] = dense_weight((1,), generator)
+        if spec.confidence_bias is not None:
+            tensors["confidence_head.proj.bias"] = torch.full((1,), spec.confidence_bias)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     written = config.to_dict() | {

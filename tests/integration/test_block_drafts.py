@@ -11,6 +11,8 @@ the published DFlash loop (tests.helpers.dflash_reference) run on transformers' 
 - a Gemma 3 target (tied embedding, sliding layers) and a random DFlash draft that scales the block's embedding rows
   by its input_embedding_scale and caps its logits;
 - a DFlash replica killed mid-stream: its requests replayed on the other, outputs unchanged;
+- a DSpark draft whose drafts are all accepted but scored low by its confidence head, with adaptive k: drafts cut by
+  their survival, outputs unchanged;
 - Qwen3 target, random DSpark draft (features of the embedding, layer 1 and the last, a Markov head, a confidence head,
   its own copy of the target's tables), block 4: 4 drafts a round, each corrected by the one before.
 """
@@ -33,6 +35,7 @@ from tests.helpers.gemma3_checkpoints import TinyGemma3Spec, write_tiny_gemma3
 from tests.integration.stack import draft_info, generate, serve, service_addresses
 from tests.integration.test_greedy_equivalence import reference_greedy
 from tests.integration.test_replicas import greedy, replica_pid, target_only
+from tests.integration.test_separate_services import scrape, value
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os"]
 MAX_NEW_TOKENS = 20
@@ -118,6 +121,29 @@ def test_dspark_rounds_and_outputs_equal_the_reference(tmp_path: Path) -> None:
             sum(len(drafts) for drafts in reference.drafts),
             sum(reference.accepted),
         )
+
+
+def test_dspark_confidence_cuts_drafts_and_not_the_output(tmp_path: Path) -> None:
+    """A DSpark draft whose every draft is accepted (zero final norms, no Markov head; the target's choice is token 0,
+    or under a presence penalty the lowest id not produced yet) but whose confidence head scores each 0.05 (on zero
+    rows, its bias alone): with adaptive k, once the costs are measured the orchestrator verifies only the drafts
+    that survival pays for (survival 0.05, 0.0025, ...: about one), counted in tandem:drafts_cut_by_confidence, and the
+    output is target-only's."""
+    target = write_tiny_target(tmp_path / "qwen3", TinyTargetSpec(family="qwen3", zero_final_norm=True))
+    spec = TinyDSparkSpec(markov_rank=0, confidence_with_markov=False, zero_final_norm=True, confidence_bias=-2.944)
+    draft = write_tiny_dspark(tmp_path / "dspark", target, spec)
+    requests = [
+        {"prompt": prompt, "max_new_tokens": 24, "ignore_eos": True, "presence_penalty": penalty}
+        for prompt in PROMPTS
+        for penalty in (0.0, 1.0)
+    ]
+    with serve(target, draft, "--http-port", "0", "--adaptive-k") as stack:
+        alone = [generate(stack.address, **request, disable_speculation=True) for request in requests]
+        served = [generate(stack.address, **request) for request in requests * 3]
+        cut = value(scrape(f"{stack.http_url}/metrics"), "tandem:drafts_cut_by_confidence_total")
+    assert [c.token_ids for c in served] == [a.token_ids for a in alone] * 3
+    assert len(set(served[1].token_ids)) == 24  # the penalty made every token a new one
+    assert cut > 0 and sum(c.stats.draft_tokens for c in served) > 0
 
 
 def test_a_killed_block_replica_costs_no_request(llama_pair: tuple[Path, Path]) -> None:

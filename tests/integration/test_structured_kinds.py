@@ -1,6 +1,7 @@
 """Structured output under every draft kind but the default chain (tests/integration/test_http_api.py has that one):
 trees, n-gram drafts in the orchestrator, the hybrid of both and the demo's DFlash and DSpark block drafters, through
-`tandem serve` and the official client. The JSON validates and is the same with and without speculation, and constrained requests accept drafts."""
+`tandem serve` and the official client. The JSON validates and is the same with and without speculation, and
+constrained requests accept drafts."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ def test_drafts_equal_the_reference_round_after_round(pair: tuple[Path, Path]) -
     for round_number in range(ROUNDS):
         steps = [per_block, 1 + round_number % 3]  # a whole block, and fewer
         inputs = [ProposeInput(r.name, r.rows, k) for r, k in zip(requests, steps, strict=True)]
-        proposals = runner.propose(inputs)
+        proposals = [list(tree.tokens) for tree in runner.propose(inputs)]
         for request, k, proposal in zip(requests, steps, proposals, strict=True):
             expected, _ = reference.drafts(context[request.name], request.tokens[-1], k)
             assert proposal == expected, f"{request.name}, round {round_number}"
@@ -149,7 +149,7 @@ def test_drafts_equal_the_reference_round_after_round(pair: tuple[Path, Path]) -
     replayed = requests[0]
     runner.release([replayed.name])
     rows = TargetRows(0, replayed.tokens[1:], context[replayed.name])
-    again = runner.propose([ProposeInput(replayed.name, rows, 3)])[0]
+    again = list(runner.propose([ProposeInput(replayed.name, rows, 3)])[0].tokens)
     assert again == reference.drafts(context[replayed.name], replayed.tokens[-1], 3)[0]
 
 
@@ -159,15 +159,12 @@ def test_dspark_confidences_equal_the_reference(dspark_pair: tuple[Path, Path]) 
     target, reference = reference_of(target_dir, draft)
     runner = runner_for(draft, target_dir)
     request = start(target, reference, "r", list(PROMPTS[0]))
-    rows: list[torch.Tensor] = []
-    hook = runner.model.register_forward_hook(lambda module, args, hidden: rows.append(hidden))
-    (drafts,) = runner.propose([ProposeInput("r", request.rows, 4)])
-    hook.remove()
-    previous = torch.tensor([request.tokens[-1], *drafts[:-1]])
-    confidences = runner.model.confidence(rows[0], previous)
+    (tree,) = runner.propose([ProposeInput("r", request.rows, 4)])
+    drafts = list(tree.tokens)
     expected_drafts, expected = reference.drafts(request.rows.features, request.tokens[-1], 4)
-    assert drafts == expected_drafts and confidences is not None
-    assert torch.allclose(confidences, torch.tensor(expected), atol=1e-5)
+    assert drafts == expected_drafts and len(tree.scores) == 4  # the chain comes scored by the confidence head
+    assert torch.allclose(torch.tensor(tree.scores), torch.tensor(expected), atol=1e-5)
+    assert tree.fault(4, runner.model.config.vocab_size) == ""
     # Negative control: without the Markov head the same block drafts otherwise, so the equality above checks it.
     reference.weights["markov_head.markov_w2.weight"] = torch.zeros_like(
         reference.weights["markov_head.markov_w2.weight"]
