@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.model_dirs import draft_dir_option
 from orchestrator.settings import (
     HttpSettings,
     HybridSettings,
@@ -29,10 +30,14 @@ class BenchSettings:
     # `--kinds`: draft kinds measured side by side on the draft model (bench/kinds.py), each on a stack of its own;
     # (): the one configuration of the fields above. The command's option: its choices are bench.kinds's.
     kinds: tuple[str, ...] = ()
-    # The block kind's draft (a DFlash directory), drafting its block's B - 1 tokens a round.
+    # The block kind's draft (a DFlash or DSpark directory, or demo:<name>), drafting its whole block a round.
     block_draft: Path = field(
         default=DEMO_DIR / "dflash",
-        metadata=flag("--block-draft", "the block drafter of --kinds block (default: demo:dflash)", parse=Path),
+        metadata=flag(
+            "--block-draft",
+            "the block drafter of --kinds block: a directory, or demo:dflash or demo:dspark",
+            parse=draft_dir_option,
+        ),
     )
     # A running stack; None: start one with `tandem serve`.
     address: str | None = field(

@@ -18,7 +18,7 @@ from tandem.devices import DeviceRequest
 from tandem.errors import StartupError
 from tandem.extras import RAY
 from tandem.grpc_util import set_keepalive_timeout
-from tandem.settings import DEMO_CHAT_TEMPLATE, DEMO_DRAFT, DEMO_TARGET, KVCacheSettings
+from tandem.settings import DEMO_CHAT_TEMPLATE, DEMO_DRAFT, DEMO_DRAFTS, DEMO_TARGET, KVCacheSettings
 
 STEPS = flags.dest_of(flags.flag_of(SchedulerSettings, "num_steps")[flags.FLAG].name)  # --speculative-num-steps
 
@@ -29,7 +29,7 @@ def add_serve_parser(commands: argparse._SubParsersAction[argparse.ArgumentParse
     parser.add_argument(
         "--draft",
         type=draft_option,
-        help="draft directory, or demo:eagle3 | demo:eagle3-mla | demo:mtp | demo:dflash, or ngram (prompt lookup, "
+        help=f"draft directory, or {' | '.join('demo:' + name for name in DEMO_DRAFTS)}, or ngram (prompt lookup, "
         "no draft model); default: demo:eagle3 with the demo target, else none",
     )
     flags.add_options(parser, ServeSettings)

@@ -73,7 +73,11 @@ def test_rounds_and_outputs_equal_the_reference(pair: str, tp: int, request: pyt
             generate(stack.address, prompt=p, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, disable_speculation=True)
             for p in PROMPTS
         ]
+        # Seeded sampling draws each token from (seed, position) alone: block drafts must not change one of them.
+        sampled = {"prompt": PROMPTS[0], "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.9, "seed": 7}
+        seeded = [generate(stack.address, **sampled, disable_speculation=off) for off in (False, True)]
         info = draft_info(service_addresses(stack.log)["draft"])
+    assert seeded[0].token_ids == seeded[1].token_ids and seeded[0].stats.draft_tokens > 0
     # No --speculative-num-steps: the whole block, B - 1 = 3 drafts.
     assert (info.kind, list(info.capture_indices), info.num_steps) == ("dflash", [1, 3, 5], 3)
     for prompt, completion, alone in zip(PROMPTS, served, target_only, strict=True):
