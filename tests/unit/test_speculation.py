@@ -437,11 +437,12 @@ def test_metrics_show_each_measured_batch_sizes_settled_k_and_its_changes() -> N
     policy = warmed()
     assert (choose(policy, 1), choose(policy, 32)) == (5, 0)
     collector = SchedulerCollector(SimpleNamespace(speculation=policy), SimpleNamespace(model_name="m"))  # type: ignore[arg-type]
-    settled, changes, lengths = collector._adaptive_k("m")
+    settled, changes, lengths, cuts = collector._adaptive_k("m")
     assert [(s.labels["batch_size"], s.value) for s in settled.samples] == [("1", 5), ("32", 0)]
     assert [(s.labels["batch_size"], s.value) for s in changes.samples] == [("1", 0), ("32", 1)]
     by_length = {(s.labels["request_class"], s.labels["k"]): s.value for s in lengths.samples}
     assert by_length == {("free", "0"): 32, ("free", "5"): 1}
+    assert [s.value for s in cuts.samples] == [0]  # no drafter scored its drafts
 
 
 def test_a_multi_token_decode_is_timed_per_forward_pass_forced_tokens_not_counted() -> None:
