@@ -122,7 +122,7 @@ class TinyDSparkSpec:
     confidence_with_markov: bool = True
     include_tables: bool = True
     zero_final_norm: bool = False  # as TinyDFlashSpec's: every draft token 0 (with no Markov head)
-    confidence_bias: float | None = None  # the confidence head's bias (None: random); with zero rows, every score
+    confidence_bias: float | None = None  # the confidence head's bias (None: random); on zero rows, every score
     seed: int = 0
 
 
