@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from draft_server.block_runner import BlockRunner
+from draft_server.formats import as_draft_tree
 from draft_server.mtp_runner import MTPRunner
 from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from tandem.models.aux_layers import resolve_capture
@@ -113,8 +114,7 @@ def measure_acceptance(
             (proposal,) = draft_runner.propose([ProposeInput(request_id, rows, num_steps)])
             draft_times.append(time.perf_counter() - started)
             started = time.perf_counter()
-            tokens = proposal.tokens if isinstance(proposal, DraftTree) else proposal
-            result = target_runner.verify(request_id, tokens)
+            result = target_runner.verify(request_id, as_draft_tree(proposal).tokens)
             verify_times.append(time.perf_counter() - started)
             accepted_counts.append(result.accepted)
             generated.extend(result.new_tokens)
