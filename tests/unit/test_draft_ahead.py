@@ -282,6 +282,7 @@ def test_a_request_dropped_for_kv_room_is_answered_as_needing_a_replay(draft_dir
                 message("a", 2, random_rows(24, 1, seed=13), ahead=3, step_end=False),
                 message("b", 2, random_rows(24, 1, seed=14), ahead=3, step_end=True),
             )
+            await replica.drafted_ahead()  # else, under load, the call can arrive before the batch starts
             second = await replica.service._propose(ask(["a", "b"], 2, 25), SESSION)
             # Once there is room, rows that start over (a replay) are drafted again.
             await replica.service._release({"a"})
