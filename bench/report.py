@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cpu import OWN_PROCESS, SPLIT_ROLES
-from bench.harness import RunResult
+from bench.harness import RunResult, outside_compute
 from bench.huggingface import Method
 from bench.machine import machine, runtime
 from bench.plot import Series, save_acceptance_plot
@@ -112,6 +112,12 @@ def summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
                     "acceptance_per_position": [round(a, 3) for a in speculative.acceptance_per_position()],
                     "per_round_ms": per_round,
                     "outside_compute_ms_per_round": _rounded(outside_compute(per_round)),
+                    # The same per decoded token, of both runs: the engine's cost that a GPU would not shrink.
+                    "outside_compute_ms_per_token": {
+                        mode: _rounded(run.outside_compute_ms_per_token())
+                        for mode, run in (("speculative", speculative), ("target_only", target_only))
+                        if run is not None
+                    },
                     "cpu": _cpu(speculative, target_only),
                 }
             )
@@ -131,22 +137,6 @@ def _cpu(speculative: RunResult, target_only: RunResult | None) -> dict[str, Any
         }
         for mode, run in measured
     }
-
-
-def outside_compute(per_round: dict[str, float]) -> float | None:
-    """Milliseconds of a round in which neither target nor draft computed: transport, hand-offs, scheduling, and
-    whatever else the stack did that the phases leave out (releasing a finished request, for one).
-
-    It is the round's wall time less its compute: the target's, the draft compute the round waited for, and the
-    draft compute done ahead, which ran after the target's compute and before the Propose arrived, so while the
-    target's answer and the Propose travelled (inside the wire time). Example: a 20.3 ms round with 13.1 ms of
-    verification, 4.5 ms of draft waited for and 1.7 ms drafted ahead spent 1.0 ms outside compute, where its wire
-    and scheduling add up to 2.6 ms. None where the run's parts were not measured (a stack started elsewhere).
-    """
-    if "verify" not in per_round:
-        return None
-    compute = per_round["verify"] + per_round["draft"] + per_round.get("drafted_ahead", 0.0)
-    return max(0.0, per_round["round"] - compute)
 
 
 def transformers_summary(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
@@ -185,7 +175,8 @@ TABLE_HEADER = (
     "| setup | concurrency | tok/s | tok/s (target-only) | speedup | vs HF greedy | vs HF prompt-lookup "
     "| target-only vs HF greedy | split / colocated | identical to target-only | mean acceptance length "
     "| acceptance per position | per round ms: draft / verify / wire / scheduling (+ drafted ahead) "
-    "| outside compute ms/round | CPU ms per token by process (cores busy): speculative / target-only |"
+    "| outside compute ms/round (per token: speculative / target-only) "
+    "| CPU ms per token by process (cores busy): speculative / target-only |"
 )
 
 
@@ -204,6 +195,12 @@ def _per_round(timing: dict[str, float]) -> str:
 
 def _milliseconds(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
+
+
+def _outside_cell(per_round: float | None, per_token: dict[str, float | None]) -> str:
+    """`2.44 (0.60 / 0.35)`: a speculative round's time outside compute, then a token's in each mode."""
+    tokens = " / ".join(_milliseconds(per_token.get(mode)) for mode in ("speculative", "target_only"))
+    return f"{_milliseconds(per_round)} ({tokens})" if per_token else _milliseconds(per_round)
 
 
 def _drafts(settings: dict[str, Any]) -> str:
@@ -241,7 +238,8 @@ def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, An
         "the prompts identical to Tandem's split target-only completions. Drafted ahead: draft compute a replica did "
         "as soon as the target's rows arrived, before it was asked, while the target's answer and the next Propose "
         "travelled; the draft column is what the round still waited for. Outside compute: a round's wall time (first "
-        "token to last, over the rounds) less its verify, draft and drafted-ahead compute. CPU ms per token: the "
+        "token to last, over the rounds) less its verify, draft and drafted-ahead compute; in brackets the same over "
+        "the tokens decoded after the first, of the speculative and the target-only run. CPU ms per token: the "
         "user + system CPU time of each process of the setup during the run over its completion tokens (split: "
         "target, draft, orchestrator; colocated: the benchmark's own process, which also runs the client), with the "
         "cores the run kept busy (all of it over the wall time) in brackets.",
@@ -266,7 +264,7 @@ def markdown(rows: Sequence[dict[str, Any]], transformers: Sequence[dict[str, An
             row["mean_acceptance_length"],
             " ".join(f"{a:.2f}" for a in row["acceptance_per_position"]),
             _per_round(timing),
-            _milliseconds(row["outside_compute_ms_per_round"]),
+            _outside_cell(row["outside_compute_ms_per_round"], row.get("outside_compute_ms_per_token", {})),
             _cpu_cell(row.get("cpu")),
         ]
         lines.append(_table_row(cells))
