@@ -60,8 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return generate(args)
     if args.command == "scale":
         return scale(args.address, args.draft_replicas, client_security_of(args), admin_token_of(args))
-    configure_logging(args.command)
     try:
+        configure_logging(args.command)
         run_service(args)
     except StartupError as error:
         logging.getLogger("tandem").error("%s cannot start: %s", args.command, error)

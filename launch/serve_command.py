@@ -18,7 +18,7 @@ from tandem.devices import DeviceRequest
 from tandem.errors import StartupError
 from tandem.extras import RAY
 from tandem.grpc_util import set_keepalive_timeout
-from tandem.settings import DEMO_CHAT_TEMPLATE, DEMO_DRAFT, DEMO_DRAFTS, DEMO_TARGET, KVCacheSettings
+from tandem.settings import DEMO_CHAT_TEMPLATE, DEMO_DRAFT, DEMO_DRAFTS, DEMO_TARGET, KVCacheSettings, log_level
 
 STEPS = flags.dest_of(flags.flag_of(SchedulerSettings, "num_steps")[flags.FLAG].name)  # --speculative-num-steps
 
@@ -78,6 +78,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         if args.launcher == "ray":
             RAY.require("--launcher ray")
+        log_level()  # refused here, once, rather than by each service it starts
         settings = serve_settings_of(args)
         set_keepalive_timeout(settings.keepalive_timeout_s)
     except StartupError as error:

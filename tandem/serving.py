@@ -14,7 +14,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from tandem.errors import StartupError
 from tandem.grpc_util import MAX_MESSAGE_BYTES, add_standard_services, channel_options, create_server
+from tandem.settings import log_level
 from tandem.transport import Insecure, TransportSecurity
 
 LOG = logging.getLogger(__name__)
@@ -139,5 +141,10 @@ async def report_health(
         await asyncio.sleep(HEALTH_POLL_S)
 
 
-def configure_logging(name: str, level: str = "INFO") -> None:
+def configure_logging(name: str) -> None:
+    """Logs to stderr at TANDEM_LOG_LEVEL (INFO unless set); raises StartupError naming a level that is none."""
+    try:
+        level = log_level()
+    except ValueError as error:
+        raise StartupError(str(error)) from None
     logging.basicConfig(level=level, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")

@@ -14,7 +14,18 @@ from tandem.flags import checked, flag, positive
 # (300000 rounds) kept the workers of the process that had just finished spinning on the cores the next one was
 # computing on, which made the demo's draft and verify passes about twice as slow as in one process. 10000 rounds
 # still bridge the gaps between the kernels of one forward pass.
-SERVICE_ENVIRONMENT = {"GOMP_SPINCOUNT": "10000"}
+# TANDEM_LOG_LEVEL: the services' log level (DEBUG shows, among others, each request's k and the estimates behind it).
+LOG_LEVEL_VARIABLE = "TANDEM_LOG_LEVEL"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+SERVICE_ENVIRONMENT = {"GOMP_SPINCOUNT": "10000", LOG_LEVEL_VARIABLE: "INFO"}
+
+
+def log_level() -> str:
+    """The services' log level from the environment; raises ValueError naming a value that is none."""
+    level = os.environ.get(LOG_LEVEL_VARIABLE, "INFO")
+    if level.upper() not in LOG_LEVELS:
+        raise ValueError(f"{LOG_LEVEL_VARIABLE}={level!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level.upper()
 
 
 def service_environment() -> dict[str, str]:

@@ -235,8 +235,8 @@ class DraftLengths:
         kept = {c.key: lengths[c.key] if c.previous is None else min(c.previous, len(c.survival)) for c in candidates}
         kept_rate = rate_of(kept, candidates, len(asking), seconds) if kept != lengths else None
         if kept_rate is not None and rate <= kept_rate * (1 + HYSTERESIS):
-            lengths = kept
-        self._log_requests(candidates, lengths, asking)
+            lengths, rate = kept, kept_rate
+        self._log_requests(candidates, lengths, asking, (rate, len(asking) / max(seconds(len(asking), 0, 0), 1e-9)))
         self._settle(size, lengths, candidates)
         if lengths == full:
             return self._counted(Choice(lengths, lengths), asking)
@@ -348,7 +348,13 @@ class DraftLengths:
         self.current[size] = deepest
         self.changes[size] = self.changes.get(size, 0) + 1
 
-    def _log_requests(self, candidates: Sequence[Candidate], lengths: dict[str, int], asking: Sequence[Asking]) -> None:
+    def _log_requests(
+        self,
+        candidates: Sequence[Candidate],
+        lengths: dict[str, int],
+        asking: Sequence[Asking],
+        rates: tuple[float, float],  # tokens/s the choice expects of the round, and of one without drafts
+    ) -> None:
         """A DEBUG line for each request whose k changed, with the estimates behind it."""
         if not LOG.isEnabledFor(logging.DEBUG):
             return
@@ -357,7 +363,8 @@ class DraftLengths:
             if k == candidate.previous:
                 continue
             LOG.debug(
-                "request %s (%s): k %s -> %d of %d; acceptance by position %s; %d requests, %d rows",
+                "request %s (%s): k %s -> %d of %d; acceptance by position %s; %d requests, %d rows, expected %.0f "
+                "tok/s (%.0f without drafts)",
                 candidate.key,
                 a.request_class,
                 "-" if candidate.previous is None else candidate.previous,
@@ -366,4 +373,5 @@ class DraftLengths:
                 " ".join(f"{s:.2f}" for s in candidate.survival),
                 len(asking),
                 len(asking) + sum(lengths.values()),
+                *rates,
             )

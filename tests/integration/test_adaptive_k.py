@@ -9,6 +9,7 @@ The tests share one stack and run in order: the first meets it fresh."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,10 +25,13 @@ NEW_TOKENS = 120  # with k = 0, 4 tokens a step (--num-scheduler-steps): enough 
 
 @pytest.fixture(scope="module")
 def stack(llama_target: Path, random_draft: Path) -> Iterator[Stack]:
-    with serve(
-        llama_target, random_draft, "--speculative-num-steps", "3", "--adaptive-k", "--http-port", "0"
-    ) as running:
-        yield running
+    # At DEBUG the orchestrator logs each change of a request's k with the estimates behind it.
+    with pytest.MonkeyPatch.context() as environment:
+        environment.setenv("TANDEM_LOG_LEVEL", "debug")
+        with serve(
+            llama_target, random_draft, "--speculative-num-steps", "3", "--adaptive-k", "--http-port", "0"
+        ) as running:
+            yield running
 
 
 def test_at_k_zero_a_batch_leaves_its_replica_but_for_one_probe(stack: Stack) -> None:
@@ -54,6 +58,9 @@ def test_at_k_zero_a_batch_leaves_its_replica_but_for_one_probe(stack: Stack) ->
     grammar = [value(after, rounds, request_class="grammar", k=str(k)) for k in range(4)]
     assert 0 < sum(grammar) <= completions[3].stats.rounds and grammar[3] > 0, grammar  # full k while measuring
     assert not any("demoted" in line for line in stack.log)
+    # Why each request's k moved: "k 3 -> 0 of 3; acceptance by position ...; expected N tok/s (M without drafts)".
+    stopped = [line for line in stack.log if re.search(r"DEBUG .*: k 3 -> 0 of 3; acceptance by position", line)]
+    assert stopped and all(re.search(r"expected \d+ tok/s \(\d+ without drafts\)", line) for line in stopped)
     idle_again(stack)
 
 

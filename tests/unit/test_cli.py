@@ -20,7 +20,7 @@ from launch.stack_security import ServeSecurity
 from orchestrator.settings import HybridSettings, NgramSettings, SchedulerSettings
 from tandem import flags
 from tandem.grpc_util import KEEPALIVE_TIMEOUT_S
-from tandem.settings import TreeShape
+from tandem.settings import TreeShape, log_level
 from target_server.rank import parse_arguments
 from target_server.ranks import rank_command
 
@@ -203,3 +203,19 @@ def test_a_block_drafter_drafts_its_whole_block_unless_told_otherwise(tmp_path: 
     assert steps() == 15
     assert steps("--speculative-num-steps", "6") == 6
     assert serve_settings().scheduler.num_steps == SchedulerSettings.num_steps  # a draft that is no block drafter
+
+
+def test_the_log_level_comes_from_the_environment_and_a_wrong_one_stops_serve_naming_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("TANDEM_LOG_LEVEL", raising=False)
+    assert log_level() == "INFO"
+    monkeypatch.setenv("TANDEM_LOG_LEVEL", "debug")
+    assert log_level() == "DEBUG"
+    monkeypatch.setenv("TANDEM_LOG_LEVEL", "chatty")
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--target", "t", "--draft", "d"])
+    assert "TANDEM_LOG_LEVEL='chatty' is not one of DEBUG, INFO, WARNING, ERROR" in str(stopped.value)
+    # A service started by hand refuses it too, before it loads anything.
+    assert main(["draft", "--target-address", "a", "--model", "m"]) == 2
+    assert "draft cannot start: TANDEM_LOG_LEVEL='chatty'" in caplog.text
