@@ -28,6 +28,7 @@ from launch.serve_settings import ServeSettings
 from launch.stack_security import ServeSecurity
 from orchestrator.settings import SchedulerSettings
 from tandem import flags
+from tandem.cpu_quota import default_intra_op_threads
 from tandem.devices import DeviceRequest
 from tandem.wire import orchestrator_pb2
 
@@ -140,9 +141,8 @@ async def _benchmark(
     stacks: list[ServeProcess] = []
     clients: list[GrpcGenerate] = []
     engines: list[ColocatedEngine] = []
-    if settings.target_threads:
-        # The colocated engine and transformers compute on this thread with the target service's thread count.
-        torch.set_num_threads(settings.target_threads)
+    # The colocated engine and transformers compute on this thread with the target service's thread count.
+    torch.set_num_threads(settings.target_threads or default_intra_op_threads())
     try:
         for kind in kinds:
             if settings.address is None:

@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from tandem.cpu_quota import default_intra_op_threads
+
 T = TypeVar("T")
 
 
@@ -39,8 +41,8 @@ class ModelThread:
     """One worker thread for a service's model, holding the process's intra-op threads (see the module docstring).
 
     Create it on the event loop's thread before any torch work there: that thread is confined to one intra-op thread.
-    `threads` is the model thread's intra-op thread count; 0 keeps PyTorch's default (one per core this process may
-    use, or OMP_NUM_THREADS).
+    `threads` is the model thread's intra-op thread count; 0: PyTorch's default (one per core this process may use,
+    or OMP_NUM_THREADS), no more than a CPU limit allows (tandem.cpu_quota).
     """
 
     def __init__(self, name: str, threads: int = 0) -> None:
@@ -50,7 +52,7 @@ class ModelThread:
             max_workers=1,
             thread_name_prefix=name,
             initializer=use_intra_op_threads,
-            initargs=(threads or torch.get_num_threads(),),
+            initargs=(threads or default_intra_op_threads(),),
         )
         self._executor.submit(lambda: None).result()  # the initializer has run before the creator is confined
         use_intra_op_threads(1)

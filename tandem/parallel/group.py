@@ -7,7 +7,6 @@ model runs the same code without initialising a process group.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tandem.cpu_quota import default_intra_op_threads
 from tandem.errors import StartupError
 
 LOG = logging.getLogger(__name__)
@@ -104,7 +104,8 @@ def join_group(
 
 
 def share_cpu_threads(group: ParallelGroup, threads: int = 0) -> None:
-    """Gives each CPU rank `threads` intra-op threads, or (0) its share of the cores this process may use.
+    """Gives each CPU rank `threads` intra-op threads, or (0) its share of the cores this process may use (no more
+    than a CPU limit allows).
 
     Ranks compute in lockstep: with every rank running as many threads as there are cores, the idle threads of one
     rank spin (OpenMP) on the cores that another rank is computing on; on 2 cores that made a tp-2 step 6 times
@@ -113,8 +114,7 @@ def share_cpu_threads(group: ParallelGroup, threads: int = 0) -> None:
     if threads > 0:
         torch.set_num_threads(threads)
     elif group.world_size > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // group.world_size))
+        torch.set_num_threads(max(1, default_intra_op_threads() // group.world_size))
 
 
 def leave_group(group: ParallelGroup) -> None:
