@@ -15,14 +15,16 @@ pass go through `run` / `call`; small tensor work on the event loop's thread (de
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
 
-from tandem.cpu_quota import default_intra_op_threads
+from tandem.cpu_quota import default_intra_op_threads, quota_cpus
 
+LOG = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -48,11 +50,13 @@ class ModelThread:
     def __init__(self, name: str, threads: int = 0) -> None:
         if threads < 0:
             raise ValueError(f"threads: {threads} (0 for the default, else at least 1)")
+        count, limit = threads or default_intra_op_threads(), quota_cpus()
+        LOG.info("%s: %d intra-op threads%s", name, count, "" if limit is None else f" (a CPU limit of {limit:g})")
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix=name,
             initializer=use_intra_op_threads,
-            initargs=(threads or default_intra_op_threads(),),
+            initargs=(count,),
         )
         self._executor.submit(lambda: None).result()  # the initializer has run before the creator is confined
         use_intra_op_threads(1)

@@ -66,7 +66,8 @@ def test_a_service_in_a_one_cpu_cgroup_takes_one_intra_op_thread() -> None:
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text("100000")
         probe = (
-            "import torch; from tandem.cpu_quota import default_intra_op_threads, quota_cpus; "
+            "import logging, torch; from tandem.cpu_quota import default_intra_op_threads, quota_cpus; "
+            "logging.basicConfig(level=logging.INFO); "
             "from tandem.model_thread import ModelThread; torch_threads = torch.get_num_threads(); "
             "default = default_intra_op_threads(); threads = ModelThread('m').call(torch.get_num_threads); "
             "print(quota_cpus(), torch_threads, default, threads)"
@@ -77,6 +78,7 @@ def test_a_service_in_a_one_cpu_cgroup_takes_one_intra_op_thread() -> None:
         output = subprocess.run(command, env=environment, capture_output=True, text=True, check=True)
         quota, torch_threads, threads, model_thread = output.stdout.split()
         assert float(quota) == 1.0 and threads == model_thread == "1"  # a service's model thread takes one
+        assert "m: 1 intra-op threads (a CPU limit of 1)" in output.stderr  # and says why
         if len(os.sched_getaffinity(0)) > 1:
             assert int(torch_threads) > 1  # what PyTorch alone takes: one per core it may run on
         given = subprocess.run(command, env={**environment, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True)
