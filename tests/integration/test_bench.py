@@ -64,10 +64,11 @@ def test_bench_writes_the_report_with_medians_transformers_rows_and_identical_ou
         assert timing["request"] >= timing["verify"] + timing["draft"]  # the client waited for the compute
         assert timing["request"] >= timing["round"] > 0
         assert row["outside_compute_ms_per_round"] == pytest.approx(max(0.0, timing["round"] - compute), abs=2e-3)
-        # Per token decoded after the first, of both runs: a speculative round decodes at least one token.
+        # Per token decoded after the first, of both runs: a speculative round decodes at least one token (equal
+        # when none was accepted; the per-round figure comes from rounded phases, so a few us apart).
         per_token = row["outside_compute_ms_per_token"]
         assert set(per_token) == {"speculative", "target_only"} and min(per_token.values()) >= 0
-        assert per_token["speculative"] <= row["outside_compute_ms_per_round"] + 1e-3
+        assert per_token["speculative"] <= row["outside_compute_ms_per_round"] + 5e-3
         assert row["vs_transformers_greedy"] > 0 and row["vs_transformers_prompt_lookup"] > 0
         assert row["target_only_vs_transformers_greedy"] > 0
         # CPU time by process: the split stack's three services (a target-only run leaves the replica idle but for
