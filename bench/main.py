@@ -28,7 +28,7 @@ from launch.serve_settings import ServeSettings
 from launch.stack_security import ServeSecurity
 from orchestrator.settings import SchedulerSettings
 from tandem import flags
-from tandem.cpu_quota import default_intra_op_threads
+from tandem.cpu_quota import applied_limit, default_intra_op_threads
 from tandem.devices import DeviceRequest
 from tandem.wire import orchestrator_pb2
 
@@ -142,7 +142,7 @@ async def _benchmark(
     clients: list[GrpcGenerate] = []
     engines: list[ColocatedEngine] = []
     # The colocated engine and transformers compute on this thread with the target service's thread count.
-    torch.set_num_threads(settings.target_threads or default_intra_op_threads())
+    torch.set_num_threads(settings.target_threads or default_intra_op_threads(applied_limit()))
     try:
         for kind in kinds:
             if settings.address is None:

@@ -32,12 +32,17 @@ def quota_cpus(root: Path = CGROUP_ROOT, membership: str | None = None) -> float
     return min(limits, default=None)
 
 
-def default_intra_op_threads() -> int:
-    """PyTorch's default (a thread per core this process may run on, or OMP_NUM_THREADS, which is kept as given),
-    no more than a CPU limit's whole CPUs, and at least 1."""
+def applied_limit() -> float | None:
+    """The CPU limit a service's default thread count follows: quota_cpus(), but None where OMP_NUM_THREADS is set
+    (the user's count is kept as given)."""
+    return None if "OMP_NUM_THREADS" in os.environ else quota_cpus()
+
+
+def default_intra_op_threads(limit: float | None) -> int:
+    """PyTorch's default (a thread per core this process may run on, or OMP_NUM_THREADS), no more than `limit`'s
+    whole CPUs (applied_limit()), and at least 1."""
     threads = torch.get_num_threads()
-    quota = None if "OMP_NUM_THREADS" in os.environ else quota_cpus()
-    return threads if quota is None else max(1, min(threads, int(quota)))
+    return threads if limit is None else max(1, min(threads, int(limit)))
 
 
 def _cpu_directories(root: Path, membership: str) -> Iterator[Path]:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tandem.cpu_quota import default_intra_op_threads, quota_cpus
+from tandem.cpu_quota import applied_limit, default_intra_op_threads
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,7 +50,8 @@ class ModelThread:
     def __init__(self, name: str, threads: int = 0) -> None:
         if threads < 0:
             raise ValueError(f"threads: {threads} (0 for the default, else at least 1)")
-        count, limit = threads or default_intra_op_threads(), quota_cpus()
+        limit = None if threads else applied_limit()  # the cgroup read once; a count given is kept
+        count = threads or default_intra_op_threads(limit)
         LOG.info("%s: %d intra-op threads%s", name, count, "" if limit is None else f" (a CPU limit of {limit:g})")
         self._executor = ThreadPoolExecutor(
             max_workers=1,

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tandem.cpu_quota import default_intra_op_threads
+from tandem.cpu_quota import applied_limit, default_intra_op_threads
 from tandem.errors import StartupError
 
 LOG = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def share_cpu_threads(group: ParallelGroup, threads: int = 0) -> None:
     if threads > 0:
         torch.set_num_threads(threads)
     elif group.world_size > 1:
-        torch.set_num_threads(max(1, default_intra_op_threads() // group.world_size))
+        torch.set_num_threads(max(1, default_intra_op_threads(applied_limit()) // group.world_size))
 
 
 def leave_group(group: ParallelGroup) -> None:

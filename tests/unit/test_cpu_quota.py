@@ -66,10 +66,11 @@ def test_a_service_in_a_one_cpu_cgroup_takes_one_intra_op_thread() -> None:
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text("100000")
         probe = (
-            "import logging, torch; from tandem.cpu_quota import default_intra_op_threads, quota_cpus; "
+            "import logging, torch; from tandem.cpu_quota import applied_limit, default_intra_op_threads, quota_cpus; "
             "logging.basicConfig(level=logging.INFO); "
             "from tandem.model_thread import ModelThread; torch_threads = torch.get_num_threads(); "
-            "default = default_intra_op_threads(); threads = ModelThread('m').call(torch.get_num_threads); "
+            "default = default_intra_op_threads(applied_limit()); "
+            "threads = ModelThread('m').call(torch.get_num_threads); "
             "print(quota_cpus(), torch_threads, default, threads)"
         )
         # The child joins the cgroup before it starts Python (and torch): `sh` writes its own pid, then execs.
@@ -83,5 +84,6 @@ def test_a_service_in_a_one_cpu_cgroup_takes_one_intra_op_thread() -> None:
             assert int(torch_threads) > 1  # what PyTorch alone takes: one per core it may run on
         given = subprocess.run(command, env={**environment, "OMP_NUM_THREADS": "2"}, capture_output=True, text=True)
         assert given.stdout.split()[2:] == ["2", "2"]
+        assert "m: 2 intra-op threads\n" in given.stderr  # the user's count: no limit was applied, none is named
     finally:
         group.rmdir()
