@@ -46,7 +46,10 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 OTHER = "other"
 WAITING = "waiting for a core (run queue)"
-ATTACH_S = 1.0  # py-spy takes a moment to attach; a run started before it would go partly unsampled
+# py-spy takes a moment to attach (over a second under load), and a SIGINT before it samples kills it with nothing
+# written: the run starts once each one says it samples, within this long.
+ATTACH_TIMEOUT_S = 60.0
+SAMPLING = b"Sampling process"  # what py-spy record prints once it samples
 
 
 @dataclass
@@ -155,14 +158,12 @@ def _sampled(pids: dict[str, int], profile: Profile, settings: ProfileSettings) 
     settings.out.mkdir(parents=True, exist_ok=True)
     spies = {}
     for role, pid in pids.items():
-        raw = settings.out / f"{profile.mode}-{role}.txt"
+        raw, log = settings.out / f"{profile.mode}-{role}.txt", settings.out / f"{profile.mode}-{role}.log"
         command = ["py-spy", "record", "--pid", str(pid), "--rate", str(settings.rate), "--nonblocking"]
-        with (settings.out / f"{profile.mode}-{role}.log").open("wb") as log:  # py-spy's own lines
-            spies[role] = (subprocess.Popen([*command, "--format", "raw", "--output", str(raw)], stderr=log), raw)
-    time.sleep(ATTACH_S)
-    for role, (spy, _) in spies.items():
-        if spy.poll() is not None:
-            raise RuntimeError(f"py-spy on the {role} process exited at once ({spy.returncode}): no ptrace rights?")
+        with log.open("wb") as lines:  # py-spy's own lines
+            command += ["--format", "raw", "--output", str(raw)]
+            spies[role] = (subprocess.Popen(command, stdout=lines, stderr=subprocess.STDOUT), raw)
+        _wait_sampling(role, spies[role][0], log)
     yield
     for spy, _ in spies.values():
         spy.send_signal(signal.SIGINT)  # py-spy writes its file when interrupted
@@ -170,6 +171,18 @@ def _sampled(pids: dict[str, int], profile: Profile, settings: ProfileSettings) 
         if spy.wait(timeout=60) != 0 or not raw.exists():
             raise RuntimeError(f"py-spy on the {role} process failed (exit {spy.returncode})")
         profile.phases[role] = read_raw(raw.read_text())
+
+
+def _wait_sampling(role: str, spy: subprocess.Popen[bytes], log: Path) -> None:
+    """Returns once py-spy says it samples; raises if it exits first or does not within ATTACH_TIMEOUT_S."""
+    deadline = time.monotonic() + ATTACH_TIMEOUT_S
+    while SAMPLING not in log.read_bytes():
+        if spy.poll() is not None:
+            raise RuntimeError(f"py-spy on the {role} process exited at once ({spy.returncode}): no ptrace rights?")
+        if time.monotonic() > deadline:
+            spy.kill()
+            raise RuntimeError(f"py-spy on the {role} process did not start sampling within {ATTACH_TIMEOUT_S:g} s")
+        time.sleep(0.05)
 
 
 def report(profiles: list[Profile], command: str) -> str:
