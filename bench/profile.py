@@ -160,8 +160,8 @@ def _sampled(pids: dict[str, int], profile: Profile, settings: ProfileSettings) 
     for role, pid in pids.items():
         raw, log = settings.out / f"{profile.mode}-{role}.txt", settings.out / f"{profile.mode}-{role}.log"
         command = ["py-spy", "record", "--pid", str(pid), "--rate", str(settings.rate), "--nonblocking"]
+        command += ["--format", "raw", "--output", str(raw)]
         with log.open("wb") as lines:  # py-spy's own lines
-            command += ["--format", "raw", "--output", str(raw)]
             spies[role] = (subprocess.Popen(command, stdout=lines, stderr=subprocess.STDOUT), raw)
         _wait_sampling(role, spies[role][0], log)
     yield
@@ -178,7 +178,9 @@ def _wait_sampling(role: str, spy: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + ATTACH_TIMEOUT_S
     while SAMPLING not in log.read_bytes():
         if spy.poll() is not None:
-            raise RuntimeError(f"py-spy on the {role} process exited at once ({spy.returncode}): no ptrace rights?")
+            raise RuntimeError(
+                f"py-spy on the {role} process exited before it sampled ({spy.returncode}): no ptrace rights?"
+            )
         if time.monotonic() > deadline:
             spy.kill()
             raise RuntimeError(f"py-spy on the {role} process did not start sampling within {ATTACH_TIMEOUT_S:g} s")
