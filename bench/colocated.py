@@ -76,7 +76,8 @@ class LocalDraft:
     async def propose(self, tasks: Sequence[ProposeTask]) -> ProposedBatch:
         inputs = [self._input(t.request_id, self._take(t.request_id, t.round), t.num_steps) for t in tasks]
         started = time.perf_counter()
-        drafts, exhausted = propose_what_fits(self.runner, inputs)
+        proposals = propose_what_fits(self.runner, inputs)
+        drafts, exhausted = proposals.drafts, proposals.exhausted
         return ProposedBatch(drafts, exhausted, time.perf_counter() - started, one_forward=self.one_forward)
 
     def _input(self, request_id: str, rows: TargetRows, num_steps: int) -> ProposeInput:
@@ -125,7 +126,15 @@ class LocalTarget:
                 self.draft.deliver(result.captured, item.round)
             streaming = self.draft is not None and self.runner.requests[item.request_id].stream.streams
             answers.append(
-                StepResult(item.request_id, None, result.accepted, result.new_tokens, streaming, result.logprobs)
+                StepResult(
+                    item.request_id,
+                    None,
+                    result.accepted,
+                    result.new_tokens,
+                    streaming,
+                    result.logprobs,
+                    result.cached_tokens,
+                )
             )
         return StepOutcome(answers, compute)
 
@@ -139,7 +148,9 @@ class LocalTarget:
             item.drafts,
             None
             if opened is None
-            else target_items.OpenRequest(opened.prompt, opened.sampling, opened.end_token_ids, opened.generated),
+            else target_items.OpenRequest(
+                opened.prompt, opened.sampling, opened.end_token_ids, opened.generated, opened.cache_salt
+            ),
             stream if opened is not None or item.move else None,
             replay=item.replay,
             top_logprobs=item.top_logprobs,

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from draft_server.formats import ProposalRunner, propose_what_fits
+from draft_server.formats import ProposalRunner, Proposals, propose_what_fits
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows
 from tandem.grpc_util import CallFailed
 from tandem.sampling.draft_tree import DraftTree
@@ -34,16 +34,17 @@ class DraftedAhead:
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     proposal: DraftTree | None = None  # None until the batch ran, or when it could not draft the request
     exhausted: str | None = None  # why the pool could not hold the request (it was dropped, like a Propose's)
+    prefix: tuple[int, int] = (0, 0)  # prefix positions asked of the replica's cache and found (Proposals)
     started: float = 0.0  # perf_counter at the start and end of its batch's compute
     finished: float = 0.0
 
 
 def timed_proposals(
     runner: ProposalRunner, inputs: Sequence[ProposeInput]
-) -> tuple[dict[str, DraftTree], dict[str, str], float, float]:  # -> drafts, exhausted, started, finished
+) -> tuple[Proposals, float, float]:  # -> proposals, started, finished
     started = time.perf_counter()
-    drafts, exhausted = propose_what_fits(runner, inputs)
-    return drafts, exhausted, started, time.perf_counter()
+    proposals = propose_what_fits(runner, inputs)
+    return proposals, started, time.perf_counter()
 
 
 def settle(batch: Mapping[Key, DraftedAhead], done: asyncio.Future[Any]) -> None:
@@ -54,13 +55,14 @@ def settle(batch: Mapping[Key, DraftedAhead], done: asyncio.Future[Any]) -> None
         return
     error = done.exception()
     if error is None:
-        drafts, exhausted, started, finished = done.result()
+        proposals, started, finished = done.result()
     for (request_id, _), made in batch.items():
         if error is not None:
             made.done.set_exception(error)
             made.done.exception()  # retrieved: a Propose that asks still gets it; one nobody asks for is not logged
             continue
-        made.proposal, made.exhausted = drafts.get(request_id), exhausted.get(request_id)
+        made.proposal, made.exhausted = proposals.drafts.get(request_id), proposals.exhausted.get(request_id)
+        made.prefix = (proposals.prefix_queried.get(request_id, 0), proposals.prefix_cached.get(request_id, 0))
         made.started, made.finished = started, finished
         made.done.set_result(None)
     if error is not None and not isinstance(error, DraftRequestError):

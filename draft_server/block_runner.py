@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draft_server.prefixes import DraftNames, DraftPrefixes
 from draft_server.runner import DraftRequestError, ProposeInput, check_batch_fits, release_requests
 from draft_server.shaping import shape_logits
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
@@ -35,6 +36,7 @@ from tandem.settings import KVCacheSettings
 @dataclass
 class BlockRequest:
     kv: SequenceKV = field(default_factory=SequenceKV)  # projected context of positions [0, kv.length)
+    names: DraftNames | None = None  # what names its context blocks (draft_server.prefixes)
 
 
 class BlockRunner:
@@ -48,6 +50,10 @@ class BlockRunner:
             config.layer.num_layers, config.cache_layout, cache, parameter.dtype, parameter.device
         )
         self.requests: dict[str, BlockRequest] = {}
+        self.prefixes = DraftPrefixes(self.cache, self._request_for) if cache.prefix_caching else None
+
+    def _request_for(self, request_id: str) -> BlockRequest:
+        return self.requests.setdefault(request_id, BlockRequest())
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput]) -> list[DraftTree]:
@@ -57,7 +63,7 @@ class BlockRunner:
         for item in inputs:
             self._check(item)
         check_batch_fits(self.cache, [self._plan(item) for item in inputs])
-        requests = [self.requests.setdefault(item.request_id, BlockRequest()) for item in inputs]
+        requests = [self._request_for(item.request_id) for item in inputs]
         for request, item in zip(requests, inputs, strict=True):
             self.cache.truncate(request.kv, item.rows.start_position)
         contexts = self.cache.plan_table(
@@ -77,6 +83,9 @@ class BlockRunner:
         finally:
             for request, item in zip(requests, inputs, strict=True):
                 self.cache.truncate(request.kv, item.rows.start_position + len(item.rows.next_tokens))
+        if self.prefixes is not None:
+            for request, item in zip(requests, inputs, strict=True):
+                self.prefixes.ingested(request, item.rows)
         return self._drafts(hidden, inputs)
 
     def _drafts(self, hidden: torch.Tensor, inputs: Sequence[ProposeInput]) -> list[DraftTree]:

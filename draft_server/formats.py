@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import torch
@@ -31,6 +31,7 @@ import torch
 from draft_server.block_runner import BlockRunner
 from draft_server.compat import IncompatibleDraft, check_compatibility
 from draft_server.mtp_runner import MTPRunner
+from draft_server.prefixes import Attached, DraftPrefixes
 from draft_server.runner import DraftModel, DraftRunner, ProposeInput
 from draft_server.settings import DraftSettings
 from draft_server.standalone_runner import StandaloneRunner
@@ -62,21 +63,39 @@ class ProposalRunner(Protocol[Proposal]):
     def cache(self) -> PagedKVCache: ...
     @property
     def requests(self) -> Mapping[str, object]: ...
+    @property
+    def prefixes(self) -> DraftPrefixes | None: ...  # its prefix cache, if it keeps one
     def propose(self, inputs: Sequence[ProposeInput]) -> Sequence[Proposal]: ...
     def release(self, request_ids: Sequence[str]) -> None: ...
 
 
+@dataclass(frozen=True)
+class Proposals:
+    """A batch's outcome, by request id: drafts; requests dropped (no KV room, or a prefix this replica lacks: each
+    must be replayed from scratch before it proposes for it again) and why; prefix positions asked of its cache and
+    found there (draft_server.prefixes)."""
+
+    drafts: dict[str, DraftTree]
+    exhausted: dict[str, str]
+    prefix_queried: dict[str, int] = field(default_factory=dict)
+    prefix_cached: dict[str, int] = field(default_factory=dict)
+
+
 def propose_what_fits(
     runner: ProposalRunner[list[int]] | ProposalRunner[DraftTree], inputs: Sequence[ProposeInput]
-) -> tuple[dict[str, DraftTree], dict[str, str]]:
-    """Proposes for as many requests as the KV pool holds: returns (drafts, exhausted), by request id.
+) -> Proposals:
+    """Proposes for as many requests as the KV pool holds, each from its whole context.
 
+    Requests whose rows skip a prefix take its draft KV from the replica's cache first; one it lacks is dropped.
     The runners refuse a batch before changing anything when it does not fit, so the newest request (the scheduler
-    sends them oldest first) is dropped with its state, and the rest is tried again. A dropped request must be
-    replayed from scratch before this replica proposes for it again.
+    sends them oldest first) is dropped with its state, and the rest is tried again.
     """
     remaining = list(inputs)
-    exhausted: dict[str, str] = {}
+    attached = runner.prefixes.attach(remaining) if runner.prefixes is not None else Attached({}, {}, {})
+    exhausted = dict(attached.missing)
+    runner.release(list(attached.missing))
+    remaining = [item for item in remaining if item.request_id not in attached.missing]
+    drafts: dict[str, DraftTree] = {}
     while remaining:
         try:
             proposals = runner.propose(remaining)
@@ -86,8 +105,9 @@ def propose_what_fits(
             runner.release([dropped.request_id])
             continue
         trees = [as_draft_tree(proposal) for proposal in proposals]
-        return {item.request_id: tree for item, tree in zip(remaining, trees, strict=True)}, exhausted
-    return {}, exhausted
+        drafts = {item.request_id: tree for item, tree in zip(remaining, trees, strict=True)}
+        break
+    return Proposals(drafts, exhausted, attached.queried, attached.cached)
 
 
 def as_draft_tree(proposal: list[int] | DraftTree) -> DraftTree:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draft_server.prefixes import DraftPrefixes
 from draft_server.runner import DraftRequestError, ProposeInput
 from draft_server.shaping import shape_logits
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
@@ -86,6 +87,7 @@ class MTPRunner:
         self.flow = model.config.family.default_flow if flow is None else flow
         self.cache = PagedKVCache.for_layout(1, layout, cache, parameter.dtype, parameter.device)
         self.requests: dict[str, MTPRequest] = {}
+        self.prefixes: DraftPrefixes | None = None  # keeps no prefix cache (draft_server.prefixes)
 
     @property
     def num_layers(self) -> int:

@@ -18,6 +18,7 @@ from typing import Protocol, TypeVar
 import torch
 from torch import nn
 
+from draft_server.prefixes import DraftNames, DraftPrefixes, RequestPrefix
 from draft_server.shaping import shape_logits
 from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.cuda_graphs import GraphedForward, GraphsFactory, Tensors, recorded_graphs, run_step
@@ -67,6 +68,7 @@ class TargetRows:
     start_position: int
     next_tokens: Sequence[int]  # [n]
     features: torch.Tensor  # [n, num_aux * target_hidden]
+    prefix: RequestPrefix | None = None  # on rows that start the request over, from a target that names prefixes
 
     def followed_by(self, later: TargetRows) -> TargetRows:
         """These rows and the ones the target sent next for the same round (a long prompt comes in chunks)."""
@@ -74,7 +76,7 @@ class TargetRows:
         if later.start_position != end:
             raise DraftRequestError(f"rows at position {later.start_position} do not continue rows ending at {end}")
         features = torch.cat([self.features, later.features])
-        return TargetRows(self.start_position, [*self.next_tokens, *later.next_tokens], features)
+        return TargetRows(self.start_position, [*self.next_tokens, *later.next_tokens], features, self.prefix)
 
 
 Kept = TypeVar("Kept")
@@ -109,6 +111,7 @@ class ProposeInput:
 @dataclass
 class DraftRequest:
     kv: SequenceKV = field(default_factory=SequenceKV)
+    names: DraftNames | None = None  # what names its draft blocks (draft_server.prefixes)
 
 
 class DraftRunner:
@@ -125,6 +128,10 @@ class DraftRunner:
         self.cache = PagedKVCache.for_layout(1, layout, cache, parameter.dtype, parameter.device)
         self.requests: dict[str, DraftRequest] = {}
         self.graphs: GraphedForward | None = graphs(self.cache) if cache.cuda_graphs else None
+        self.prefixes = DraftPrefixes(self.cache, self._request_for) if cache.prefix_caching else None
+
+    def _request_for(self, request_id: str) -> DraftRequest:
+        return self.requests.setdefault(request_id, DraftRequest())
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput]) -> list[list[int]]:
@@ -216,6 +223,9 @@ class DraftRunner:
         last_rows = metadata.page_table.last_rows()  # [num_requests]
         # Only each request's last row drafts: the LM head runs on those rows alone.
         step = self.model(input_ids, self.model.project_features(features), metadata, self.cache, last_rows)
+        if self.prefixes is not None:
+            for request, item in zip(requests, inputs, strict=True):
+                self.prefixes.ingested(request, item.rows)
         return requests, step.hidden[last_rows], step.logits
 
     def check_blocks(self, inputs: Sequence[ProposeInput], rows_per_step: int = 1) -> None:

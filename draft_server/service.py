@@ -22,9 +22,10 @@ import grpc
 
 from draft_server.ahead import DraftedAhead, Key, drafting_failure, settle, timed_proposals, usable_drafts
 from draft_server.formats import PreparedDraft, ProposalRunner, propose_what_fits
+from draft_server.prefixes import RequestPrefix
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
-from draft_server.shaping import RequestShaping
+from draft_server.shaping import Shapings
 from tandem.background import in_background
 from tandem.grpc_util import CallFailed
 from tandem.leases import Leases, leased_call, leased_stream
@@ -33,7 +34,6 @@ from tandem.sampling.draft_tree import DraftTree
 from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2
 from tandem.wire.codec import tensor_from_proto
 from tandem.wire.drafts import tree_to_proto
-from tandem.wire.sampling import sampling_from_proto
 
 LOG = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,7 +62,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         # are not drafted ahead, which would hold their KV again. A Propose for one (after a preemption) clears it.
         self._released: dict[str, float] = {}
         # Requests whose options shape drafts (HiddenStates.shaping), with their committed tokens.
-        self._shaping: dict[str, RequestShaping] = {}
+        self._shaping = Shapings()
         self.model_thread = model_thread  # every runner call goes through it, one at a time
         self.leases = Leases(settings.cache.orphan_timeout_s)  # which orchestrator session drafts which request
         self.propose_listeners: list[Callable[[float], None]] = []  # called with each Propose's compute seconds
@@ -87,8 +87,10 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             # The target runs the request, so its orchestrator is alive, though it may not call this replica for a
             # while (and its stream here may have dropped).
             self.leases.seen(owner, time.monotonic())
-        self._note_tokens(message)
-        rows = TargetRows(message.start_position, list(message.next_tokens), tensor_from_proto(message.features))
+        self._shaping.note(message)
+        prefix = RequestPrefix(tuple(message.prefix_tokens), message.cache_salt) if message.prefix_tokens else None
+        features = tensor_from_proto(message.features)
+        rows = TargetRows(message.start_position, list(message.next_tokens), features, prefix)
         key = (message.request_id, message.round)
         earlier = self._rows.get(key)
         if earlier is not None:
@@ -106,23 +108,10 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             self._start_ahead(self._ahead_wanted)
             self._ahead_wanted = {}
 
-    def _note_tokens(self, message: target_pb2.HiddenStates) -> None:
-        """Keeps the committed tokens of a request whose options shape its drafts (draft_server.shaping)."""
-        request_id = message.request_id
-        if message.HasField("shaping"):  # rows that start the request over
-            options = message.shaping
-            sampling = sampling_from_proto(options.sampling)
-            self._shaping[request_id] = RequestShaping(sampling, options.prompt_length, [options.first_token])
-        shaping = self._shaping.get(request_id)
-        if shaping is not None and not shaping.add(message.start_position, message.next_tokens):
-            LOG.warning("request %s: rows at %d leave a gap: drafts unshaped", request_id, message.start_position)
-            del self._shaping[request_id]
-
     def _input(self, request_id: str, rows: TargetRows, num_steps: int) -> ProposeInput:
         """What the runner drafts from for a request: its rows, and its options with the tokens up to them."""
-        shaping = self._shaping.get(request_id)
         end = rows.start_position + len(rows.next_tokens)
-        return ProposeInput(request_id, rows, num_steps, shaping.at(end) if shaping is not None else None)
+        return ProposeInput(request_id, rows, num_steps, self._shaping.at(request_id, end))
 
     def _start_ahead(self, wanted: Mapping[Key, int]) -> None:
         """Takes the rows of `wanted` (key -> steps) and drafts them as one batch on the model thread. Runs under
@@ -195,28 +184,32 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         for listener in self.rows_wait_listeners:
             listener(time.perf_counter() - arrived)
         drafts, exhausted, ahead_seconds = await self._from_ahead(ahead, steps, arrived, inputs)
+        prefix = {request_id: made.prefix for request_id, made in ahead.items()}
         exhausted.update(dict.fromkeys(lost, "its state was dropped when the target's hidden-state stream broke"))
         ahead_waited = max((made.finished for made in ahead.values()), default=arrived) - arrived
         started = time.perf_counter()
         if inputs:
             try:
-                more, more_exhausted = await self._run(propose_what_fits, self.runner, inputs)
+                more = await self._run(propose_what_fits, self.runner, inputs)
             except DraftRequestError as error:
                 raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
-            drafts.update(more)
-            exhausted.update(more_exhausted)
+            drafts.update(more.drafts)
+            exhausted.update(more.exhausted)
+            prefix.update({key: (asked, more.prefix_cached[key]) for key, asked in more.prefix_queried.items()})
         compute = max(0.0, ahead_waited) + (time.perf_counter() - started if inputs else 0.0)
         response = draft_pb2.ProposeResponse(compute_seconds=compute, ahead_seconds=ahead_seconds)
         for listener in self.propose_listeners:
             listener(response.compute_seconds + response.ahead_seconds)
         for item in request.items:
+            asked, cached = prefix.get(item.request_id, (0, 0))
+            result = response.results.add(
+                request_id=item.request_id, prefix_queried_tokens=asked, prefix_cached_tokens=cached
+            )
             if item.request_id in exhausted:
                 self._dropped.add(item.request_id)
-                failure = self._no_room(exhausted[item.request_id]).as_proto()
-                response.results.append(draft_pb2.ProposeResult(request_id=item.request_id, error=failure))
+                result.error.CopyFrom(self._no_room(exhausted[item.request_id]).as_proto())
             else:
-                drafted = tree_to_proto(drafts[item.request_id])
-                response.results.append(draft_pb2.ProposeResult(request_id=item.request_id, drafts=drafted))
+                result.drafts.CopyFrom(tree_to_proto(drafts[item.request_id]))
         return response
 
     async def _take_all(
@@ -303,7 +296,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             self._rows.clear()
             self._ahead.clear()
             self._ahead_wanted = {}
-            self._shaping.clear()
+            self._shaping.requests.clear()
             self._lost |= lost
             self._dropped |= lost  # rows that continue them are not drafted ahead
             self._arrived.notify_all()  # a Propose waiting for their rows answers now
@@ -317,7 +310,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             self._dropped.difference_update(released)
             self._lost.difference_update(released)
             for request_id in released:
-                self._shaping.pop(request_id, None)
+                self._shaping.requests.pop(request_id, None)
             for key in [key for key in self._rows if key[0] in released]:
                 del self._rows[key]
             for key in [key for key in self._ahead if key[0] in released]:

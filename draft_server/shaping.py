@@ -13,13 +13,18 @@ Example: logit_bias {42: 100} makes the target choose 42 at every position; a dr
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tandem.sampling.params import SamplingParams
 from tandem.sampling.processing import Shaping
+from tandem.wire import target_pb2
+from tandem.wire.sampling import sampling_from_proto
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +47,32 @@ class RequestShaping:
     def at(self, end_position: int) -> Shaping:
         """A snapshot up to rows ending at `end_position` (the committed tokens x[0..end_position])."""
         return Shaping(self.sampling, self.prompt_length, tuple(self.tokens[: end_position + 1]))
+
+
+@dataclass
+class Shapings:
+    """A replica's requests whose options shape their drafts, each with the committed tokens its rows brought."""
+
+    requests: dict[str, RequestShaping] = field(default_factory=dict)
+
+    def note(self, message: target_pb2.HiddenStates) -> None:
+        """Takes the options of rows that start a request over, and the tokens of every row of a shaped request."""
+        request_id = message.request_id
+        if message.HasField("shaping"):
+            options = message.shaping
+            known = list(message.prefix_tokens) or [options.first_token]  # x[0 .. start_position], or x[0]
+            self.requests[request_id] = RequestShaping(
+                sampling_from_proto(options.sampling), options.prompt_length, known
+            )
+        shaping = self.requests.get(request_id)
+        if shaping is not None and not shaping.add(message.start_position, message.next_tokens):
+            LOG.warning("request %s: rows at %d leave a gap: drafts unshaped", request_id, message.start_position)
+            del self.requests[request_id]
+
+    def at(self, request_id: str, end_position: int) -> Shaping | None:
+        """The request's options and tokens up to rows ending at `end_position`; None for an unshaped request."""
+        shaping = self.requests.get(request_id)
+        return shaping.at(end_position) if shaping is not None else None
 
 
 def shape_logits(

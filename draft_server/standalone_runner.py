@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draft_server.prefixes import DraftPrefixes
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows, check_batch_fits, release_requests
 from draft_server.shaping import shape_logits
 from tandem.layers.attention_backend import AttentionMetadata
@@ -78,6 +79,7 @@ class StandaloneRunner:
             model.config.num_layers, model.cache_layout, cache, parameter.dtype, parameter.device
         )
         self.requests: dict[str, StandaloneRequest] = {}
+        self.prefixes: DraftPrefixes | None = None  # keeps no prefix cache (draft_server.prefixes)
         self.graphs: GraphedForward | None = graphs(self.cache) if cache.cuda_graphs else None
 
     @torch.inference_mode()

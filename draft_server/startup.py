@@ -47,7 +47,10 @@ async def start_draft(settings: DraftSettings) -> tuple[DraftService, list[async
     LOG.info("%s draft ready, %d KV blocks", prepared.kind, runner.cache.num_blocks)
     service = DraftService(runner, settings, prepared, model_thread)
     subscribe = target_pb2.SubscribeRequest(
-        replica_id=settings.replica_id, capture_indices=list(prepared.capture.indices), tokens_only=prepared.tokens_only
+        replica_id=settings.replica_id,
+        capture_indices=list(prepared.capture.indices),
+        tokens_only=prepared.tokens_only,
+        prefix_caching=runner.prefixes is not None,  # the target then skips what its own prefix cache holds
     )
     consumer = asyncio.create_task(
         follow_target(service, target, subscribe), name="hidden-state stream from the target"

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draft_server.prefixes import DraftPrefixes
 from draft_server.runner import DraftModel, DraftRequest, DraftRunner, ProposeInput
 from tandem.layers.kv_cache import PagedKVCache
 from tandem.sampling.draft_tree import DraftTree
@@ -214,6 +215,10 @@ class TreeDrafter:
     @property
     def requests(self) -> Mapping[str, object]:
         return self.runner.requests
+
+    @property
+    def prefixes(self) -> DraftPrefixes | None:
+        return self.runner.prefixes
 
     def propose(self, inputs: Sequence[ProposeInput]) -> list[DraftTree]:
         return propose_trees(self.runner, inputs, self.topk, self.num_draft_tokens)

@@ -93,6 +93,15 @@ class KVCacheSettings:
             exclusive="pool",
         ),
     )
+    # Full blocks of final KV stay in the pool once freed and are shared by requests with the same prefix
+    # (tandem.layers.block_pool); off: every request computes its whole prompt.
+    prefix_caching: bool = field(
+        default=True,
+        metadata=flag(
+            "--enable-prefix-caching",
+            "keep the KV of computed prefixes and reuse it for requests that start with the same tokens",
+        ),
+    )
     # A service frees the requests of an orchestrator that holds no stream to it and made no call for this long
     # (tandem.leases): an orchestrator that died, or restarted under a new session id.
     orphan_timeout_s: float = field(

@@ -32,6 +32,7 @@ class AdmittedItem:
     rows: slice = field(default_factory=lambda: slice(0))  # the item's rows in the packed batch
     scratch_rows: slice = field(default_factory=lambda: slice(0))  # the replay's rows
     logit_start: int = 0  # the item's first row among the scored rows
+    reused: int = 0  # positions the item took from the prefix cache: start_length counts them, num_tokens does not
     outcome: VerifyOutcome | None = None  # decided with the step's batch on the device (commit.verify_batched)
 
     @property
@@ -64,15 +65,18 @@ class Admission:
         cannot run."""
         opened = item.open is not None
         request = self._opened(item) if opened else self._running(item.request_id)
-        start = request.kv.length
         self._check_item(item, request)
-        item = self._shaped(item, request, start)
+        item = self._shaped(item, request, request.kv.length)
+        reused = self._reuse(item, request)
+        item = replace(item, num_tokens=item.num_tokens - reused)
+        start = request.kv.length
         drafts = len(item.drafts)
         replay = item.replay and item.stream is not None and bool(item.stream.capture) and start > 0
         scratch = SequenceKV() if replay else None
         needed = self.cache.blocks_needed(request.kv, start + item.num_tokens + drafts)
         needed += self.cache.blocks_needed(scratch, start) if scratch is not None else 0
         if needed > self.cache.num_free_blocks:
+            self.cache.truncate(request.kv, start - reused)
             raise OutOfKVBlocks(
                 f"KV cache: request {item.request_id!r} needs {needed} more blocks, {self.cache.num_free_blocks} free"
             )
@@ -84,7 +88,7 @@ class Admission:
         previous_stream = request.stream
         if item.stream is not None:
             request.stream = item.stream
-        return AdmittedItem(item, request, start, opened, previous_stream, scratch)
+        return AdmittedItem(item, request, start, opened, previous_stream, scratch, reused=reused)
 
     def undo(self, entry: AdmittedItem) -> None:
         """Returns what an item reserved: its KV back to the start length (an item that opened the request: all)."""
@@ -95,7 +99,20 @@ class Admission:
             self.requests.pop(entry.item.request_id, None)
             self.cache.release(entry.request.kv)
         else:
-            self.cache.truncate(entry.request.kv, entry.start_length)
+            self.cache.truncate(entry.request.kv, entry.start_length - entry.reused)
+
+    def _reuse(self, item: StepItem, request: TargetRequest) -> int:
+        """Extends the request's KV with the prefix cache's blocks of the item's chunk (tandem.layers.block_pool);
+        returns the positions gained. The last committed token is always computed: its logits decide the next one.
+        A request whose rows stream to a draft reuses only where its KV starts, and only when the draft keeps a
+        prefix cache of its own: the draft needs every row after the first it is sent."""
+        stream = item.stream if item.stream is not None else request.stream
+        if item.replay or item.drafts.tokens:
+            return 0
+        if stream.streams and not (stream.prefix_caching and request.kv.length == 0):
+            return 0
+        end = min(request.kv.length + item.num_tokens, len(request.tokens) - 1)
+        return self.cache.reuse(request.kv, request.tokens, request.cache_salt, end)
 
     def _shaped(self, item: StepItem, request: TargetRequest, start: int) -> StepItem:
         """A constrained request's item with its drafts as its grammar shapes them (GrammarState.shaped), an item
@@ -138,6 +155,7 @@ class Admission:
             prompt_length=len(prompt),
             end_token_ids=item.open.end_token_ids,
             grammar=grammar,
+            cache_salt=item.open.cache_salt,
         )
 
     def _grammar(self, grammar: str) -> GrammarState | None:

@@ -63,7 +63,9 @@ def captured_rows(
         [torch.cat([output.captured[index][part] for index in request.stream.capture], dim=-1) for part in parts]
     )  # [end - first, len(capture) * hidden]
     first = 0 if entry.scratch is not None else start
-    return CapturedRows(request.request_id, first, request.tokens[first + 1 : end + 1], features)
+    starts_over = entry.scratch is not None or start == entry.reused  # the item began the request's KV
+    prefix = tuple(request.tokens[: first + 1]) if request.stream.prefix_caching and starts_over else ()
+    return CapturedRows(request.request_id, first, request.tokens[first + 1 : end + 1], features, prefix)
 
 
 def joined(first: StepResult, then: StepResult) -> StepResult:
@@ -75,6 +77,7 @@ def joined(first: StepResult, then: StepResult) -> StepResult:
             captured.start_position,
             [*captured.next_tokens, *then.captured.next_tokens],
             torch.cat([captured.features, then.captured.features]),  # rows of consecutive positions
+            captured.prefix,
         )
     return replace(
         first,

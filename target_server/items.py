@@ -41,6 +41,9 @@ class RowStream:
 
     capture: tuple[int, ...] = ()
     tokens_only: bool = False
+    # The draft keeps its own prefix cache (SubscribeRequest.prefix_caching): positions the target takes from its
+    # cache are not streamed, and the rows that start a request carry its tokens up to them (CapturedRows.prefix).
+    prefix_caching: bool = False
 
     @property
     def streams(self) -> bool:
@@ -61,6 +64,7 @@ class TargetRequest:
     prompt_length: int = 0  # tokens[prompt_length:] are the request's new tokens
     end_token_ids: frozenset[int] = frozenset()  # a multi-token decode stops after one of these
     grammar: GrammarState | None = None  # structured output: the matcher at the committed tokens
+    cache_salt: str = ""  # requests share prefix-cache blocks only with requests of the same salt
 
     def processed(self, logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:  # [1 + len(tree), vocab] both
         """An item's scored rows as the request's options make them, each row with its own path (bias, penalties,
@@ -83,6 +87,8 @@ class CapturedRows:
     start_position: int  # -1 for token-only rows from scratch (position -1 has no feature; its next token is x[0])
     next_tokens: list[int]  # n tokens
     features: torch.Tensor  # [n, len(capture) * hidden]; [n, 0] for a token-only draft
+    # Rows that start the request over, to a draft with a prefix cache: tokens x[0 .. start_position]; () otherwise.
+    prefix: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class OpenRequest:
     sampling: SamplingParams
     end_token_ids: frozenset[int] = frozenset()  # tokens that end the request (EOS, stop ids)
     generated: Sequence[int] = ()  # tokens it generated before: a request resumed on a restarted target
+    cache_salt: str = ""  # mixed into the names of its KV blocks (tandem.layers.block_pool)
 
 
 @dataclass(frozen=True)
@@ -122,3 +129,4 @@ class StepResult:
     new_tokens: list[int] = field(default_factory=list)  # accepted drafts + correction/bonus; [] for a prompt chunk
     captured: CapturedRows | None = None  # replayed rows, then the rows this item committed
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token when the item asked
+    cached_tokens: int = 0  # tokens of the item whose KV came from the prefix cache instead of being computed

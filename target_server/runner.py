@@ -26,6 +26,7 @@ the rest of the step runs. An exception of the forward pass itself undoes what t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -160,10 +161,12 @@ class TargetRunner:
             verify_batched([entry for _, entry in planned if entry.has_work], logits)
         for index, entry in planned:
             if output is None or logits is None or not entry.has_work:
-                # Nothing to compute: the item only changed where the request's rows go (a move to no draft).
+                # Nothing to compute: the item moved where the request's rows go, or its chunk was all cached.
                 results[index] = StepResult(entry.item.request_id, ItemStatus.OK)
             else:
                 results[index] = self._commit(entry, output, logits)
+            if entry.reused:
+                results[index] = replace(results[index], cached_tokens=entry.reused)
         return [results[index] for index in range(len(items))]
 
     def prefill(
@@ -282,6 +285,7 @@ class TargetRunner:
         # Keep KV for the computed tokens and the accepted drafts; drop rows of rejected drafts.
         self.cache.truncate(request.kv, start + computed)
         request.commit(new_tokens)
+        self.cache.publish(request.kv, request.tokens, request.cache_salt)
         captured = captured_rows(entry, output, start + computed, self.device)
         return StepResult(item.request_id, ItemStatus.OK, "", accepted, new_tokens, captured, logprobs)
 
@@ -309,6 +313,7 @@ class TargetRunner:
         root = start + item.num_tokens - 1  # the last committed token's position
         self.cache.keep(request.kv, [root, *(root + 1 + node for node in outcome.path)])
         request.commit(outcome.tokens)
+        self.cache.publish(request.kv, request.tokens, request.cache_salt)
         first_draft_row = entry.rows.start + item.num_tokens
         rows = [*range(entry.rows.start, first_draft_row), *(first_draft_row + node for node in outcome.path)]
         captured = captured_rows(entry, output, request.kv.length, self.device, rows)

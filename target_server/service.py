@@ -165,7 +165,11 @@ class TargetService(target_pb2_grpc.TargetServicer):
             sampling = sampling_from_proto(message.open.sampling)
             opened = message.open
             open_request = OpenRequest(
-                list(opened.prompt), sampling, frozenset(opened.end_token_ids), list(opened.generated)
+                list(opened.prompt),
+                sampling,
+                frozenset(opened.end_token_ids),
+                list(opened.generated),
+                opened.cache_salt,
             )
         sets_replica = open_request is not None or message.set_replica
         subscriber = self._subscriber(message.draft_replica) if sets_replica else None
@@ -202,10 +206,14 @@ class TargetService(target_pb2_grpc.TargetServicer):
         if replica and subscriber is not None and result.captured is not None:
             chunks = hidden_messages(result.captured, message.round)
             request = self.runner.requests.get(message.request_id)
-            if result.captured.start_position <= 0 and request is not None:  # rows that start the request over
+            starts_over = result.captured.start_position <= 0 or bool(result.captured.prefix)
+            if starts_over and request is not None:  # rows that start the request over
                 shaping = draft_shaping(request)
                 if shaping is not None:
                     chunks[0].shaping.CopyFrom(shaping)
+            if result.captured.prefix and request is not None:
+                chunks[0].prefix_tokens.extend(result.captured.prefix)
+                chunks[0].cache_salt = request.cache_salt
             if message.draft_ahead > 0 and result.new_tokens:  # the round's rows are complete: it may draft now
                 chunks[-1].draft_ahead = message.draft_ahead
             outbox.setdefault(replica, []).extend(chunks)
@@ -215,6 +223,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
             new_tokens=result.new_tokens,
             streaming=subscriber is not None,
             logprobs=logprobs_to_proto(result.logprobs),
+            cached_tokens=result.cached_tokens,
         )
 
     def _subscriber(self, replica: str) -> Subscriber | None:
@@ -272,7 +281,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
         replaced = self.subscribers.get(request.replica_id)
         if replaced is not None:
             replaced.queue.put_nowait(None)
-        subscriber = Subscriber(RowStream(capture, request.tokens_only))
+        subscriber = Subscriber(RowStream(capture, request.tokens_only, request.prefix_caching and bool(capture)))
         self.subscribers[request.replica_id] = subscriber
         what = "tokens only" if request.tokens_only else f"capture indices {list(capture)}"
         again = " again (its earlier stream ended here)" if replaced is not None else ""

@@ -38,17 +38,8 @@ from aiohttp import web
 
 from orchestrator.api.chat import chat_prompt_ids, resolve_chat_template
 from orchestrator.api.openai_logprobs import LogprobShaper
-from orchestrator.api.openai_protocol import (
-    DONE,
-    ApiError,
-    ParsedRequest,
-    ResponseShape,
-    Usage,
-    from_invalid,
-    parse_chat,
-    parse_completion,
-    server_sent_event,
-)
+from orchestrator.api.openai_protocol import ApiError, ParsedRequest, from_invalid, parse_chat, parse_completion
+from orchestrator.api.openai_responses import DONE, ResponseShape, server_sent_event, usage_of
 from orchestrator.api.tool_output import ChatTools, ToolReply
 from orchestrator.api.tool_stream import Piece
 from orchestrator.loop.generation import OPENAI_FINISH_REASONS, Generation
@@ -249,7 +240,7 @@ async def _whole(
         pieces += reply.pieces(output) if reply is not None else [output.text]
         logprobs += output.logprobs
         if output.finish_reason:
-            usage = Usage(output.prompt_tokens, output.completion_tokens)
+            usage = usage_of(output)
             shaped = shaper.shape(logprobs) if shaper is not None else None
             reason = OPENAI_FINISH_REASONS[output.finish_reason]
             if reply is not None:
@@ -287,7 +278,7 @@ async def _stream(
             for chunk in chunks:
                 await stream.write(server_sent_event(chunk))
             if finish_reason:
-                usage = Usage(output.prompt_tokens, output.completion_tokens)
+                usage = usage_of(output)
     except RequestFailed as failure:
         if stream is None:
             raise

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +26,6 @@ from tandem.wire import orchestrator_pb2
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 UINT64_MAX = 2**64 - 1
-DONE = b"data: [DONE]\n\n"
 
 # Fields that would change the output and that this server does not implement, with the value meaning "off".
 UNSUPPORTED_UNLESS = {
@@ -225,6 +223,11 @@ def _common(body: Mapping[str, Any], model_name: str, max_tokens_field: str) -> 
     if min_tokens is not None:
         generate.min_tokens = min(min_tokens, 2**31 - 1)
     generate.disable_speculation = _boolean(body, "disable_speculation")
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str):
+            raise bad_field("cache_salt", f"must be a string, got {_shown(salt)}")
+        generate.cache_salt = salt
     _penalties(body, generate)
     try:
         from_openai(body, generate)
@@ -323,77 +326,3 @@ def _boolean(body: Mapping[str, Any], name: str, shown_as: str | None = None) ->
 
 def _shown(value: Any) -> str:
     return json.dumps(value)
-
-
-# Responses
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-    def body(self) -> dict[str, int]:
-        total = self.prompt_tokens + self.completion_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
-
-
-class ResponseShape:
-    """Builds the objects of one response: its id, creation time and model are the same in every chunk.
-
-    The id is `cmpl-` (chat: `chatcmpl-`) and the request's client id (orchestrator.loop.validation.client_request_id).
-    """
-
-    def __init__(self, chat: bool, model_name: str, request_id: str, include_usage: bool = False) -> None:
-        self.chat = chat
-        self.include_usage = include_usage  # then every chunk has "usage": null, and the last one the usage
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
-        self.created = int(time.time())
-        self.model = model_name
-
-    def _envelope(self, kind: str, choices: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": list(choices)}
-
-    def full(
-        self, text: str, finish_reason: str, usage: Usage, logprobs: Mapping[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """The answer of a request without stream; logprobs shaped by orchestrator.api.openai_logprobs, or None."""
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            response = self._envelope(
-                "chat.completion", [{**choice, "logprobs": logprobs, "finish_reason": finish_reason}]
-            )
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-            response = self._envelope("text_completion", [choice])
-        response["usage"] = usage.body()
-        return response
-
-    def chunk(
-        self,
-        text: str,
-        finish_reason: str | None,
-        first: bool = False,
-        logprobs: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """One streamed chunk; a chat's first chunk also names the role."""
-        if self.chat:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            chunk = self._envelope("chat.completion.chunk", [choice])
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-            chunk = self._envelope("text_completion", [choice])
-        if self.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        """The last chunk with stream_options.include_usage: no choices, the usage."""
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(kind, []), "usage": usage.body()}
-
-
-def server_sent_event(data: Mapping[str, Any]) -> bytes:
-    """One server-sent event carrying a JSON object (OpenAI's stream framing; the stream ends with DONE)."""
-    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"

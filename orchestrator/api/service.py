@@ -60,6 +60,7 @@ def response_message(output: Output) -> orchestrator_pb2.GenerateResponse:
                 prompt_tokens=output.prompt_tokens,
                 completion_tokens=output.completion_tokens,
                 accepted_per_position=stats.accepted_per_position,
+                cached_tokens=stats.cached_tokens,
             )
         )
     return response

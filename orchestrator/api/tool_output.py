@@ -14,7 +14,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from orchestrator.api.openai_protocol import ResponseShape, bad_field
+from orchestrator.api.openai_protocol import bad_field
+from orchestrator.api.openai_responses import ResponseShape
 from orchestrator.api.tool_formats import FORMATS, ToolFormat, detect_format
 from orchestrator.api.tool_grammar import forced_functions, parameters_error, special_marker_ids, tool_grammar
 from orchestrator.api.tool_request import ToolRequest

@@ -98,6 +98,13 @@ class ActiveRequest:
         self.start_over(None)  # the target stops capturing its rows
         self.drafting = Drafting.PAUSED
 
+    def took_cached(self, tokens: int) -> None:
+        """Counts prompt tokens the target took from its prefix cache for the prefill that gives the first token (a
+        preemption before that token starts the count again)."""
+        if not self.output.generated:
+            stats = self.output.stats
+            stats.cached_tokens = (stats.cached_tokens if self.kv_length else 0) + tokens
+
     @property
     def opened(self) -> bool:
         return self.on_target is not OnTarget.NOTHING
@@ -118,6 +125,11 @@ class ActiveRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.params.input_ids) + len(self.output.generated)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """Its committed tokens: the prompt, then what it generated."""
+        return (*self.params.input_ids, *self.output.generated)
 
     @property
     def uncomputed(self) -> int:

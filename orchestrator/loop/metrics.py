@@ -71,6 +71,12 @@ class Metrics:
         self.e2e_request_latency = self._histogram(
             "vllm:e2e_request_latency_seconds", "From arrival to the last token", REQUEST_BUCKETS
         )
+        self.prefix_cache_queries = self._counter(
+            "vllm:prefix_cache_queries", "Prompt tokens of prefilled requests that ended, looked up in the prefix cache"
+        )
+        self.prefix_cache_hits = self._counter(
+            "vllm:prefix_cache_hits", "Prompt tokens whose KV the target took from its prefix cache"
+        )
         self.request_queue_time = self._histogram(
             "vllm:request_queue_time_seconds", "From arrival to the first admission into the batch", REQUEST_BUCKETS
         )
@@ -113,6 +119,9 @@ class Metrics:
         self.prompt_tokens.labels(name).inc(output.prompt_tokens)
         self.generation_tokens.labels(name).inc(output.completion_tokens)
         self.request_success.labels(name, finished_reason).inc()
+        if output.generated:
+            self.prefix_cache_queries.labels(name).inc(output.prompt_tokens)
+            self.prefix_cache_hits.labels(name).inc(stats.cached_tokens)
         self.num_drafts.labels(name).inc(stats.draft_rounds)
         self.num_draft_tokens.labels(name).inc(stats.draft_tokens)
         self.num_accepted_tokens.labels(name).inc(stats.accepted_tokens)
@@ -206,7 +215,27 @@ class SchedulerCollector(Collector):
         for replica in scheduler.replicas.all():
             outstanding.add_metric([name, replica.replica_id], replica.outstanding)
         yield outstanding
+        yield from self._draft_prefixes(name)
         yield from self._adaptive_k(name)
+
+    def _draft_prefixes(self, name: str) -> Iterator[Metric]:
+        """Tokens of draft context the replicas were asked to take from their own prefix caches, and found."""
+        proposer = self.scheduler.proposer
+        for metric, documentation, value in (
+            (
+                "tandem:draft_prefix_cache_queries",
+                "Tokens of draft context replicas had to take from their own prefix caches (the target skipped them)",
+                proposer.prefix_queried,
+            ),
+            (
+                "tandem:draft_prefix_cache_hits",
+                "Tokens of draft context replicas reused from their prefix caches (a miss is replayed, counting 0)",
+                proposer.prefix_cached,
+            ),
+        ):
+            family = CounterMetricFamily(metric, documentation, labels=["model_name"])
+            family.add_metric([name], value)
+            yield family
 
     def _adaptive_k(self, name: str) -> Iterator[Metric]:
         """The deepest k each measured batch size settled on, how often it changed, and the rounds by k and class."""

@@ -33,6 +33,7 @@ class Stats:
     wire_seconds: float = 0.0
     scheduling_seconds: float = 0.0
     draft_ahead_seconds: float = 0.0  # draft compute done before the Propose that took it (off the round's path)
+    cached_tokens: int = 0  # prompt tokens the target took from its prefix cache on the prefill that gave token 1
     # Latencies of the request as its client sees them, from its arrival at the scheduler.
     queue_seconds: float = 0.0  # arrival to first admission into the running batch
     first_token_seconds: float = 0.0  # arrival to the first message with tokens

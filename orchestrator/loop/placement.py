@@ -16,6 +16,7 @@ from orchestrator.loop.batching import ActiveRequest, Drafting
 from orchestrator.loop.draft_length import DraftLengths, request_class
 from orchestrator.loop.validation import ValidatedRequest
 from orchestrator.peers.backends import BackendError
+from orchestrator.peers.prefix_routes import PrefixRoutes
 from orchestrator.peers.replicas import ReplicaPool
 from orchestrator.settings import SchedulerSettings
 from tandem.background import in_background
@@ -34,8 +35,10 @@ class Placement:
         wake: Callable[[], None],  # runs the scheduler loop now
         # Frees requests on a replica (Releases.release_on): what fails is owed there and sent again until it lands.
         forget: Callable[[str, Sequence[str]], Awaitable[None]],
+        block_size: int = 16,  # the target's: requests are routed by the names of its blocks
     ) -> None:
         self.replicas = replicas
+        self.routes = PrefixRoutes(block_size)
         self.forget = forget
         self.settings = settings
         self.speculation = speculation
@@ -46,12 +49,21 @@ class Placement:
         self.requests_paused = 0  # requests taken off (or started without) a replica by adaptive k (metrics)
         self._probes: dict[str, asyncio.Task[None]] = {}
 
-    def assign(self) -> str | None:
-        """A replica for a new or moving request, counted against it; None when none serves."""
-        replica = self.replicas.pick()
+    def assign(self, tokens: Sequence[int] = (), salt: str = "") -> str | None:
+        """A replica for a new or moving request with these tokens, counted against it, where its prefix is if that
+        replica is not overloaded (orchestrator.peers.prefix_routes); None when none serves."""
+        names = self.routes.names(tokens, salt)
+        replica = self.replicas.pick(lambda replica_id: self.routes.matched(replica_id, names))
         if replica is not None:
             self.replicas.acquire(replica)
+            self.routes.record(replica, names)
         return replica
+
+    def finished(self, request: ActiveRequest) -> None:
+        """A finished request stops counting against its replica, which now holds the draft context of its tokens."""
+        if request.replica is not None:
+            self.replicas.release(request.replica)
+            self.routes.record(request.replica, self.routes.names(request.tokens, request.params.cache_salt))
 
     def replica_failed(self, replica_id: str, reason: str) -> None:
         """Demotes a failed replica and moves its requests to another one (or to target-only); it is probed again
@@ -60,13 +72,14 @@ class Placement:
         if replica is None or replica.demoted:
             return
         self.replicas.demote(replica_id)
+        self.routes.forget(replica_id)  # it may come back as a new instance, holding nothing
         self.replica_failures += 1
         moved = [request for request in self.requests() if request.replica == replica_id]
         self.requests_moved += len(moved)
         LOG.warning("draft replica %s demoted (%s): moving its %d requests", replica_id, reason, len(moved))
         for request in moved:
             self.replicas.release(replica_id)
-            request.start_over(self.assign())
+            request.start_over(self.assign(request.tokens, request.params.cache_salt))
         # What the replica still holds of them is of no use now; a live but slow replica frees it.
         in_background(self.forget(replica_id, [request.request_id for request in moved]))
         if replica_id not in self._probes:
@@ -97,7 +110,7 @@ class Placement:
         if not self.speculation.admits(request_class(params.sampling), batch):
             self.requests_paused += 1
             return None, True
-        return self.assign(), False
+        return self.assign(params.input_ids, params.cache_salt), False
 
     def pause_speculation(self) -> int:
         """At the step the batch at hand becomes paused (it drafted nothing for PAUSE_AFTER steps), takes every
@@ -134,4 +147,4 @@ class Placement:
             return
         for request in running:
             if request.drafting is Drafting.TARGET_ONLY and request.wants_speculation and not request.finished:
-                request.start_over(self.assign())
+                request.start_over(self.assign(request.tokens, request.params.cache_salt))

@@ -41,6 +41,9 @@ class Proposer:
         self.max_tree_drafts = max_tree_drafts  # --speculative-num-draft-tokens - 1 (and a hybrid's n-gram branch)
         # Called with (replica id, seconds) after every Propose call that answered (orchestrator.loop.metrics).
         self.listeners: list[Callable[[str, float], None]] = []
+        # Tokens of draft context the replicas were asked to take from their own prefix caches, and found there.
+        self.prefix_queried = 0
+        self.prefix_cached = 0
 
     async def propose(self, decode: Sequence[PlannedItem]) -> tuple[Drafts, dict[str, ReplicaTiming]]:
         """The drafts of the step's decoding requests that have room for some, by request id (scored ones cut where
@@ -50,8 +53,9 @@ class Proposer:
         for entry in decode:
             request = entry.request
             if entry.max_drafts > 0 and request.replica is not None:
-                tokens = (*request.params.input_ids, *request.output.generated)
-                task = ProposeTask(request.request_id, request.round, entry.max_drafts, tokens, request.kv_length)
+                task = ProposeTask(
+                    request.request_id, request.round, entry.max_drafts, request.tokens, request.kv_length
+                )
                 by_replica.setdefault(request.replica, []).append(task)
                 requests[request.request_id] = request
         replies = await asyncio.gather(
@@ -94,6 +98,9 @@ class Proposer:
                 new_rows += task.rows_end
                 if task.request_id in batch.drafts:
                     request.drafting = Drafting.DRAFTING
+        for queried, cached in batch.prefix.values():
+            self.prefix_queried += queried
+            self.prefix_cached += cached
         for listener in self.listeners:
             listener(replica, call_seconds)
         k = max(task.num_steps for task in tasks)

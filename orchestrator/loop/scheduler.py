@@ -95,7 +95,9 @@ class Scheduler:
         self.judged = 0  # the batch size the last step's k were chosen for (speculating requests)
         self.releases = Releases(target, replicas, self._target_answered)
         forget = self.releases.release_on
-        self.placement = Placement(replicas, settings, self.speculation, self._requests, self.wake, forget)
+        self.placement = Placement(
+            replicas, settings, self.speculation, self._requests, self.wake, forget, facts.pool.block_size
+        )
         self.proposer = Proposer(self.placement, self.speculation, facts.vocab_size, settings.max_tree_drafts)
         self._wake = asyncio.Event()
 
@@ -254,8 +256,7 @@ class Scheduler:
         await self._preempt(running[::-1])
 
     def _applied(self, request: ActiveRequest, item: StepItem, result: StepResult, sent_to: str | None) -> bool:
-        """Takes what the target did with the request's item into its state; False when the item failed or waits
-        for KV room."""
+        """Takes what the target did with the request's item into its state; False: it failed or waits for room."""
         if result.failure is not None:
             if result.failure.kind == FailureKind.EXHAUSTED:
                 LOG.info("request %s waits for KV room: %s", request.request_id, result.failure)
@@ -265,6 +266,7 @@ class Scheduler:
         request.held()
         if item.move and request.replica == sent_to:
             request.on_target = OnTarget.OPEN
+        request.took_cached(result.cached_tokens)
         # The target keeps KV for the computed tokens, the accepted drafts and, after a multi-token decode, every new
         # token but the last (1 + accepted new tokens after a verification, n after n forward passes).
         request.kv_length += item.num_tokens + max(result.accepted, len(result.new_tokens) - 1)
@@ -296,7 +298,7 @@ class Scheduler:
 
     def _opening(self, request: ActiveRequest) -> OpenRequest:
         params, generated = request.params, tuple(request.output.generated)
-        return OpenRequest(params.input_ids, params.sampling, self._end_tokens(params), generated)
+        return OpenRequest(params.input_ids, params.sampling, self._end_tokens(params), generated, params.cache_salt)
 
     def _draft_ahead(self, entry: PlannedItem, rows_to: str | None) -> int:
         """Steps the request's replica may draft for its next round once this step's rows reach it: the k the next
@@ -374,12 +376,10 @@ class Scheduler:
             del self.running[request.request_id]
         if not finished:
             return
-        # A finished request stops counting against its replica now, not once the releases are answered. The KV
-        # mirror counts the blocks free now; should a step reach the target before its release, an item without
-        # room waits a step.
+        # A finished request stops counting against its replica now, not once the releases are answered; the KV
+        # mirror counts its blocks free now (should a step reach the target first, an item without room waits).
         for request in finished:
-            if request.replica is not None:
-                self.replicas.release(request.replica)
+            self.placement.finished(request)
         self.releases.release(finished)
 
     def unhealthy(self, now: float) -> str | None:

@@ -57,6 +57,7 @@ class ValidatedRequest:
     disable_speculation: bool
     stop_token_ids: frozenset[int] = frozenset()  # any of these ends the request ("stop"), ignore_eos or not
     top_logprobs: int | None = None  # with logprobs: how many best tokens per position; None: no logprobs
+    cache_salt: str = ""  # prefix-cache blocks are shared only between requests of the same salt
 
 
 def check_bounds(request: orchestrator_pb2.GenerateRequest, limits: Limits) -> None:
@@ -128,7 +129,6 @@ def validate_request(
         max_new_tokens = request.max_new_tokens
     if not 0 <= request.min_tokens <= max_new_tokens:
         raise InvalidRequest(f"min_tokens: must be in [0, max_new_tokens = {max_new_tokens}], got {request.min_tokens}")
-
     return ValidatedRequest(
         input_ids=input_ids,
         max_new_tokens=max_new_tokens,
@@ -138,6 +138,7 @@ def validate_request(
         disable_speculation=request.disable_speculation,
         stop_token_ids=frozenset(request.stop_token_ids),
         top_logprobs=_top_logprobs(request),
+        cache_salt=request.cache_salt,
     )
 
 

@@ -38,6 +38,7 @@ class OpenRequest:
     sampling: SamplingParams
     end_token_ids: frozenset[int] = frozenset()  # a multi-token decode stops after one of these
     generated: Sequence[int] = ()  # tokens generated before: a request resumed on a restarted target
+    cache_salt: str = ""  # mixed into the names of its prefix-cache blocks
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class StepResult:
     new_tokens: list[int] = field(default_factory=list)  # empty for a prompt chunk
     streaming: bool = False  # hidden rows go to the request's replica
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token when the item asked
+    cached_tokens: int = 0  # tokens of the item the target took from its prefix cache
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,9 @@ class ProposedBatch:
     ahead_seconds: float = 0.0
     # The replica drafts any number of tokens in one forward (a block drafter): its compute does not grow with k.
     one_forward: bool = False
+    # Per request whose rows skipped a prefix the target had cached: the positions it asked of the replica's own
+    # prefix cache, and those it found there (all, or 0 with the request in `exhausted`).
+    prefix: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class TargetBackend(Protocol):

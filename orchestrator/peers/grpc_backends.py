@@ -165,6 +165,7 @@ class GrpcTarget:
                 list(result.new_tokens),
                 result.streaming,
                 logprobs_from_proto(result.logprobs),
+                result.cached_tokens,
             )
             for result in response.results
         ]
@@ -210,6 +211,7 @@ def _step_item(item: StepItem) -> target_pb2.StepItem:
                 sampling=sampling_to_proto(sampling),
                 end_token_ids=sorted(item.open.end_token_ids),
                 generated=item.open.generated,
+                cache_salt=item.open.cache_salt,
             )
         )
     return message
@@ -239,7 +241,14 @@ class GrpcDraft:
         response = await self._propose.call(draft_pb2.ProposeRequest(items=items))
         drafts = {r.request_id: tree_from_proto(r.drafts) for r in response.results if not r.HasField("error")}
         exhausted = {r.request_id: r.error.message for r in response.results if r.HasField("error")}
-        return ProposedBatch(drafts, exhausted, response.compute_seconds, response.ahead_seconds, self.one_forward)
+        prefix = {
+            r.request_id: (r.prefix_queried_tokens, r.prefix_cached_tokens)
+            for r in response.results
+            if r.prefix_queried_tokens
+        }
+        return ProposedBatch(
+            drafts, exhausted, response.compute_seconds, response.ahead_seconds, self.one_forward, prefix
+        )
 
     async def release(self, request_ids: Sequence[str]) -> None:
         try:

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from orchestrator.peers.backends import DraftBackend
+from orchestrator.peers.prefix_routes import IMBALANCE
 
 Connect = Callable[[str], Awaitable[tuple[str, DraftBackend]]]  # address -> (replica id, backend)
 
@@ -68,12 +69,18 @@ class ReplicaPool:
         if replica is not None:
             replica.demoted = False
 
-    def pick(self) -> str | None:
-        """The serving replica with the fewest outstanding requests, or None when there is none."""
+    def pick(self, matched: Callable[[str], int] = lambda _: 0) -> str | None:
+        """The serving replica with the fewest outstanding requests, or one that holds more of the request's prefix
+        (`matched`: its leading blocks a replica holds, orchestrator.peers.prefix_routes) with at most IMBALANCE more;
+        None when none serves."""
         serving = [replica for replica in self._replicas.values() if replica.serving]
         if not serving:
             return None
-        return min(serving, key=lambda replica: replica.outstanding).replica_id
+        least = min(serving, key=lambda replica: replica.outstanding)
+        best = max(serving, key=lambda replica: (matched(replica.replica_id), -replica.outstanding))
+        if matched(best.replica_id) > 0 and best.outstanding <= least.outstanding + IMBALANCE:
+            return best.replica_id
+        return least.replica_id
 
     def acquire(self, replica_id: str) -> None:
         self._replicas[replica_id].outstanding += 1

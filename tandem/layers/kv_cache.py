@@ -7,6 +7,9 @@ finished requests `release` their blocks. The blocks are FlashInfer's pages: one
 [num_blocks, block_size, kv_heads, dim] is its "NHD" paged layout, and `plan` builds each step's page table
 (tandem.layers.page_table) and has the cache's attention backend plan it (tandem.layers.attention_backend).
 
+With prefix caching, full blocks of final KV are named and shared (`publish`, `reuse`; tandem.layers.block_pool):
+a freed named block keeps its KV until a new block is needed.
+
 What a slot holds is the model's `CacheLayout`: a key row and a value row per KV head (multi-head attention), or
 one compressed row and no values (MLA).
 """
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.layers.attention_backend import AttentionBackend, AttentionMetadata, backend_named, default_backend
+from tandem.layers.block_pool import BlockPool, block_hashes
 from tandem.layers.page_table import HOST, PageTable, PlanEntry, build_page_table
 from tandem.sampling.draft_tree import check_parents
 from tandem.settings import KVCacheSettings
@@ -32,6 +36,9 @@ class OutOfKVBlocks(RuntimeError):
 class SequenceKV:
     block_ids: list[int] = field(default_factory=list)
     length: int = 0  # positions [0, length) hold valid KV
+    # The names of the first len(hashes) blocks, each full of final KV (tandem.layers.block_pool); the blocks
+    # themselves may be shared with other sequences.
+    hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class PagedKVCache:
             value_dim=layout.value_dim,
             backend=backend_named(settings.attention_backend, torch.device(device), dtype),
             scratch_block=settings.cuda_graphs,
+            prefix_caching=settings.prefix_caching,
         )
 
     def __init__(
@@ -81,6 +89,7 @@ class PagedKVCache:
         value_dim: int | None = None,  # width of a value row; None: head_dim; 0: no values (MLA, see CacheLayout)
         backend: AttentionBackend | None = None,  # None: the default backend for the device
         scratch_block: bool = False,  # one more block, never handed out: where padded rows write (CUDA graphs)
+        prefix_caching: bool = False,  # full blocks of final KV are kept and shared by name (reuse, publish)
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -92,13 +101,14 @@ class PagedKVCache:
         # [layers, slots, kv_heads, head_dim] and [layers, slots, kv_heads, value_width]
         self.keys = torch.zeros((num_layers, num_slots, num_kv_heads, head_dim), dtype=dtype, device=device)
         self.values = torch.zeros((num_layers, num_slots, num_kv_heads, value_width), dtype=dtype, device=device)
-        self._free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.blocks = BlockPool(num_blocks, prefix_caching)
         self.device = torch.device(device)
         self.backend = backend if backend is not None else default_backend(self.device, dtype)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        """Blocks a sequence may take now, cached ones included (a cached block is evicted when taken)."""
+        return self.blocks.num_free
 
     def blocks_needed(self, sequence: SequenceKV, length: int) -> int:
         return max(0, -(-length // self.block_size) - len(sequence.block_ids))
@@ -106,20 +116,54 @@ class PagedKVCache:
     def reserve(self, sequence: SequenceKV, length: int) -> None:
         """Makes room for positions [0, length); raises OutOfKVBlocks and changes nothing if the pool is short."""
         needed = self.blocks_needed(sequence, length)
-        if needed > len(self._free_blocks):
-            raise OutOfKVBlocks(f"KV cache: need {needed} more blocks, {len(self._free_blocks)} free")
+        if needed > self.num_free_blocks:
+            raise OutOfKVBlocks(f"KV cache: need {needed} more blocks, {self.num_free_blocks} free")
         for _ in range(needed):
-            sequence.block_ids.append(self._free_blocks.pop())
+            sequence.block_ids.append(self.blocks.take())
 
     def truncate(self, sequence: SequenceKV, length: int) -> None:
         """Forgets positions >= length and returns blocks that no longer hold any valid position."""
         sequence.length = min(sequence.length, length)
         keep = -(-sequence.length // self.block_size)
-        self._free_blocks.extend(reversed(sequence.block_ids[keep:]))
+        for block in reversed(sequence.block_ids[keep:]):  # tail first: the cache evicts tails first
+            self.blocks.give_back(block)
         del sequence.block_ids[keep:]
+        del sequence.hashes[sequence.length // self.block_size :]
 
     def release(self, sequence: SequenceKV) -> None:
         self.truncate(sequence, 0)
+
+    def reuse(self, sequence: SequenceKV, tokens: Sequence[int], salt: str, end: int) -> int:
+        """Extends a sequence whose KV ends at a named block with the cached blocks that hold the KV of tokens[:end]
+        (whole blocks, in order, while they are found); returns the positions it gained (0 without caching)."""
+        size = self.block_size
+        named = len(sequence.hashes)
+        if end - sequence.length < size or sequence.length != named * size or len(sequence.block_ids) != named:
+            return 0
+        if not self.blocks.caching:
+            return 0
+        names = block_hashes(tokens[:end], size, salt, sequence.hashes)
+        for name in names[named:]:
+            block = self.blocks.find(name)
+            if block is None:
+                break
+            self.blocks.share(block)
+            sequence.block_ids.append(block)
+            sequence.hashes.append(name)
+        gained = (len(sequence.hashes) - named) * size
+        sequence.length += gained
+        return gained
+
+    def publish(self, sequence: SequenceKV, tokens: Sequence[int], salt: str) -> None:
+        """Names the sequence's full blocks below its length, whose KV must be final (`tokens` committed), so that
+        `reuse` finds them for other sequences and for this one once it is freed."""
+        full = sequence.length // self.block_size
+        if not self.blocks.caching or full <= len(sequence.hashes):
+            return
+        names = block_hashes(tokens[: full * self.block_size], self.block_size, salt, sequence.hashes)
+        for index in range(len(sequence.hashes), full):
+            self.blocks.publish(sequence.block_ids[index], names[index])
+        sequence.hashes = names
 
     def slots(self, sequence: SequenceKV, start: int, end: int) -> torch.Tensor:  # -> [end - start] on the host
         positions = torch.arange(start, end, device=HOST)
@@ -157,8 +201,8 @@ class PagedKVCache:
             if tree is not None:
                 check_parents(tree, num_new, f"parents[{index}]")
         total_needed = sum(self.blocks_needed(seq, seq.length + num_new) for seq, num_new in sequences)
-        if total_needed > len(self._free_blocks):
-            raise OutOfKVBlocks(f"KV cache: need {total_needed} more blocks, {len(self._free_blocks)} free")
+        if total_needed > self.num_free_blocks:
+            raise OutOfKVBlocks(f"KV cache: need {total_needed} more blocks, {self.num_free_blocks} free")
         entries = []
         for (sequence, num_new), tree in zip(sequences, trees, strict=True):
             self.reserve(sequence, sequence.length + num_new)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.wire import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x12\n\x10\x44raftInfoRequest\"\xd1\x01\n\tDraftInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x11\n\tnum_steps\x18\x03 \x01(\x05\x12\x17\n\x0f\x63\x61pture_indices\x18\x04 \x03(\x05\x12\x18\n\x10running_requests\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\x05\x12\x0c\n\x04kind\x18\x08 \x01(\t\x12\x15\n\rdrafted_ahead\x18\t \x01(\x03\"U\n\x0bProposeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x11\n\tnum_steps\x18\x03 \x01(\x05\x12\x10\n\x08rows_end\x18\x04 \x01(\x03\"7\n\x0eProposeRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ProposeItem\"n\n\rProposeResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06\x64rafts\x18\x05 \x01(\x0b\x32\x14.tandem.v1.DraftTree\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.tandem.v1.CallError\"\x91\x01\n\x0fProposeResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.tandem.v1.ProposeResult\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.tandem.v1.CallError\x12\x15\n\rahead_seconds\x18\x04 \x01(\x01\"*\n\x13\x44raftReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x16\n\x14\x44raftReleaseResponse2\x9f\x02\n\x05\x44raft\x12<\n\x07GetInfo\x12\x1b.tandem.v1.DraftInfoRequest\x1a\x14.tandem.v1.DraftInfo\x12@\n\x07Propose\x12\x19.tandem.v1.ProposeRequest\x1a\x1a.tandem.v1.ProposeResponse\x12J\n\rProposeStream\x12\x19.tandem.v1.ProposeRequest\x1a\x1a.tandem.v1.ProposeResponse(\x01\x30\x01\x12J\n\x07Release\x12\x1e.tandem.v1.DraftReleaseRequest\x1a\x1f.tandem.v1.DraftReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/draft.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x12\n\x10\x44raftInfoRequest\"\xd1\x01\n\tDraftInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x11\n\tnum_steps\x18\x03 \x01(\x05\x12\x17\n\x0f\x63\x61pture_indices\x18\x04 \x03(\x05\x12\x18\n\x10running_requests\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\x05\x12\x0c\n\x04kind\x18\x08 \x01(\t\x12\x15\n\rdrafted_ahead\x18\t \x01(\x03\"U\n\x0bProposeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x11\n\tnum_steps\x18\x03 \x01(\x05\x12\x10\n\x08rows_end\x18\x04 \x01(\x03\"7\n\x0eProposeRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ProposeItem\"\xab\x01\n\rProposeResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06\x64rafts\x18\x05 \x01(\x0b\x32\x14.tandem.v1.DraftTree\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.tandem.v1.CallError\x12\x1d\n\x15prefix_queried_tokens\x18\x06 \x01(\x05\x12\x1c\n\x14prefix_cached_tokens\x18\x07 \x01(\x05\"\x91\x01\n\x0fProposeResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.tandem.v1.ProposeResult\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x14.tandem.v1.CallError\x12\x15\n\rahead_seconds\x18\x04 \x01(\x01\"*\n\x13\x44raftReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x16\n\x14\x44raftReleaseResponse2\x9f\x02\n\x05\x44raft\x12<\n\x07GetInfo\x12\x1b.tandem.v1.DraftInfoRequest\x1a\x14.tandem.v1.DraftInfo\x12@\n\x07Propose\x12\x19.tandem.v1.ProposeRequest\x1a\x1a.tandem.v1.ProposeResponse\x12J\n\rProposeStream\x12\x19.tandem.v1.ProposeRequest\x1a\x1a.tandem.v1.ProposeResponse(\x01\x30\x01\x12J\n\x07Release\x12\x1e.tandem.v1.DraftReleaseRequest\x1a\x1f.tandem.v1.DraftReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,14 +40,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEITEM']._serialized_end=377
   _globals['_PROPOSEREQUEST']._serialized_start=379
   _globals['_PROPOSEREQUEST']._serialized_end=434
-  _globals['_PROPOSERESULT']._serialized_start=436
-  _globals['_PROPOSERESULT']._serialized_end=546
-  _globals['_PROPOSERESPONSE']._serialized_start=549
-  _globals['_PROPOSERESPONSE']._serialized_end=694
-  _globals['_DRAFTRELEASEREQUEST']._serialized_start=696
-  _globals['_DRAFTRELEASEREQUEST']._serialized_end=738
-  _globals['_DRAFTRELEASERESPONSE']._serialized_start=740
-  _globals['_DRAFTRELEASERESPONSE']._serialized_end=762
-  _globals['_DRAFT']._serialized_start=765
-  _globals['_DRAFT']._serialized_end=1052
+  _globals['_PROPOSERESULT']._serialized_start=437
+  _globals['_PROPOSERESULT']._serialized_end=608
+  _globals['_PROPOSERESPONSE']._serialized_start=611
+  _globals['_PROPOSERESPONSE']._serialized_end=756
+  _globals['_DRAFTRELEASEREQUEST']._serialized_start=758
+  _globals['_DRAFTRELEASEREQUEST']._serialized_end=800
+  _globals['_DRAFTRELEASERESPONSE']._serialized_start=802
+  _globals['_DRAFTRELEASERESPONSE']._serialized_end=824
+  _globals['_DRAFT']._serialized_start=827
+  _globals['_DRAFT']._serialized_end=1114
 # @@protoc_insertion_point(module_scope)

@@ -52,14 +52,18 @@ class ProposeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class ProposeResult(_message.Message):
-    __slots__ = ("request_id", "drafts", "error")
+    __slots__ = ("request_id", "drafts", "error", "prefix_queried_tokens", "prefix_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     drafts: _common_pb2.DraftTree
     error: _common_pb2.CallError
-    def __init__(self, request_id: _Optional[str] = ..., drafts: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...
+    prefix_queried_tokens: int
+    prefix_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., drafts: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., prefix_queried_tokens: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("results", "compute_seconds", "error", "ahead_seconds")

@@ -52,7 +52,7 @@ class ListReplicasResponse(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "input_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "disable_speculation", "stop_token_ids", "logprobs", "top_logprobs", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "json_schema", "json_object", "regex", "choice", "grammar")
+    __slots__ = ("prompt", "input_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "disable_speculation", "stop_token_ids", "logprobs", "top_logprobs", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "json_schema", "json_object", "regex", "choice", "grammar", "cache_salt")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class GenerateRequest(_message.Message):
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -106,23 +107,26 @@ class GenerateRequest(_message.Message):
     regex: str
     choice: _containers.RepeatedScalarFieldContainer[str]
     grammar: str
-    def __init__(self, prompt: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., disable_speculation: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompt: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., disable_speculation: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "prompt_tokens", "completion_tokens", "accepted_per_position")
+    __slots__ = ("rounds", "draft_tokens", "accepted_tokens", "prompt_tokens", "completion_tokens", "accepted_per_position", "cached_tokens")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens: int
     accepted_tokens: int
     prompt_tokens: int
     completion_tokens: int
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "stats", "logprobs")

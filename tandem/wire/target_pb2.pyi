@@ -46,16 +46,18 @@ class TargetInfo(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "end_token_ids", "generated")
+    __slots__ = ("prompt", "sampling", "end_token_ids", "generated", "cache_salt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     end_token_ids: _containers.RepeatedScalarFieldContainer[int]
     generated: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class StepItem(_message.Message):
     __slots__ = ("request_id", "round", "open", "num_tokens", "drafts", "draft_replica", "set_replica", "replay", "logprobs", "top_logprobs", "decode_steps", "draft_ahead")
@@ -96,20 +98,22 @@ class StepRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[StepItem, _Mapping]]] = ..., preempt: _Optional[_Iterable[str]] = ..., target_instance: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("request_id", "error", "accepted", "new_tokens", "streaming", "logprobs")
+    __slots__ = ("request_id", "error", "accepted", "new_tokens", "streaming", "logprobs", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STREAMING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     error: _common_pb2.CallError
     accepted: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     streaming: bool
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., accepted: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., streaming: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ..., accepted: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., streaming: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("results", "compute_seconds", "kv_blocks_free", "error")
@@ -134,17 +138,19 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("replica_id", "capture_indices", "tokens_only")
+    __slots__ = ("replica_id", "capture_indices", "tokens_only", "prefix_caching")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_INDICES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     capture_indices: _containers.RepeatedScalarFieldContainer[int]
     tokens_only: bool
-    def __init__(self, replica_id: _Optional[str] = ..., capture_indices: _Optional[_Iterable[int]] = ..., tokens_only: _Optional[bool] = ...) -> None: ...
+    prefix_caching: bool
+    def __init__(self, replica_id: _Optional[str] = ..., capture_indices: _Optional[_Iterable[int]] = ..., tokens_only: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
-    __slots__ = ("request_id", "round", "start_position", "next_tokens", "features", "draft_ahead", "step_end", "released", "shaping")
+    __slots__ = ("request_id", "round", "start_position", "next_tokens", "features", "draft_ahead", "step_end", "released", "shaping", "prefix_tokens", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +160,8 @@ class HiddenStates(_message.Message):
     STEP_END_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     SHAPING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     start_position: int
@@ -163,7 +171,9 @@ class HiddenStates(_message.Message):
     step_end: bool
     released: bool
     shaping: DraftShaping
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ahead: _Optional[int] = ..., step_end: _Optional[bool] = ..., released: _Optional[bool] = ..., shaping: _Optional[_Union[DraftShaping, _Mapping]] = ...) -> None: ...
+    prefix_tokens: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ahead: _Optional[int] = ..., step_end: _Optional[bool] = ..., released: _Optional[bool] = ..., shaping: _Optional[_Union[DraftShaping, _Mapping]] = ..., prefix_tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class DraftShaping(_message.Message):
     __slots__ = ("sampling", "prompt_length", "first_token")

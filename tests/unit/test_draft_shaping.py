@@ -184,7 +184,7 @@ def test_the_target_sends_the_options_and_the_replica_drafts_by_them(tmp_path: P
             (result,) = (await replica.service._propose(asked, "session")).results
             assert result.drafts.tokens[0] == b and a not in result.drafts.tokens  # A is a new token now
             await replica.service._release({"shaped", "plain"})
-            assert not replica.service._shaping
+            assert not replica.service._shaping.requests
         await target.stop()
 
     asyncio.run(scenario())

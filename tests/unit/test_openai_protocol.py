@@ -12,16 +12,8 @@ from transformers import AutoTokenizer
 from orchestrator.api.chat import chat_prompt_ids
 from orchestrator.api.http_api import bearer_check
 from orchestrator.api.openai_logprobs import LogprobShaper
-from orchestrator.api.openai_protocol import (
-    DEFAULT_TEMPERATURE,
-    ApiError,
-    ResponseShape,
-    Usage,
-    from_invalid,
-    parse_chat,
-    parse_completion,
-    server_sent_event,
-)
+from orchestrator.api.openai_protocol import DEFAULT_TEMPERATURE, ApiError, from_invalid, parse_chat, parse_completion
+from orchestrator.api.openai_responses import ResponseShape, Usage, server_sent_event
 from orchestrator.loop.validation import InvalidRequest
 from tandem.sampling.logprobs import TokenLogprob
 from tandem.settings import DEMO_CHAT_TEMPLATE, DEMO_TARGET
@@ -160,7 +152,12 @@ def test_server_sent_events_and_chunks() -> None:
     assert chunk["usage"] is None
     assert shape.chunk("x", "stop")["choices"][0]["delta"] == {"content": "x"}
     usage = shape.usage_chunk(Usage(3, 4))
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert usage["id"] == chunk["id"]
     plain = ResponseShape(chat=False, model_name=MODEL, request_id="abc-2")
     assert "usage" not in plain.chunk("x", None)

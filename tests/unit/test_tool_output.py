@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from orchestrator.api.openai_protocol import ApiError, ResponseShape, Usage
+from orchestrator.api.openai_protocol import ApiError
+from orchestrator.api.openai_responses import ResponseShape, Usage
 from orchestrator.api.tool_formats import HERMES, KIMI_K2
 from orchestrator.api.tool_output import ChatTools, ToolReply
 from orchestrator.api.tool_request import ToolRequest

@@ -1,0 +1,109 @@
+"""A replica's prefix cache: the draft KV it built for a prefix, kept and reused when the target skips that prefix.
+
+When the target takes a request's first positions from its own prefix cache it computes no rows for them, so the
+rows that start the request begin at s > 0 and carry its tokens x[0..s] (HiddenStates.prefix_tokens). The replica
+then needs the draft KV of positions [0, s) from its own cache; a request whose draft KV this replica does not hold
+in full is answered as needing a replay (the target then recomputes every row), so it never drafts from part of its
+context.
+
+Names: the draft KV of row position p depends on the target's features of positions 0..p and the tokens after
+them, so on x[0..p + 1] (the one-token shift of EAGLE-style drafts). A draft block is named by the chain of
+tandem.layers.block_pool over the rows' next tokens x[1..] with x[0] in the seed: block j, rows [jb, (j + 1)b),
+is named by x[0..(j + 1)b], exactly what its KV depends on (and the request's cache_salt). A block is named once
+the rows of all its positions are ingested: rows are committed positions, so their draft KV is final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from tandem.layers.kv_cache import PagedKVCache, SequenceKV
+
+if TYPE_CHECKING:
+    from draft_server.runner import ProposeInput, TargetRows
+
+
+@dataclass(frozen=True)
+class RequestPrefix:
+    """What the rows that start a request over name it by (HiddenStates.prefix_tokens, cache_salt)."""
+
+    tokens: tuple[int, ...]  # x[0 .. the rows' start position]
+    salt: str
+
+
+@dataclass
+class DraftNames:
+    """What names a request's draft blocks: its salt with x[0], and the next token of every row ingested."""
+
+    salt: str
+    tokens: list[int]  # x[1..]: row p's next token at index p
+
+
+class HoldsPrefix(Protocol):
+    kv: SequenceKV  # the request's draft KV in the runner's pool, row position p at KV position p
+    names: DraftNames | None  # None: its rows did not start with its prefix named, so its blocks stay unnamed
+
+
+def seeded_salt(salt: str, first_token: int) -> str:
+    """The salt of a request's draft names: its cache_salt and x[0] (the digits end at the first colon)."""
+    return f"{first_token}:{salt}"
+
+
+@dataclass(frozen=True)
+class Attached:
+    """What a batch's prefixes gave: per request, the positions its rows skipped and those found in the cache; the
+    requests whose skipped positions were not all found, and why."""
+
+    queried: dict[str, int]
+    cached: dict[str, int]
+    missing: dict[str, str]
+
+
+class DraftPrefixes:
+    """The reuse and naming of a runner's draft blocks; `request_for` gives (making it if new) a request's state."""
+
+    def __init__(self, cache: PagedKVCache, request_for: Callable[[str], HoldsPrefix]) -> None:
+        self.cache = cache
+        self.request_for = request_for
+
+    def attach(self, inputs: Sequence[ProposeInput]) -> Attached:
+        """Names the requests whose rows start over, and gives those whose rows start past what they hold the
+        cached draft KV of the positions before their rows."""
+        queried: dict[str, int] = {}
+        cached: dict[str, int] = {}
+        missing: dict[str, str] = {}
+        for item in inputs:
+            rows = item.rows
+            if rows.prefix is None:
+                continue
+            start = rows.start_position
+            request = self.request_for(item.request_id)
+            tokens = list(rows.prefix.tokens)
+            request.names = DraftNames(seeded_salt(rows.prefix.salt, tokens[0]), tokens[1 : start + 1])
+            if start <= 0 or request.kv.length >= start:
+                continue
+            self.cache.truncate(request.kv, 0)
+            found = self.cache.reuse(request.kv, request.names.tokens, request.names.salt, start)
+            queried[item.request_id] = start
+            cached[item.request_id] = found if found == start else 0
+            if found < start:
+                self.cache.truncate(request.kv, 0)
+                missing[item.request_id] = (
+                    f"its rows start at {start} after the target's prefix cache, and this replica's cache holds the "
+                    f"draft context of {found} of those positions; it needs a replay"
+                )
+        return Attached(queried, cached, missing)
+
+    def ingested(self, request: HoldsPrefix, rows: TargetRows) -> None:
+        """Names the request's blocks that the ingest of `rows` filled; its KV ends where the rows end."""
+        names = request.names
+        if names is None:
+            return
+        start = rows.start_position
+        if start < 0 or len(names.tokens) < start:  # a gap: its tokens are not all known here
+            request.names = None
+            return
+        names.tokens[start:] = rows.next_tokens
+        self.cache.publish(request.kv, names.tokens, names.salt)

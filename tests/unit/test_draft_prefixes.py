@@ -1,0 +1,73 @@
+"""A replica's prefix cache (draft_server.prefixes) on a tiny EAGLE3 head: rows that skip a prefix take its draft KV
+from the cache and draft exactly what a whole ingest drafts; a prefix whose blocks are not all there (another token,
+another salt, the token after a block: the one-token shift) is answered as needing a replay, holding nothing."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from draft_server.formats import propose_what_fits
+from draft_server.prefixes import RequestPrefix
+from draft_server.runner import DraftRunner, ProposeInput, TargetRows
+from tandem.models.eagle3 import Eagle3Draft
+from tandem.settings import KVCacheSettings
+from tests.helpers.target_rows import random_rows
+from tests.unit.test_runners import direct_proposal, draft, draft_dir, target_dir  # noqa: F401 (fixtures)
+
+CACHE = KVCacheSettings(num_blocks=32, block_size=4)
+FIRST = 1  # x[0], which no row carries
+
+
+def whole(rows: TargetRows, salt: str = "") -> TargetRows:
+    """Rows from position 0, naming their request's prefix as the target does."""
+    return replace(rows, prefix=RequestPrefix((FIRST,), salt))
+
+
+def skipping(rows: TargetRows, start: int, salt: str = "") -> TargetRows:
+    """The rows of positions [start, ...) of `rows`, as the target sends them after its cache gave it [0, start)."""
+    tokens = (FIRST, *rows.next_tokens[:start])
+    return TargetRows(start, rows.next_tokens[start:], rows.features[start:], RequestPrefix(tokens, salt))
+
+
+def test_rows_after_a_cached_prefix_draft_what_the_whole_rows_draft(draft: Eagle3Draft) -> None:  # noqa: F811
+    runner = DraftRunner(draft, CACHE)
+    rows = random_rows(0, 13, seed=11)
+    first = propose_what_fits(runner, [ProposeInput("a", whole(rows), num_steps=3)])
+    again = propose_what_fits(runner, [ProposeInput("b", skipping(rows, 8), num_steps=3)])
+    assert (again.prefix_queried, again.prefix_cached, again.exhausted) == ({"b": 8}, {"b": 8}, {})
+    assert again.drafts["b"] == first.drafts["a"]
+    assert again.drafts["b"].tokens == tuple(direct_proposal(draft, rows, 3))
+    assert runner.requests["b"].kv.block_ids[:2] == runner.requests["a"].kv.block_ids[:2]
+
+
+@pytest.mark.parametrize(
+    ("change", "found"),
+    [
+        (lambda tokens: [tokens[0] + 1, *tokens[1:]], 0),  # the first row's token: every block renamed
+        (lambda tokens: [*tokens[:7], tokens[7] + 1, *tokens[8:]], 4),  # x[8]: the token after block 1
+    ],
+    ids=["first-token", "token-after-the-block"],
+)
+def test_a_prefix_not_all_cached_needs_a_replay_and_holds_nothing(draft: Eagle3Draft, change, found: int) -> None:  # noqa: F811
+    runner = DraftRunner(draft, CACHE)
+    rows = random_rows(0, 13, seed=12)
+    propose_what_fits(runner, [ProposeInput("a", whole(rows), num_steps=2)])
+    free = runner.cache.num_free_blocks
+    other = TargetRows(0, change(list(rows.next_tokens)), rows.features)
+    missed = propose_what_fits(runner, [ProposeInput("b", skipping(other, 8), num_steps=2)])
+    assert missed.drafts == {} and "b" in missed.exhausted and "needs a replay" in missed.exhausted["b"]
+    assert f"holds the draft context of {found} of those positions" in missed.exhausted["b"]
+    assert (missed.prefix_queried, missed.prefix_cached) == ({"b": 8}, {"b": 0})
+    assert "b" not in runner.requests and runner.cache.num_free_blocks == free
+
+
+def test_salts_and_a_cache_switched_off_share_nothing(draft: Eagle3Draft) -> None:  # noqa: F811
+    rows = random_rows(0, 13, seed=13)
+    runner = DraftRunner(draft, CACHE)
+    propose_what_fits(runner, [ProposeInput("a", whole(rows, salt="tenant"), num_steps=2)])
+    assert "b" in propose_what_fits(runner, [ProposeInput("b", skipping(rows, 8), num_steps=2)]).exhausted
+    assert propose_what_fits(runner, [ProposeInput("c", skipping(rows, 8, "tenant"), 2)]).prefix_cached == {"c": 8}
+    plain = DraftRunner(draft, replace(CACHE, prefix_caching=False))
+    assert plain.prefixes is None
