@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.api.tool_formats import TOOL_CALL_FORMATS
-from tandem.flags import checked, flag, nested, non_negative, optional, positive
+from tandem.flags import checked, flag, nested, non_negative, optional, positive, positive_seconds
 from tandem.settings import TreeShape, parse_size
 from tandem.transport import Insecure, TransportSecurity
 
@@ -116,7 +116,16 @@ class SchedulerSettings:
     # A Propose that takes longer costs its round's drafts and demotes the replica.
     draft_timeout_s: float = field(default=10.0, metadata=flag("--draft-timeout", "seconds per Propose"))
     reprobe_s: float = 1.0  # first wait before a demoted replica is probed again (doubling, up to 30 s)
-    stall_s: float = 60.0  # health reports NOT_SERVING when the loop has work and made no step for this long
+    # Health reports NOT_SERVING when the loop has held work this long (since it arrived, or since the last step)
+    # without finishing a step.
+    stall_s: float = field(
+        default=60.0,
+        metadata=flag(
+            "--stall-timeout",
+            "seconds the loop may hold work without finishing a step before health reports NOT_SERVING",
+            parse=positive_seconds,
+        ),
+    )
     hybrid: HybridSettings | None = field(
         default=None,
         metadata=optional(

@@ -129,6 +129,8 @@ class Scheduler:
         request = ActiveRequest(uuid.uuid4().hex, params, output, replica)
         if paused:
             request.pause()
+        if not self.waiting and not self.running:  # work arrives at an idle loop: the stall clock starts now
+            self.last_progress = time.monotonic()
         self.waiting.append(request)
         self._wake.set()
         return request
@@ -318,11 +320,9 @@ class Scheduler:
 
     def _drafts_next(self, entry: PlannedItem) -> bool:
         """Whether the request drafts in its round after this step: it verifies drafts in this one, or this is the
-        last chunk of its prompt (the step commits its first token) and it has a replica to draft with. That replica
-        then ingests the prompt's rows and drafts the first round when they arrive, in one batch with the step's
-        other requests, rather than in a Propose the next step waits for. Not the last chunk of a recomputation
-        after preemption: its replica was told to forget the request and drafts nothing ahead for it until a
-        Propose asks again."""
+        last chunk of its prompt (the step commits its first token) and it has a replica to draft with, which then
+        drafts the first round as the rows arrive, with the step's other requests. Not the last chunk of a recompute
+        after preemption: its replica was told to forget the request and drafts nothing ahead until asked again."""
         request = entry.request
         if request.decoding:
             return entry.max_drafts > 0

@@ -12,6 +12,7 @@ import re
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +156,32 @@ def test_a_target_gone_past_the_wait_fails_each_request_naming_it_then_serves_ag
         again = generate(orchestrator.address, input_ids=PROMPTS[0], max_new_tokens=NEW_TOKENS, ignore_eos=True)
         assert again.token_ids == stack.expected[0]
     assert_nothing_held(stack.target_address, [stack.draft.address])
+
+
+def test_health_clocks_a_stall_from_when_work_arrives(stack: Stack) -> None:
+    """An orchestrator idle past its stall bound is SERVING when work arrives; holding that work without a step (its
+    target stopped) makes it NOT_SERVING once the bound has passed since the arrival, not at once."""
+    bound = 3.0
+    command = orchestrator_command(stack.model, stack.draft, stack.target_address, "--stall-timeout", str(bound))
+    with service("orchestrator-stall-bound", command, stack.workdir) as orchestrator:
+        generate(orchestrator.address, input_ids=PROMPTS[0], max_new_tokens=4, ignore_eos=True)
+        time.sleep(bound + 1.5)  # idle past the bound: its last step is that old when the next request arrives
+        stack.target.process.send_signal(signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                arrived = time.monotonic()
+                waiting = pool.submit(
+                    generate, orchestrator.address, input_ids=PROMPTS[0], max_new_tokens=4, ignore_eos=True
+                )
+                wait_for(lambda: health(orchestrator.address, "") == NOT_SERVING, "NOT_SERVING while stalled")
+                stalled_after = time.monotonic() - arrived
+                stack.target.process.send_signal(signal.SIGCONT)
+                assert waiting.result().token_ids == stack.expected[0][:4]
+        finally:
+            stack.target.process.send_signal(signal.SIGCONT)
+        # Health is polled every second: NOT_SERVING comes within a second after the bound, and not before it.
+        assert bound - 0.5 <= stalled_after <= bound + 3.0, stalled_after
+        wait_for(lambda: health(orchestrator.address, "") == SERVING, "SERVING once it steps again")
 
 
 def health(address: str, service: str) -> int:
