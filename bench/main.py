@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shlex
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -17,6 +19,8 @@ from bench.cpu import CpuMeter, spent
 from bench.harness import Generate, GrpcGenerate, RoundSeconds, RunResult, run_prompts, scraped_round_seconds
 from bench.huggingface import Method, TransformersBaseline, TransformersSettings
 from bench.kinds import DraftKind, draft_kinds
+from bench.prefix_report import write as write_prefix_report
+from bench.prefix_workloads import run_workload
 from bench.prompts import held_out_prompts
 from bench.report import write, write_requests
 from bench.settings import BenchSettings
@@ -101,8 +105,8 @@ async def _run(
     return run
 
 
-def _start_stack(settings: BenchSettings, kind: DraftKind) -> ServeProcess:
-    """`tandem serve` of the benchmark's target with this kind's drafts, on free ports."""
+def _start_stack(settings: BenchSettings, kind: DraftKind, *extra: str) -> ServeProcess:
+    """`tandem serve` of the benchmark's target with this kind's drafts, on free ports; `extra`: more flags."""
     scheduler = {
         "num_steps": kind.steps(settings),
         "adaptive_k": settings.adaptive_k,
@@ -116,6 +120,7 @@ def _start_stack(settings: BenchSettings, kind: DraftKind) -> ServeProcess:
             *flags.field_arguments(ServeSecurity, admin_port=0),
             *flags.field_arguments(SchedulerSettings, **scheduler),
             *flags.field_arguments(DeviceRequest, dtype=settings.dtype),
+            *extra,
         ]
     )  # fmt: skip
 
@@ -191,7 +196,30 @@ def _recorded(value: Any) -> Any:
     return value
 
 
+def _prefix_benchmark(settings: BenchSettings) -> Path:
+    """The shared-prefix or multi-turn workload on two stacks of the draft's kind, prefix caching on and off."""
+    (kind,) = draft_kinds(settings)
+    stacks = {
+        "cache": _start_stack(settings, kind),
+        "no cache": _start_stack(settings, kind, "--no-enable-prefix-caching"),
+    }
+    try:
+        runs = []
+        for concurrency in settings.concurrency if settings.prefix.workload == "shared-prefix" else (0,):
+            addresses = {name: stack.address for name, stack in stacks.items()}
+            metrics = {name: f"{stack.http_url}/metrics" for name, stack in stacks.items()}
+            runs += asyncio.run(run_workload(settings, addresses, metrics, concurrency))
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+    draft = settings.draft_dir.name if settings.draft_dir is not None else "ngram"
+    out = settings.out_dir / f"prefix-{settings.prefix.workload}-{draft}"
+    return write_prefix_report(out, runs, _recorded(asdict(settings)), shlex.join(["tandem", *sys.argv[1:]]))
+
+
 def run_benchmark(settings: BenchSettings) -> Path:
+    if settings.prefix.workload != "held-out":
+        return _prefix_benchmark(settings)
     kinds = draft_kinds(settings)
     if settings.structured:
         prompts, schemas = structured_prompts(settings.num_prompts)

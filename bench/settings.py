@@ -18,6 +18,37 @@ from tandem.devices import DTYPES
 from tandem.flags import flag, flag_of, nested, non_negative, positive, thread_count
 from tandem.settings import DEMO_DIR, TreeShape
 
+WORKLOADS = ("held-out", "shared-prefix", "multi-turn")
+
+
+@dataclass(frozen=True)
+class PrefixWorkload:
+    """The prefix-caching workloads of `tandem bench --workload` (bench/prefix_workloads.py)."""
+
+    workload: str = field(
+        default="held-out",
+        metadata=flag(
+            "--workload",
+            "held-out: held-out prompts against target-only, colocated and transformers; shared-prefix, multi-turn: "
+            "the prefix caches on and off, with and without speculation",
+            choices=WORKLOADS,
+        ),
+    )
+    prefix_len: int = field(
+        default=1024,
+        metadata=flag(
+            "--prefix-len", "tokens of each shared prefix, or of a conversation's first turn", parse=positive
+        ),
+    )
+    suffix_len: int = field(default=64, metadata=flag("--suffix-len", "tokens after the prefix", parse=positive))
+    num_prefixes: int = field(default=4, metadata=flag("--num-prefixes", "distinct shared prefixes", parse=positive))
+    requests_per_prefix: int = field(
+        default=4, metadata=flag("--requests-per-prefix", "requests sharing each prefix", parse=positive)
+    )
+    conversations: int = field(default=4, metadata=flag("--conversations", "chats at once", parse=positive))
+    turns: int = field(default=8, metadata=flag("--turns", "turns of each chat", parse=positive))
+    user_len: int = field(default=32, metadata=flag("--user-len", "tokens of each later user message", parse=positive))
+
 
 @dataclass(frozen=True)
 class BenchSettings:
@@ -44,6 +75,7 @@ class BenchSettings:
         default=None, metadata=flag("--address", "a running stack to measure (default: start one)")
     )
     num_prompts: int = field(default=32, metadata=flag("--num-prompts", "held-out prompts per run"))
+    prefix: PrefixWorkload = field(default_factory=PrefixWorkload, metadata=nested())
     max_new_tokens: int = field(default=64, metadata=flag("--max-new-tokens", "tokens each prompt generates"))
     concurrency: tuple[int, ...] = field(
         default=(1, 8), metadata=flag("--concurrency", "requests in flight at once; one run per value", count="+")
