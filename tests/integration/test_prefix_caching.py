@@ -5,6 +5,8 @@ whole prompt gets."""
 
 from __future__ import annotations
 
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -13,6 +15,7 @@ import pytest
 from tandem.settings import DEMO_DRAFT, DEMO_DRAFTS, DEMO_TARGET
 from tests.integration.stack import DEMO_HTTP, SharedStacks, Stack, generate, serve
 from tests.integration.test_http_api import MODEL, metric_samples, value
+from tests.integration.test_target_faults import child_pids
 
 BLOCK = 16  # the demo stack's --block-size
 # Long enough for several whole blocks, and unlike every other test's prompts, so that only this module's requests
@@ -39,6 +42,9 @@ def test_a_repeated_prompt_is_served_from_the_cache_with_the_same_tokens(stack: 
     assert (salted.stats.cached_tokens, first.stats.cached_tokens) == (0, 0)
     assert again.stats.cached_tokens == whole_blocks > 0
     assert again.token_ids == first.token_ids == salted.token_ids
+    seeded = {**options, "temperature": 0.8, "seed": 7, "disable_speculation": False}
+    sampled = [generate(stack.address, **seeded, cache_salt=salt) for salt in ("computes every token", "")]
+    assert sampled[1].stats.cached_tokens == whole_blocks and sampled[0].token_ids == sampled[1].token_ids
 
 
 @pytest.mark.parametrize("draft", [DEMO_DRAFT, DEMO_DRAFTS["dflash"]], ids=["eagle3", "dflash"])
@@ -90,7 +96,9 @@ def test_a_cache_salt_that_is_not_a_string_is_refused(client: openai.OpenAI) -> 
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"cache_salt": 7})
 
 
-def test_a_conversation_stays_on_the_replica_that_holds_its_context() -> None:
+def test_a_conversation_stays_on_the_replica_that_holds_its_context_and_survives_losing_it() -> None:
+    """Later turns go where their draft context is; then that replica dies, and the target restarts empty: the
+    tokens stay target-only's."""
     with serve(DEMO_TARGET, DEMO_DRAFT, "--draft-replicas", "2", *DEMO_HTTP) as stack:
         turns = [f"# conversation {index}\n{PROMPT}" for index in range(2)]
         with ThreadPoolExecutor(2) as pool:  # at once: least outstanding puts them on different replicas
@@ -107,3 +115,10 @@ def test_a_conversation_stays_on_the_replica_that_holds_its_context() -> None:
             for name in ("tandem:draft_prefix_cache_queries_total", "tandem:draft_prefix_cache_hits_total")
         )
         assert queried == hits > 0
+        turn = turns[0] + first[0].text + "\n# after a failure\n"
+        expected = generate(stack.address, prompt=turn, max_new_tokens=24, ignore_eos=True, disable_speculation=True)
+        for service_name in ("draft", "target"):  # every replica's process, then the target's: serve restarts them
+            for pid in child_pids(stack, service_name):
+                os.kill(pid, signal.SIGKILL)
+            again = generate(stack.address, prompt=turn, max_new_tokens=24, ignore_eos=True)
+            assert again.token_ids == expected.token_ids, service_name
