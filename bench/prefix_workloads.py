@@ -9,7 +9,8 @@
 Every request generates --max-new-tokens greedy tokens of text built from the held-out code (bench/prompts.py), as
 token ids. Two stacks serve the same target and draft, one with the prefix caches (the default) and one started with
 --no-enable-prefix-caching; each repeat runs the workload four times, interleaved (cache on and off, each with
-speculation and with `disable_speculation`), the order reversed every other repeat. Each run's requests share a
+speculation and with `disable_speculation`), the order reversed every other repeat, after one warm-up request of
+--prefix-len tokens in each mode. Each run's requests share a
 cache_salt of their own, so a run reuses only what its own requests computed. Tokens are compared request by request
 across the four runs of a repeat.
 """
@@ -17,6 +18,7 @@ across the four runs of a repeat.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -156,6 +158,9 @@ async def run_workload(
     clients = {name: GrpcGenerate(address) for name, address in addresses.items()}
     runs = []
     try:
+        warm_up = token_pool(settings.target_dir, settings.prefix.prefix_len)
+        for client, speculative in itertools.product(clients.values(), (True, False)):  # first shapes' kernels
+            await _ask(client, warm_up, settings, speculative, f"warm-up {speculative}")
         for repeat in range(settings.repeats):
             order = MODES if repeat % 2 == 0 else MODES[::-1]
             for stack, speculative in order:

@@ -92,3 +92,23 @@ def usable_drafts(made: DraftedAhead, num_steps: int, chains: bool) -> DraftTree
     if chains and made.proposal is not None and num_steps < made.num_steps:
         return made.proposal.first(num_steps)
     return None
+
+
+def drop_stale(
+    rows: dict[Key, tuple[TargetRows, float]],
+    ahead: dict[Key, tuple[DraftedAhead, float]],
+    released: dict[str, float],
+    oldest: float,  # monotonic time: what came before it and nobody asked for since is stale
+) -> dict[str, float]:
+    """Drops the rows of requests that got none since `oldest`: rows of a request's last round arrive after it
+    finished, and nobody asks for them (a running request at k = 0 keeps getting rows every round, so its rows stay
+    until it drafts again); and drafts made ahead for a round nobody asked for (the request finished, moved, or went
+    on target-only). Returns the releases to remember: those since `oldest`."""
+    latest: dict[str, float] = {}
+    for (request_id, _), (_, arrived) in rows.items():
+        latest[request_id] = max(arrived, latest.get(request_id, arrived))
+    for key in [key for key in rows if latest[key[0]] < oldest]:
+        del rows[key]
+    for key in [key for key, (_, made_at) in ahead.items() if made_at < oldest]:
+        del ahead[key]
+    return {request_id: at for request_id, at in released.items() if at >= oldest}

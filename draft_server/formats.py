@@ -32,7 +32,7 @@ from draft_server.block_runner import BlockRunner
 from draft_server.compat import IncompatibleDraft, check_compatibility
 from draft_server.mtp_runner import MTPRunner
 from draft_server.prefixes import Attached, DraftPrefixes
-from draft_server.runner import DraftModel, DraftRunner, ProposeInput
+from draft_server.runner import DraftModel, DraftRequestError, DraftRunner, ProposeInput
 from draft_server.settings import DraftSettings
 from draft_server.standalone_runner import StandaloneRunner
 from draft_server.tree_draft import TreeDrafter
@@ -108,6 +108,17 @@ def propose_what_fits(
         drafts = {item.request_id: tree for item, tree in zip(remaining, trees, strict=True)}
         break
     return Proposals(drafts, exhausted, attached.queried, attached.cached)
+
+
+def ingest_final_rows(
+    runner: ProposalRunner[list[int]] | ProposalRunner[DraftTree], inputs: Sequence[ProposeInput]
+) -> None:
+    """Ingests the last rows of requests about to be released (a one-step proposal, its drafts unused), so that
+    their draft blocks are named in the prefix cache; rows that no longer continue a request's state are skipped."""
+    try:
+        propose_what_fits(runner, inputs)
+    except DraftRequestError as error:
+        LOG.info("the last rows of %d released requests were not cached: %s", len(inputs), error)
 
 
 def as_draft_tree(proposal: list[int] | DraftTree) -> DraftTree:

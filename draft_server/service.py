@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from draft_server.ahead import DraftedAhead, Key, drafting_failure, settle, timed_proposals, usable_drafts
-from draft_server.formats import PreparedDraft, ProposalRunner, propose_what_fits
+from draft_server.ahead import DraftedAhead, Key, drafting_failure, drop_stale, settle, timed_proposals, usable_drafts
+from draft_server.formats import PreparedDraft, ProposalRunner, ingest_final_rows, propose_what_fits
 from draft_server.prefixes import RequestPrefix
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
@@ -305,6 +305,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
 
     async def _release(self, released: set[str]) -> None:
         async with self._arrived:
+            final = self._final_rows(released - self._dropped - self._lost)
             now = time.monotonic()
             self._released.update((request_id, now) for request_id in released)
             self._dropped.difference_update(released)
@@ -316,8 +317,19 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             for key in [key for key in self._ahead if key[0] in released]:
                 del self._ahead[key]
             self._ahead_wanted = {key: steps for key, steps in self._ahead_wanted.items() if key[0] not in released}
+        if final:
+            await self._run(ingest_final_rows, self.runner, final)
         await self._run(self.runner.release, list(released))
         self.leases.forget(list(released))
+
+    def _final_rows(self, released: set[str]) -> list[ProposeInput]:
+        """The rows no Propose took of released requests (their last round's), for a replica with a prefix cache to
+        cache their draft context as far as the target's KV goes; under the rows' lock."""
+        rounds: dict[str, int] = {}
+        for request_id, number in self._rows:
+            if request_id in released and self.runner.prefixes is not None:
+                rounds[request_id] = max(number, rounds.get(request_id, number))
+        return [self._input(request_id, self._pop_rows(request_id, last), 1) for request_id, last in rounds.items()]
 
     async def sweep(self, interval_s: float) -> None:
         """Every `interval_s`: drops rows nobody asked for and frees the requests of orchestrators that are gone."""
@@ -375,19 +387,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         return join_rounds([rows for rows, _ in pop_rounds(self._rows, request_id, round_number)])
 
     def _drop_stale_rows(self) -> None:
-        """Drops the rows of requests that got none for rows_ttl_s: rows of a request's last round arrive after it
-        finished, and nobody asks for them. A running request that drafts nothing for a while (k = 0) keeps
-        getting rows every round, so its rows stay until it drafts again."""
-        latest: dict[str, float] = {}
-        for (request_id, _), (_, arrived) in self._rows.items():
-            latest[request_id] = max(arrived, latest.get(request_id, arrived))
         oldest = time.monotonic() - self.settings.rows_ttl_s
-        for key in [key for key in self._rows if latest[key[0]] < oldest]:
-            del self._rows[key]
-        # Drafts made ahead for a round nobody asked for (the request finished, moved, or went on target-only).
-        for key in [key for key, (_, made_at) in self._ahead.items() if made_at < oldest]:
-            del self._ahead[key]
-        self._released = {request_id: at for request_id, at in self._released.items() if at >= oldest}
+        self._released = drop_stale(self._rows, self._ahead, self._released, oldest)
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
         return await self.model_thread.run(function, *args)

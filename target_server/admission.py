@@ -111,7 +111,8 @@ class Admission:
             return 0
         if stream.streams and not (stream.prefix_caching and request.kv.length == 0):
             return 0
-        end = min(request.kv.length + item.num_tokens, len(request.tokens) - 1)
+        # A streaming request's chunk computes its last position at least: its first rows name the prefix.
+        end = min(request.kv.length + item.num_tokens - int(stream.streams), len(request.tokens) - 1)
         return self.cache.reuse(request.kv, request.tokens, request.cache_salt, end)
 
     def _shaped(self, item: StepItem, request: TargetRequest, start: int) -> StepItem:

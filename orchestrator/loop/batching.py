@@ -187,6 +187,7 @@ def plan_step(
         pool,
         pool.num_blocks - sum(pool.blocks(request.kv_length) for request in running),
         settings.max_num_batched_tokens,
+        settings.max_num_batched_tokens,
     )
     _plan_decodes(plan, running, budget, settings)
     _plan_prefills(plan, running, budget)
@@ -203,6 +204,7 @@ class _Budget:
     pool: KVPool
     free: int
     tokens: int
+    step_tokens: int  # the whole step's (--max-num-batched-tokens)
 
     def growth(self, request: ActiveRequest, new_positions: int) -> int:
         """The blocks `new_positions` more positions of the request take."""
@@ -248,7 +250,7 @@ def _plan_prefills(plan: StepPlan, running: Sequence[ActiveRequest], budget: _Bu
     for index, request in enumerate(running):
         if request.decoding or request in plan.preempted:
             continue
-        chunk = min(request.uncomputed, budget.tokens)
+        chunk = _chunk(request, budget)
         if chunk <= 0:
             break
         need = budget.growth(request, chunk)
@@ -275,13 +277,29 @@ def _plan_admissions(
     for request in waiting:
         if num_running + len(plan.admitted) >= max_seqs or budget.tokens <= 0:
             break
-        chunk = min(request.uncomputed, budget.tokens)
+        chunk = _chunk(request, budget)
+        if chunk <= 0:
+            break
         need = budget.growth(request, chunk)
         if need + num_running + len(plan.admitted) > budget.free:
             break  # arrival order: no later request overtakes this one
         budget.take(need, chunk)
         plan.admitted.append(request)
         plan.chunks.append(PlannedItem(request, chunk, 0))
+
+
+def _chunk(request: ActiveRequest, budget: _Budget) -> int:
+    """The request's next prompt chunk within the step's tokens left: the rest of its prompt, or, when that does not
+    fit, a chunk ending at a block boundary, so that its next chunk starts where the target's prefix cache can go on
+    reusing whole blocks (target_server.admission). 0 (it waits for the next step) when no boundary fits and its KV
+    ends at one now, unless a step's whole budget is less than a block."""
+    block_size = budget.pool.block_size
+    chunk = min(request.uncomputed, budget.tokens)
+    aligned = chunk - (request.kv_length + chunk) % block_size
+    if chunk == request.uncomputed or aligned > 0:
+        return chunk if chunk == request.uncomputed else aligned
+    waits = request.kv_length % block_size == 0 and budget.step_tokens >= block_size
+    return 0 if waits else chunk
 
 
 def draft_rows(max_drafts: int, settings: SchedulerSettings) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from orchestrator.loop.batching import ActiveRequest, KVPool, OnTarget, plan_step
+from orchestrator.loop.batching import ActiveRequest, KVPool, OnTarget, StepPlan, plan_step
 from orchestrator.loop.output import RequestOutput
 from orchestrator.loop.text import IncrementalDetokenizer, StopStringMatcher
 from orchestrator.loop.validation import ValidatedRequest
@@ -152,3 +152,30 @@ def test_a_tree_round_gets_room_for_every_node(tokenizer: PreTrainedTokenizerBas
     plan = plan_step([decoding], deque(), KVPool(num_blocks=4, block_size=4), tree)
     assert plan.decode == [] and [r.request_id for r in plan.preempted] == ["A"]
     assert [s.max_drafts for s in plan_step([decoding], deque(), KVPool(4, 4), SETTINGS).decode] == [3]
+
+
+def test_a_prompt_chunk_cut_by_the_budget_ends_at_a_block_boundary(tokenizer: PreTrainedTokenizerBase) -> None:
+    # A budget of 7 tokens, blocks of 4: a 20-token prompt goes in chunks of 4 (positions 0..3), then from 4 to 8, so
+    # that every chunk starts where the target's prefix cache can reuse whole blocks; its last chunk is what is left.
+    settings = SchedulerSettings(num_steps=3, max_num_seqs=4, max_num_batched_tokens=7)
+    pool = KVPool(num_blocks=16, block_size=4)
+    prompt = request(tokenizer, "A", prompt=20)
+    chunks = []
+    plan = plan_step([], deque([prompt]), pool, settings)
+    while plan.chunks:
+        chunks.append(plan.chunks[0].num_tokens)
+        prompt.kv_length += plan.chunks[0].num_tokens
+        plan = plan_step([prompt], deque(), pool, settings) if prompt.uncomputed > 0 else StepPlan()
+    assert chunks == [4, 4, 4, 4, 4]
+    short = request(tokenizer, "B", prompt=9)
+    short.kv_length = 3  # from 3, a budget of 3 reaches 6: the chunk stops at the boundary 4
+    assert plan_step([short], deque(), pool, SchedulerSettings(max_num_batched_tokens=3)).chunks[0].num_tokens == 1
+    short.kv_length = 1  # from 1, a budget of 2 reaches 3 and passes no boundary: the chunk is the budget's
+    assert plan_step([short], deque(), pool, SchedulerSettings(max_num_batched_tokens=2)).chunks[0].num_tokens == 2
+    # At a boundary with less than a block of the step left, a new request waits for the next step rather than
+    # begin with a chunk that would end its prefix reuse; with a step smaller than a block, it takes what fits.
+    decoding = request(tokenizer, "A", prompt=8, generated=2)
+    plan = plan_step([decoding], deque([request(tokenizer, "C", prompt=12)]), pool, settings)
+    assert (plan.admitted, [entry.request.request_id for entry in plan.decode]) == ([], ["A"])
+    tiny = plan_step([], deque([request(tokenizer, "C", prompt=12)]), pool, SchedulerSettings(max_num_batched_tokens=3))
+    assert [entry.num_tokens for entry in tiny.chunks] == [3]

@@ -164,3 +164,15 @@ def test_a_pool_that_overflows_evicts_and_leaks_nothing(target: LlamaForCausalLM
         uncached.release([f"r{index}"])
         assert runner.cache.num_free_blocks == 8
     assert runner.cache.blocks.num_cached > 0
+
+
+def test_a_chunk_streaming_to_a_caching_draft_sends_rows_that_name_the_prefix(target: LlamaForCausalLM) -> None:
+    runner = TargetRunner(target, CACHE, max_context=64)
+    generate(runner, "a", SHARED, 3)
+    stream = RowStream((1, 2), prefix_caching=True)
+    item = StepItem("b", 8, open=OpenRequest(SHARED, GREEDY), stream=stream)  # a chunk of two cached blocks
+    (chunk,) = runner.step([item])
+    assert chunk.cached_tokens == 4 and chunk.captured is not None  # the last block is computed for its rows
+    assert (chunk.captured.start_position, chunk.captured.prefix) == (4, tuple(SHARED[:5]))
+    (rest,) = runner.step([StepItem("b", len(SHARED) - 8)])
+    assert rest.cached_tokens == 0 and rest.captured is not None and rest.captured.prefix == ()
