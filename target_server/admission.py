@@ -111,9 +111,15 @@ class Admission:
             return 0
         if stream.streams and not (stream.prefix_caching and request.kv.length == 0):
             return 0
-        # A streaming request's chunk computes its last position at least: its first rows name the prefix.
-        end = min(request.kv.length + item.num_tokens - int(stream.streams), len(request.tokens) - 1)
-        return self.cache.reuse(request.kv, request.tokens, request.cache_salt, end)
+        end = min(request.kv.length + item.num_tokens, len(request.tokens) - 1)
+        reused = self.cache.reuse(request.kv, request.tokens, request.cache_salt, end)
+        if stream.streams and reused:
+            # The draft's KV of a block depends on the token after it too (row p pairs with x[p + 1]): a replica
+            # holds the last block the target found only if an earlier request also went on with the same token.
+            # Its KV is computed again, and its rows sent, which also names the prefix to the replica.
+            reused -= self.cache.block_size
+            self.cache.truncate(request.kv, reused)
+        return reused
 
     def _shaped(self, item: StepItem, request: TargetRequest, start: int) -> StepItem:
         """A constrained request's item with its drafts as its grammar shapes them (GrammarState.shaped), an item

@@ -44,7 +44,8 @@ def test_a_repeated_prompt_is_served_from_the_cache_with_the_same_tokens(stack: 
     assert again.token_ids == first.token_ids == salted.token_ids
     seeded = {**options, "temperature": 0.8, "seed": 7, "disable_speculation": False}
     sampled = [generate(stack.address, **seeded, cache_salt=salt) for salt in ("computes every token", "")]
-    assert sampled[1].stats.cached_tokens == whole_blocks and sampled[0].token_ids == sampled[1].token_ids
+    # With speculation the last block found is computed again, for the replica (target_server.admission).
+    assert sampled[1].stats.cached_tokens == whole_blocks - BLOCK and sampled[0].token_ids == sampled[1].token_ids
 
 
 @pytest.mark.parametrize("draft", [DEMO_DRAFT, DEMO_DRAFTS["dflash"]], ids=["eagle3", "dflash"])
@@ -56,13 +57,13 @@ def test_a_replica_reuses_its_draft_context_where_the_target_skipped_it(stacks: 
     again = generate(stack.address, **options)
     after = metric_samples(stack)
     whole_blocks = (first.stats.prompt_tokens - 1) // BLOCK * BLOCK
-    assert (first.stats.cached_tokens, again.stats.cached_tokens) == (0, whole_blocks)
+    assert (first.stats.cached_tokens, again.stats.cached_tokens) == (0, whole_blocks - BLOCK)
     assert again.token_ids == first.token_ids
     counted = [
         value(after, name) - value(before, name)
         for name in ("tandem:draft_prefix_cache_queries_total", "tandem:draft_prefix_cache_hits_total")
     ]
-    assert counted == [whole_blocks, whole_blocks]
+    assert counted == [whole_blocks - BLOCK, whole_blocks - BLOCK]
     # Drafting from its whole context: a replica drafting blind would accept next to nothing.
     assert again.stats.accepted_tokens / again.stats.rounds >= 0.8 * first.stats.accepted_tokens / first.stats.rounds
 
@@ -108,7 +109,7 @@ def test_a_conversation_stays_on_the_replica_that_holds_its_context_and_survives
         before = metric_samples(stack)
         for turn, reply in zip(turns, first, strict=True):  # one after the other: each goes where its context is
             later = generate(stack.address, prompt=turn + reply.text + "\n# next\n", max_new_tokens=16, ignore_eos=True)
-            assert later.stats.cached_tokens >= (reply.stats.prompt_tokens - 1) // BLOCK * BLOCK
+            assert later.stats.cached_tokens >= (reply.stats.prompt_tokens - 1) // BLOCK * BLOCK - BLOCK
         after = metric_samples(stack)
         queried, hits = (
             value(after, name) - value(before, name)

@@ -170,9 +170,10 @@ def test_a_chunk_streaming_to_a_caching_draft_sends_rows_that_name_the_prefix(ta
     runner = TargetRunner(target, CACHE, max_context=64)
     generate(runner, "a", SHARED, 3)
     stream = RowStream((1, 2), prefix_caching=True)
-    item = StepItem("b", 8, open=OpenRequest(SHARED, GREEDY), stream=stream)  # a chunk of two cached blocks
+    item = StepItem("b", 12, open=OpenRequest(SHARED, GREEDY), stream=stream)  # a chunk of three cached blocks
     (chunk,) = runner.step([item])
-    assert chunk.cached_tokens == 4 and chunk.captured is not None  # the last block is computed for its rows
-    assert (chunk.captured.start_position, chunk.captured.prefix) == (4, tuple(SHARED[:5]))
-    (rest,) = runner.step([StepItem("b", len(SHARED) - 8)])
+    # The last block found is computed again: the replica's KV of it depends on the token after it.
+    assert chunk.cached_tokens == 8 and chunk.captured is not None
+    assert (chunk.captured.start_position, chunk.captured.prefix) == (8, tuple(SHARED[:9]))
+    (rest,) = runner.step([StepItem("b", len(SHARED) - 12)])
     assert rest.cached_tokens == 0 and rest.captured is not None and rest.captured.prefix == ()
