@@ -12,7 +12,9 @@ on the cached list, least recently freed first, and is still free: `take` hands 
 evicts the cached block freed longest ago. So a cached block never makes a request wait.
 
 A holder gives its blocks back tail first (PagedKVCache.truncate), so a sequence's last blocks are evicted before its
-first ones, which more requests share.
+first ones, which more requests share. A sequence that grows takes the block after its last one when that one is
+free or cached (a cached one is evicted out of turn): on the CPU a sequence whose blocks follow each other is read
+as a view of the pool, not gathered at every layer (tandem.layers.torch_attention).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, caching: bool) -> None:
         self.caching = caching
-        self._free = list(range(num_blocks - 1, -1, -1))  # never named, or evicted; the last one is taken first
+        # Never named, or evicted; the last one is taken first (0, 1, 2, ... in a fresh pool).
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
         self._cached: OrderedDict[int, None] = OrderedDict()  # named and unreferenced, least recently freed first
         self._refs = [0] * num_blocks
         self._named: dict[bytes, int] = {}
@@ -54,16 +57,27 @@ class BlockPool:
         """Free blocks that still hold a named prefix."""
         return len(self._cached)
 
-    def take(self) -> int:
-        """A block for new KV: a never-named one, else the cached one freed longest ago (its name is dropped)."""
-        if self._free:
-            block = self._free.pop()
+    def take(self, after: int | None = None) -> int:
+        """A block for new KV: block `after + 1` if it is free or cached, else a never-named one, else the cached one
+        freed longest ago (a cached block taken loses its name)."""
+        wanted = after + 1 if after is not None else None
+        if wanted is not None and wanted in self._free:
+            del self._free[wanted]
+            block = wanted
+        elif wanted is not None and wanted in self._cached:
+            del self._cached[wanted]
+            block = self._unnamed(wanted)
+        elif self._free:
+            block, _ = self._free.popitem()
         elif self._cached:
-            block, _ = self._cached.popitem(last=False)
-            del self._named[self._name_of.pop(block)]
+            block = self._unnamed(self._cached.popitem(last=False)[0])
         else:
             raise IndexError("no free KV block")
         self._refs[block] = 1
+        return block
+
+    def _unnamed(self, block: int) -> int:
+        del self._named[self._name_of.pop(block)]
         return block
 
     def give_back(self, block: int) -> None:
@@ -75,7 +89,7 @@ class BlockPool:
             if block in self._name_of:
                 self._cached[block] = None
             else:
-                self._free.append(block)
+                self._free[block] = None
 
     def find(self, name: bytes) -> int | None:
         """The block that holds the named KV, or None."""

@@ -118,8 +118,11 @@ class PagedKVCache:
         needed = self.blocks_needed(sequence, length)
         if needed > self.num_free_blocks:
             raise OutOfKVBlocks(f"KV cache: need {needed} more blocks, {self.num_free_blocks} free")
-        for _ in range(needed):
-            sequence.block_ids.append(self.blocks.take())
+        taken: list[int] = []
+        for _ in range(needed):  # each after the last where it can, in increasing order (blocks that follow each other)
+            last = taken[-1] if taken else sequence.block_ids[-1] if sequence.block_ids else None
+            taken.append(self.blocks.take(last))
+        sequence.block_ids.extend(sorted(taken))
 
     def truncate(self, sequence: SequenceKV, length: int) -> None:
         """Forgets positions >= length and returns blocks that no longer hold any valid position."""

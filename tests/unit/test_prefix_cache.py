@@ -177,3 +177,21 @@ def test_a_chunk_streaming_to_a_caching_draft_sends_rows_that_name_the_prefix(ta
     assert (chunk.captured.start_position, chunk.captured.prefix) == (8, tuple(SHARED[:9]))
     (rest,) = runner.step([StepItem("b", len(SHARED) - 12)])
     assert rest.cached_tokens == 0 and rest.captured is not None and rest.captured.prefix == ()
+
+
+def test_a_sequence_gets_blocks_that_follow_each_other_where_it_can() -> None:
+    cache = PagedKVCache(1, 16, BLOCK, 1, 2, torch.float32, prefix_caching=True)
+    tokens = list(range(64))
+    first = SequenceKV()
+    cache.reserve(first, 64)
+    first.length = 64
+    cache.publish(first, tokens, "")
+    cache.release(first)  # every block named and cached, the tail freed first: the least recent is block 15
+    grown = SequenceKV()
+    cache.reserve(grown, 24)  # evicts six cached blocks, 15 down to 10, taken in increasing order
+    assert grown.block_ids == [10, 11, 12, 13, 14, 15]
+    cache.release(grown)  # unnamed now, free again (the tail first)
+    other = SequenceKV()
+    cache.reserve(other, 4)
+    cache.reserve(other, 8)  # a step later it grows into the block after its last one
+    assert other.block_ids == [10, 11]
