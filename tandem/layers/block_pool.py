@@ -13,8 +13,9 @@ evicts the cached block freed longest ago. So a cached block never makes a reque
 
 A holder gives its blocks back tail first (PagedKVCache.truncate), so a sequence's last blocks are evicted before its
 first ones, which more requests share. A sequence that grows takes the block after its last one when that one is
-free or cached (a cached one is evicted out of turn): on the CPU a sequence whose blocks follow each other is read
-as a view of the pool, not gathered at every layer (tandem.layers.torch_attention).
+free (never a cached one, which may hold another request's prefix), and the blocks of one reservation come in
+increasing order (PagedKVCache.reserve): on the CPU a sequence whose blocks follow each other is read as a view of
+the pool, not gathered at every layer (tandem.layers.torch_attention).
 """
 
 from __future__ import annotations
@@ -58,15 +59,12 @@ class BlockPool:
         return len(self._cached)
 
     def take(self, after: int | None = None) -> int:
-        """A block for new KV: block `after + 1` if it is free or cached, else a never-named one, else the cached one
-        freed longest ago (a cached block taken loses its name)."""
+        """A block for new KV: block `after + 1` if it is free, else a never-named one, else the cached one freed
+        longest ago (a cached block taken loses its name)."""
         wanted = after + 1 if after is not None else None
         if wanted is not None and wanted in self._free:
             del self._free[wanted]
             block = wanted
-        elif wanted is not None and wanted in self._cached:
-            del self._cached[wanted]
-            block = self._unnamed(wanted)
         elif self._free:
             block, _ = self._free.popitem()
         elif self._cached:

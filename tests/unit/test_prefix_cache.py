@@ -195,3 +195,18 @@ def test_a_sequence_gets_blocks_that_follow_each_other_where_it_can() -> None:
     cache.reserve(other, 4)
     cache.reserve(other, 8)  # a step later it grows into the block after its last one
     assert other.block_ids == [10, 11]
+
+
+def test_a_sequence_growing_after_shared_blocks_evicts_no_cached_prefix() -> None:
+    cache = PagedKVCache(1, 16, BLOCK, 1, 2, torch.float32, prefix_caching=True)
+    tokens = list(range(64))
+    owner = SequenceKV()
+    cache.reserve(owner, 24)
+    owner.length = 24
+    cache.publish(owner, tokens, "")
+    cache.release(owner)  # blocks 0..5 cached
+    reader = SequenceKV()
+    assert cache.reuse(reader, [*tokens[:16], 99, 99, 99, 99], "", end=17) == 16  # shares blocks 0..3
+    cache.reserve(reader, 20)  # block 4 follows but holds the owner's prefix: a free block is taken instead
+    assert reader.block_ids[4] not in (4, 5) and cache.blocks.num_cached == 2
+    assert cache.reuse(SequenceKV(), tokens, "", end=24) == 24  # the whole prefix is still there
