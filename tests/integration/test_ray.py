@@ -110,32 +110,17 @@ def greedy(address: str, disable_speculation: bool) -> list[Completion]:
     ]
 
 
-def test_speculative_equals_target_only_and_sigterm_stops_every_actor(llama_target: Path, random_draft: Path) -> None:
+def test_speculative_equals_target_only_killed_actors_start_again_and_sigterm_stops_every_actor(
+    llama_target: Path, random_draft: Path
+) -> None:
     arguments = (*RAY, "--draft-replicas", "2", "--speculative-num-steps", "3")
     with serve(llama_target, random_draft, *arguments) as stack:
         speculative = greedy(stack.address, disable_speculation=False)
         target_only = greedy(stack.address, disable_speculation=True)
-        for _, pid in serving(stack.log).values():  # the job's runtime_env: tandem.settings.SERVICE_ENVIRONMENT
+        first = serving(stack.log)
+        for _, pid in first.values():  # the job's runtime_env: tandem.settings.SERVICE_ENVIRONMENT
             environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             assert b"GOMP_SPINCOUNT=" + os.environ.get("GOMP_SPINCOUNT", "10000").encode() in environment
-        assert stack.stop() == 0
-    assert [c.token_ids for c in speculative] == [c.token_ids for c in target_only]
-    assert all(len(c.token_ids) == MAX_NEW_TOKENS for c in speculative)
-    assert all(c.stats.draft_tokens > 0 for c in speculative)  # the draft actors did propose
-    assert any("(speculative, 2 draft replicas, 4 Ray actors)" in line for line in stack.log)
-    services = serving(stack.log)
-    assert list(services) == ["target", "draft-0", "draft-1", "orchestrator"]
-    assert services["orchestrator"][0] == stack.address
-    assert len({pid for _, pid in services.values()}) == 4  # one process per actor
-    # Each stop returns once that service's graceful shutdown has finished, so this is the order they ran in.
-    ended = endings(stack, 4)
-    assert ended == [("orchestrator", "stopped"), ("draft-1", "stopped"), ("draft-0", "stopped"), ("target", "stopped")]
-    wait_until_gone([pid for _, pid in services.values()], [address for address, _ in services.values()])
-
-
-def test_killed_actors_are_started_again_at_their_addresses(llama_target: Path, random_draft: Path) -> None:
-    with serve(llama_target, random_draft, *RAY) as stack:
-        services = serving(stack.log)
         # The orchestrator's actor serves the OpenAI-compatible HTTP API too, the same text as Generate.
         assert stack.http_url.startswith("http://127.0.0.1:"), "".join(stack.log)
         http = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -149,20 +134,33 @@ def test_killed_actors_are_started_again_at_their_addresses(llama_target: Path, 
         )
         assert served.choices[0].text == expected.text
         for name, count in (("draft-0", 1), ("target", 2)):
-            os.kill(services[name][1], signal.SIGKILL)
+            os.kill(first[name][1], signal.SIGKILL)
             ended, reason = endings(stack, count)[-1]
             assert ended == name and reason.startswith("died with its Ray actor"), reason
             assert reason.endswith("; starting it again at its address in 1 s"), reason
             again = started_again(stack, name)
-            assert again[0] == services[name][0] and again[1] != services[name][1]  # its address, a new actor
+            assert again[0] == first[name][0] and again[1] != first[name][1]  # its address, a new actor
             # Serving goes on with the same tokens (requests wait for a target; a replica rejoins on its probe).
             completion = generate(stack.address, prompt="def main():", max_new_tokens=8, ignore_eos=True)
             assert completion.token_ids == expected.token_ids
         assert stack.stop() == 0
-    # Each death reported when noticed; then every service, as stop() found it on the way out.
-    ended = endings(stack, 5)
-    assert [name for name, _ in ended] == ["draft-0", "target", "orchestrator", "draft-0", "target"]
-    assert all(reason == "stopped" for _, reason in ended[2:]), ended
+    assert [c.token_ids for c in speculative] == [c.token_ids for c in target_only]
+    assert all(len(c.token_ids) == MAX_NEW_TOKENS for c in speculative)
+    assert all(c.stats.draft_tokens > 0 for c in speculative)  # the draft actors did propose
+    assert any("(speculative, 2 draft replicas, 4 Ray actors)" in line for line in stack.log)
+    assert list(first) == ["target", "draft-0", "draft-1", "orchestrator"]
+    assert first["orchestrator"][0] == stack.address
+    assert len({pid for _, pid in first.values()}) == 4  # one process per actor
+    # Each death reported when noticed; then every service, as stop() found it on the way out: each stop returns
+    # once that service's graceful shutdown has finished, so this is the order they ran in.
+    ended = endings(stack, 6)
+    assert [name for name, _ in ended[:2]] == ["draft-0", "target"]
+    assert ended[2:] == [
+        ("orchestrator", "stopped"),
+        ("draft-1", "stopped"),
+        ("draft-0", "stopped"),
+        ("target", "stopped"),
+    ]
     services = serving(stack.log)
     wait_until_gone([pid for _, pid in services.values()], [address for address, _ in services.values()])
 
