@@ -62,7 +62,7 @@ def settle(batch: Mapping[Key, DraftedAhead], done: asyncio.Future[Any]) -> None
             made.done.exception()  # retrieved: a Propose that asks still gets it; one nobody asks for is not logged
             continue
         made.proposal, made.exhausted = proposals.drafts.get(request_id), proposals.exhausted.get(request_id)
-        made.prefix = (proposals.prefix_queried.get(request_id, 0), proposals.prefix_cached.get(request_id, 0))
+        made.prefix = proposals.prefix.get(request_id, (0, 0))
         made.started, made.finished = started, finished
         made.done.set_result(None)
     if error is not None and not isinstance(error, DraftRequestError):

@@ -72,13 +72,12 @@ class ProposalRunner(Protocol[Proposal]):
 @dataclass(frozen=True)
 class Proposals:
     """A batch's outcome, by request id: drafts; requests dropped (no KV room, or a prefix this replica lacks: each
-    must be replayed from scratch before it proposes for it again) and why; prefix positions asked of its cache and
-    found there (draft_server.prefixes)."""
+    must be replayed from scratch before it proposes for it again) and why; (prefix positions asked of its cache,
+    found there) (draft_server.prefixes)."""
 
     drafts: dict[str, DraftTree]
     exhausted: dict[str, str]
-    prefix_queried: dict[str, int] = field(default_factory=dict)
-    prefix_cached: dict[str, int] = field(default_factory=dict)
+    prefix: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def propose_what_fits(
@@ -91,7 +90,7 @@ def propose_what_fits(
     sends them oldest first) is dropped with its state, and the rest is tried again.
     """
     remaining = list(inputs)
-    attached = runner.prefixes.attach(remaining) if runner.prefixes is not None else Attached({}, {}, {})
+    attached = runner.prefixes.attach(remaining) if runner.prefixes is not None else Attached({}, {})
     exhausted = dict(attached.missing)
     runner.release(list(attached.missing))
     remaining = [item for item in remaining if item.request_id not in attached.missing]
@@ -107,7 +106,7 @@ def propose_what_fits(
         trees = [as_draft_tree(proposal) for proposal in proposals]
         drafts = {item.request_id: tree for item, tree in zip(remaining, trees, strict=True)}
         break
-    return Proposals(drafts, exhausted, attached.queried, attached.cached)
+    return Proposals(drafts, exhausted, attached.prefix)
 
 
 def ingest_final_rows(

@@ -53,11 +53,10 @@ def seeded_salt(salt: str, first_token: int) -> str:
 
 @dataclass(frozen=True)
 class Attached:
-    """What a batch's prefixes gave: per request, the positions its rows skipped and those found in the cache; the
-    requests whose skipped positions were not all found, and why."""
+    """What a batch's prefixes gave: per request whose rows skipped positions, (positions skipped, positions found in
+    the cache: all, or 0); the requests whose skipped positions were not all found, and why."""
 
-    queried: dict[str, int]
-    cached: dict[str, int]
+    prefix: dict[str, tuple[int, int]]
     missing: dict[str, str]
 
 
@@ -71,8 +70,7 @@ class DraftPrefixes:
     def attach(self, inputs: Sequence[ProposeInput]) -> Attached:
         """Names the requests whose rows start over, and gives those whose rows start past what they hold the
         cached draft KV of the positions before their rows."""
-        queried: dict[str, int] = {}
-        cached: dict[str, int] = {}
+        prefix: dict[str, tuple[int, int]] = {}
         missing: dict[str, str] = {}
         for item in inputs:
             rows = item.rows
@@ -86,15 +84,14 @@ class DraftPrefixes:
                 continue
             self.cache.truncate(request.kv, 0)
             found = self.cache.reuse(request.kv, request.names.tokens, request.names.salt, start)
-            queried[item.request_id] = start
-            cached[item.request_id] = found if found == start else 0
+            prefix[item.request_id] = (start, found if found == start else 0)
             if found < start:
                 self.cache.truncate(request.kv, 0)
                 missing[item.request_id] = (
                     f"its rows start at {start} after the target's prefix cache, and this replica's cache holds the "
                     f"draft context of {found} of those positions; it needs a replay"
                 )
-        return Attached(queried, cached, missing)
+        return Attached(prefix, missing)
 
     def ingested(self, request: HoldsPrefix, rows: TargetRows) -> None:
         """Names the request's blocks that the ingest of `rows` filled; its KV ends where the rows end."""

@@ -195,7 +195,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 raise CallFailed(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
             drafts.update(more.drafts)
             exhausted.update(more.exhausted)
-            prefix.update({key: (asked, more.prefix_cached[key]) for key, asked in more.prefix_queried.items()})
+            prefix.update(more.prefix)
         compute = max(0.0, ahead_waited) + (time.perf_counter() - started if inputs else 0.0)
         response = draft_pb2.ProposeResponse(compute_seconds=compute, ahead_seconds=ahead_seconds)
         for listener in self.propose_listeners:
@@ -325,9 +325,11 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     def _final_rows(self, released: set[str]) -> list[ProposeInput]:
         """The rows no Propose took of released requests (their last round's), for a replica with a prefix cache to
         cache their draft context as far as the target's KV goes; under the rows' lock."""
+        if self.runner.prefixes is None:
+            return []
         rounds: dict[str, int] = {}
         for request_id, number in self._rows:
-            if request_id in released and self.runner.prefixes is not None:
+            if request_id in released:
                 rounds[request_id] = max(number, rounds.get(request_id, number))
         return [self._input(request_id, self._pop_rows(request_id, last), 1) for request_id, last in rounds.items()]
 

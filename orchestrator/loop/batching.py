@@ -296,8 +296,10 @@ def _chunk(request: ActiveRequest, budget: _Budget) -> int:
     block_size = budget.pool.block_size
     chunk = min(request.uncomputed, budget.tokens)
     aligned = chunk - (request.kv_length + chunk) % block_size
-    if chunk == request.uncomputed or aligned > 0:
-        return chunk if chunk == request.uncomputed else aligned
+    if chunk == request.uncomputed:
+        return chunk
+    if aligned > 0:
+        return aligned
     waits = request.kv_length % block_size == 0 and budget.step_tokens >= block_size
     return 0 if waits else chunk
 

@@ -36,7 +36,7 @@ def test_rows_after_a_cached_prefix_draft_what_the_whole_rows_draft(draft: Eagle
     rows = random_rows(0, 13, seed=11)
     first = propose_what_fits(runner, [ProposeInput("a", whole(rows), num_steps=3)])
     again = propose_what_fits(runner, [ProposeInput("b", skipping(rows, 8), num_steps=3)])
-    assert (again.prefix_queried, again.prefix_cached, again.exhausted) == ({"b": 8}, {"b": 8}, {})
+    assert (again.prefix, again.exhausted) == ({"b": (8, 8)}, {})
     assert again.drafts["b"] == first.drafts["a"]
     assert again.drafts["b"].tokens == tuple(direct_proposal(draft, rows, 3))
     assert runner.requests["b"].kv.block_ids[:2] == runner.requests["a"].kv.block_ids[:2]
@@ -59,7 +59,7 @@ def test_a_prefix_not_all_cached_needs_a_replay_and_holds_nothing(draft: Eagle3D
     missed = propose_what_fits(runner, [ProposeInput("b", skipping(other, 8), num_steps=2)])
     assert missed.drafts == {} and "b" in missed.exhausted and "needs a replay" in missed.exhausted["b"]
     assert f"holds the draft context of {found} of those positions" in missed.exhausted["b"]
-    assert (missed.prefix_queried, missed.prefix_cached) == ({"b": 8}, {"b": 0})
+    assert missed.prefix == {"b": (8, 0)}
     assert "b" not in runner.requests and runner.cache.num_free_blocks == free
 
 
@@ -68,6 +68,6 @@ def test_salts_and_a_cache_switched_off_share_nothing(draft: Eagle3Draft) -> Non
     runner = DraftRunner(draft, CACHE)
     propose_what_fits(runner, [ProposeInput("a", whole(rows, salt="tenant"), num_steps=2)])
     assert "b" in propose_what_fits(runner, [ProposeInput("b", skipping(rows, 8), num_steps=2)]).exhausted
-    assert propose_what_fits(runner, [ProposeInput("c", skipping(rows, 8, "tenant"), 2)]).prefix_cached == {"c": 8}
+    assert propose_what_fits(runner, [ProposeInput("c", skipping(rows, 8, "tenant"), 2)]).prefix == {"c": (8, 8)}
     plain = DraftRunner(draft, replace(CACHE, prefix_caching=False))
     assert plain.prefixes is None

@@ -73,13 +73,19 @@ def test_pool_takes_never_named_blocks_first_then_evicts_the_oldest_cached() -> 
         pool.take()
 
 
+def computed(cache: PagedKVCache, tokens: list[int], length: int) -> SequenceKV:
+    """A sequence holding KV of tokens[:length], as a step leaves it, its full blocks published."""
+    sequence = SequenceKV()
+    cache.reserve(sequence, length)
+    sequence.length = length
+    cache.publish(sequence, tokens, "")
+    return sequence
+
+
 def test_a_shared_block_stays_held_until_its_last_holder_lets_it_go() -> None:
     cache = PagedKVCache(1, 4, BLOCK, 1, 2, torch.float32, prefix_caching=True)
     tokens = list(range(9))
-    owner = SequenceKV()
-    cache.reserve(owner, 9)
-    owner.length = 9
-    cache.publish(owner, tokens, "")
+    owner = computed(cache, tokens, 9)
     assert len(owner.hashes) == 2
     reader = SequenceKV()
     assert cache.reuse(reader, tokens, "", end=8) == 8 and reader.block_ids == owner.block_ids[:2]
@@ -182,11 +188,9 @@ def test_a_chunk_streaming_to_a_caching_draft_sends_rows_that_name_the_prefix(ta
 def test_a_sequence_gets_blocks_that_follow_each_other_where_it_can() -> None:
     cache = PagedKVCache(1, 16, BLOCK, 1, 2, torch.float32, prefix_caching=True)
     tokens = list(range(64))
-    first = SequenceKV()
-    cache.reserve(first, 64)
-    first.length = 64
-    cache.publish(first, tokens, "")
-    cache.release(first)  # every block named and cached, the tail freed first: the least recent is block 15
+    cache.release(
+        computed(cache, tokens, 64)
+    )  # every block named and cached, the tail freed first: the least recent is block 15
     grown = SequenceKV()
     cache.reserve(grown, 24)  # evicts six cached blocks, 15 down to 10, taken in increasing order
     assert grown.block_ids == [10, 11, 12, 13, 14, 15]
@@ -200,11 +204,7 @@ def test_a_sequence_gets_blocks_that_follow_each_other_where_it_can() -> None:
 def test_a_sequence_growing_after_shared_blocks_evicts_no_cached_prefix() -> None:
     cache = PagedKVCache(1, 16, BLOCK, 1, 2, torch.float32, prefix_caching=True)
     tokens = list(range(64))
-    owner = SequenceKV()
-    cache.reserve(owner, 24)
-    owner.length = 24
-    cache.publish(owner, tokens, "")
-    cache.release(owner)  # blocks 0..5 cached
+    cache.release(computed(cache, tokens, 24))  # blocks 0..5 cached
     reader = SequenceKV()
     assert cache.reuse(reader, [*tokens[:16], 99, 99, 99, 99], "", end=17) == 16  # shares blocks 0..3
     cache.reserve(reader, 20)  # block 4 follows but holds the owner's prefix: a free block is taken instead
