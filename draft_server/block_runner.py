@@ -50,7 +50,8 @@ class BlockRunner:
             config.layer.num_layers, config.cache_layout, cache, parameter.dtype, parameter.device
         )
         self.requests: dict[str, BlockRequest] = {}
-        self.prefixes = DraftPrefixes(self.cache, self._request_for) if cache.prefix_caching else None
+        # The context of a position is its feature alone: the draft names match the target's (no shift).
+        self.prefixes = DraftPrefixes(self.cache, self._request_for, shift=0) if cache.prefix_caching else None
 
     def _request_for(self, request_id: str) -> BlockRequest:
         return self.requests.setdefault(request_id, BlockRequest())

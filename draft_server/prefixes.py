@@ -6,11 +6,13 @@ then needs the draft KV of positions [0, s) from its own cache; a request whose 
 in full is answered as needing a replay (the target then recomputes every row), so it never drafts from part of its
 context.
 
-Names: the draft KV of row position p depends on the target's features of positions 0..p and the tokens after
-them, so on x[0..p + 1] (the one-token shift of EAGLE-style drafts). A draft block is named by the chain of
-tandem.layers.block_pool over the rows' next tokens x[1..] with x[0] in the seed: block j, rows [jb, (j + 1)b),
-is named by x[0..(j + 1)b], exactly what its KV depends on (and the request's cache_salt). A block is named once
-the rows of all its positions are ingested: rows are committed positions, so their draft KV is final.
+Names: the draft KV of row position p depends on x[0..p + shift] (and the request's cache_salt). Shift 1 for
+EAGLE-style drafts, whose row p pairs the target's feature of p with the token after it: a draft block is named by
+the chain of tandem.layers.block_pool over the rows' next tokens x[1..] with x[0] in the seed, so block j, rows
+[jb, (j + 1)b), is named by x[0..(j + 1)b]. Shift 0 for block drafters, whose context of p is the feature of p
+alone: a draft block is named by x[0..(j + 1)b - 1], as the target names its own block, and the target reuses every
+block it finds for them (SubscribeRequest.prefix_shift). A block is named once the rows of all its positions are
+ingested: rows are committed positions, so their draft KV is final.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class DraftNames:
     """What names a request's draft blocks: its salt with x[0], and the next token of every row ingested."""
 
     salt: str
-    tokens: list[int]  # x[1..]: row p's next token at index p
+    tokens: list[int]  # x[shift..]: at index p, the last token row p's draft KV depends on
 
 
 class HoldsPrefix(Protocol):
@@ -47,7 +49,7 @@ class HoldsPrefix(Protocol):
 
 
 def seeded_salt(salt: str, first_token: int) -> str:
-    """The salt of a request's draft names: its cache_salt and x[0] (the digits end at the first colon)."""
+    """The salt of a shifted request's draft names: its cache_salt and x[0] (the digits end at the first colon)."""
     return f"{first_token}:{salt}"
 
 
@@ -61,11 +63,13 @@ class Attached:
 
 
 class DraftPrefixes:
-    """The reuse and naming of a runner's draft blocks; `request_for` gives (making it if new) a request's state."""
+    """The reuse and naming of a runner's draft blocks; `request_for` gives (making it if new) a request's state;
+    `shift`: row p's draft KV depends on x[0..p + shift] (1: EAGLE-style heads, 0: block drafters)."""
 
-    def __init__(self, cache: PagedKVCache, request_for: Callable[[str], HoldsPrefix]) -> None:
+    def __init__(self, cache: PagedKVCache, request_for: Callable[[str], HoldsPrefix], shift: int) -> None:
         self.cache = cache
         self.request_for = request_for
+        self.shift = shift
 
     def attach(self, inputs: Sequence[ProposeInput]) -> Attached:
         """Names the requests whose rows start over, and gives those whose rows start past what they hold the
@@ -79,7 +83,8 @@ class DraftPrefixes:
             start = rows.start_position
             request = self.request_for(item.request_id)
             tokens = list(rows.prefix.tokens)
-            request.names = DraftNames(seeded_salt(rows.prefix.salt, tokens[0]), tokens[1 : start + 1])
+            salt = seeded_salt(rows.prefix.salt, tokens[0]) if self.shift else rows.prefix.salt
+            request.names = DraftNames(salt, tokens[self.shift : start + 1])
             if start <= 0 or request.kv.length >= start:
                 continue
             self.cache.truncate(request.kv, 0)
@@ -98,9 +103,9 @@ class DraftPrefixes:
         names = request.names
         if names is None:
             return
-        start = rows.start_position
-        if start < 0 or len(names.tokens) < start:  # a gap: its tokens are not all known here
+        first = rows.start_position + 1 - self.shift  # the index of the first row's next token
+        if rows.start_position < 0 or len(names.tokens) < first:  # a gap: its tokens are not all known here
             request.names = None
             return
-        names.tokens[start:] = rows.next_tokens
+        names.tokens[first:] = rows.next_tokens
         self.cache.publish(request.kv, names.tokens, names.salt)

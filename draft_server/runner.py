@@ -128,7 +128,7 @@ class DraftRunner:
         self.cache = PagedKVCache.for_layout(1, layout, cache, parameter.dtype, parameter.device)
         self.requests: dict[str, DraftRequest] = {}
         self.graphs: GraphedForward | None = graphs(self.cache) if cache.cuda_graphs else None
-        self.prefixes = DraftPrefixes(self.cache, self._request_for) if cache.prefix_caching else None
+        self.prefixes = DraftPrefixes(self.cache, self._request_for, shift=1) if cache.prefix_caching else None
 
     def _request_for(self, request_id: str) -> DraftRequest:
         return self.requests.setdefault(request_id, DraftRequest())

@@ -113,10 +113,11 @@ class Admission:
             return 0
         end = min(request.kv.length + item.num_tokens, len(request.tokens) - 1)
         reused = self.cache.reuse(request.kv, request.tokens, request.cache_salt, end)
-        if stream.streams and reused:
-            # The draft's KV of a block depends on the token after it too (row p pairs with x[p + 1]): a replica
-            # holds the last block the target found only if an earlier request also went on with the same token.
-            # Its KV is computed again, and its rows sent, which also names the prefix to the replica.
+        if stream.streams and reused and (stream.prefix_shift or reused == item.num_tokens):
+            # The last block found is computed again, and its rows sent, which also names the prefix to the replica:
+            # an EAGLE-style draft's KV of a block depends on the token after it too (row p pairs with x[p + 1]), so
+            # a replica holds it only if an earlier request went on with the same token; and a chunk found whole
+            # would send the replica no rows, and so no prefix, before the rows of the next chunk.
             reused -= self.cache.block_size
             self.cache.truncate(request.kv, reused)
         return reused

@@ -44,6 +44,7 @@ class RowStream:
     # The draft keeps its own prefix cache (SubscribeRequest.prefix_caching): positions the target takes from its
     # cache are not streamed, and the rows that start a request carry its tokens up to them (CapturedRows.prefix).
     prefix_caching: bool = False
+    prefix_shift: int = 1  # the draft's state of row p depends on x[0 .. p + prefix_shift] (SubscribeRequest)
 
     @property
     def streams(self) -> bool:

@@ -269,6 +269,8 @@ class TargetService(target_pb2_grpc.TargetServicer):
             )
         if not capture and not request.tokens_only:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "capture_indices: empty (and not tokens_only)")
+        if request.prefix_shift not in (0, 1):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prefix_shift: {request.prefix_shift}, not 0 or 1")
         for index in capture:
             # num_layers + 1 is the final norm's output (see tandem.models.stack.run_layers).
             if not 0 <= index <= num_layers + 1:
@@ -281,7 +283,8 @@ class TargetService(target_pb2_grpc.TargetServicer):
         replaced = self.subscribers.get(request.replica_id)
         if replaced is not None:
             replaced.queue.put_nowait(None)
-        subscriber = Subscriber(RowStream(capture, request.tokens_only, request.prefix_caching and bool(capture)))
+        caching = request.prefix_caching and bool(capture)
+        subscriber = Subscriber(RowStream(capture, request.tokens_only, caching, request.prefix_shift))
         self.subscribers[request.replica_id] = subscriber
         what = "tokens only" if request.tokens_only else f"capture indices {list(capture)}"
         again = " again (its earlier stream ended here)" if replaced is not None else ""

@@ -138,16 +138,18 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("replica_id", "capture_indices", "tokens_only", "prefix_caching")
+    __slots__ = ("replica_id", "capture_indices", "tokens_only", "prefix_caching", "prefix_shift")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_INDICES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_ONLY_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SHIFT_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     capture_indices: _containers.RepeatedScalarFieldContainer[int]
     tokens_only: bool
     prefix_caching: bool
-    def __init__(self, replica_id: _Optional[str] = ..., capture_indices: _Optional[_Iterable[int]] = ..., tokens_only: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    prefix_shift: int
+    def __init__(self, replica_id: _Optional[str] = ..., capture_indices: _Optional[_Iterable[int]] = ..., tokens_only: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., prefix_shift: _Optional[int] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
     __slots__ = ("request_id", "round", "start_position", "next_tokens", "features", "draft_ahead", "step_end", "released", "shaping", "prefix_tokens", "cache_salt")

@@ -56,14 +56,15 @@ def test_a_replica_reuses_its_draft_context_where_the_target_skipped_it(stacks: 
     first = generate(stack.address, **options)
     again = generate(stack.address, **options)
     after = metric_samples(stack)
-    whole_blocks = (first.stats.prompt_tokens - 1) // BLOCK * BLOCK
-    assert (first.stats.cached_tokens, again.stats.cached_tokens) == (0, whole_blocks - BLOCK)
+    # An EAGLE3 head's KV of a block depends on the token after it: the target computes the last block found again.
+    reused = (first.stats.prompt_tokens - 1) // BLOCK * BLOCK - (BLOCK if draft == DEMO_DRAFT else 0)
+    assert (first.stats.cached_tokens, again.stats.cached_tokens) == (0, reused)
     assert again.token_ids == first.token_ids
     counted = [
         value(after, name) - value(before, name)
         for name in ("tandem:draft_prefix_cache_queries_total", "tandem:draft_prefix_cache_hits_total")
     ]
-    assert counted == [whole_blocks - BLOCK, whole_blocks - BLOCK]
+    assert counted == [reused, reused]
     # Drafting from its whole context: a replica drafting blind would accept next to nothing.
     assert again.stats.accepted_tokens / again.stats.rounds >= 0.8 * first.stats.accepted_tokens / first.stats.rounds
 

@@ -1,10 +1,12 @@
 """A replica's prefix cache (draft_server.prefixes) on a tiny EAGLE3 head: rows that skip a prefix take its draft KV
 from the cache and draft exactly what a whole ingest drafts; a prefix whose blocks are not all there (another token,
-another salt, the token after a block: the one-token shift) is answered as needing a replay, holding nothing."""
+another salt, the token after a block: the one-token shift) is answered as needing a replay, holding nothing. A block
+drafter's context has no shift: a prefix that differs only in the token after a block is found whole."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from tandem.models.eagle3 import Eagle3Draft
 from tandem.settings import KVCacheSettings
 from tests.helpers.target_rows import random_rows
+from tests.unit.test_dflash import runner_for, written
 from tests.unit.test_runners import direct_proposal, draft, draft_dir, target_dir  # noqa: F401 (fixtures)
 
 CACHE = KVCacheSettings(num_blocks=32, block_size=4)
@@ -71,3 +74,28 @@ def test_salts_and_a_cache_switched_off_share_nothing(draft: Eagle3Draft) -> Non
     assert propose_what_fits(runner, [ProposeInput("c", skipping(rows, 8, "tenant"), 2)]).prefix == {"c": (8, 8)}
     plain = DraftRunner(draft, replace(CACHE, prefix_caching=False))
     assert plain.prefixes is None
+
+
+@pytest.fixture(scope="module")
+def block_drafter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return written("llama-dflash", tmp_path_factory)
+
+
+def test_a_block_drafters_prefix_is_found_whatever_token_follows_it(block_drafter: tuple[Path, Path]) -> None:
+    target_path, draft_path = block_drafter
+    runner = runner_for(draft_path, target_path)
+    assert runner.prefixes is not None and runner.prefixes.shift == 0 and runner.block_size == 4
+    width = runner.model.fc.in_features
+    rows = random_rows(0, 13, seed=14, width=width)
+    propose_what_fits(runner, [ProposeInput("a", whole(rows), num_steps=3)])
+    tokens = list(rows.next_tokens)
+    tokens[7] += 1  # x[8], the token after block 1: an EAGLE3 head finds 4 positions of 8 (above)
+    other = TargetRows(0, tokens, rows.features)
+    again = propose_what_fits(runner, [ProposeInput("b", skipping(other, 8), num_steps=3)])
+    assert (again.prefix, again.exhausted) == ({"b": (8, 8)}, {})
+    fresh = runner_for(draft_path, target_path)
+    assert again.drafts["b"] == propose_what_fits(fresh, [ProposeInput("b", whole(other), num_steps=3)]).drafts["b"]
+    assert runner.requests["b"].kv.block_ids[:2] == runner.requests["a"].kv.block_ids[:2]
+    changed = TargetRows(0, [tokens[0] + 1, *tokens[1:]], rows.features)  # x[1], in block 0: nothing found
+    missed = propose_what_fits(runner, [ProposeInput("c", skipping(changed, 8), num_steps=3)])
+    assert missed.prefix == {"c": (8, 0)} and "c" in missed.exhausted

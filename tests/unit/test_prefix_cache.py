@@ -183,6 +183,15 @@ def test_a_chunk_streaming_to_a_caching_draft_sends_rows_that_name_the_prefix(ta
     assert (chunk.captured.start_position, chunk.captured.prefix) == (8, tuple(SHARED[:9]))
     (rest,) = runner.step([StepItem("b", len(SHARED) - 12)])
     assert rest.cached_tokens == 0 and rest.captured is not None and rest.captured.prefix == ()
+    # A block drafter's context of a position is its feature alone (prefix_shift 0): every block found is reused.
+    block_stream = RowStream((1, 2), prefix_caching=True, prefix_shift=0)
+    (whole,) = runner.step([StepItem("c", len(SHARED), open=OpenRequest(SHARED, GREEDY), stream=block_stream)])
+    assert whole.cached_tokens == 16 and whole.captured is not None
+    assert (whole.captured.start_position, whole.captured.prefix) == (16, tuple(SHARED[:17]))
+    # A chunk found whole still sends rows, which name the prefix before the next chunk's rows.
+    (cut,) = runner.step([StepItem("d", 12, open=OpenRequest(SHARED, GREEDY), stream=block_stream)])
+    assert cut.cached_tokens == 8 and cut.captured is not None
+    assert (cut.captured.start_position, cut.captured.prefix) == (8, tuple(SHARED[:9]))
 
 
 def test_a_sequence_gets_blocks_that_follow_each_other_where_it_can() -> None:
