@@ -37,7 +37,7 @@ class RequestPrefix:
 
 @dataclass
 class DraftNames:
-    """What names a request's draft blocks: its salt with x[0], and the next token of every row ingested."""
+    """What names a request's draft blocks: its salt (with x[0] when shifted), and the tokens its rows depend on."""
 
     salt: str
     tokens: list[int]  # x[shift..]: at index p, the last token row p's draft KV depends on
