@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tandem.layers.page_table import PageTable
 
@@ -162,6 +163,14 @@ def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
+# The kernels asked for on CUDA when every key is visible: all but cuDNN's. cuDNN's SDPA builds an execution plan for
+# each new shape, about 2 ms of CPU a call on an H200 with torch 2.11, and a context grows by a token a step, so an
+# 8B-shaped target-only step at batch 1 spent 57 ms where the flash kernel takes 19 (median of 10 interleaved pairs,
+# docs/gpu.md). With a mask the default choice stays: there the rest would fall back to the math kernel, and at
+# batch 8 and 32 that was about twice as slow as cuDNN.
+_UNMASKED_CUDA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _attend(
     query: torch.Tensor,  # [query_len, num_heads, head_dim]
     keys: torch.Tensor,  # [kv_len, num_kv_heads, head_dim]
@@ -171,12 +180,10 @@ def _attend(
 ) -> torch.Tensor:  # -> [query_len, num_heads, value_dim]
     # A batch dimension of 1: with 4-d inputs PyTorch's CPU kernel takes its fused (flash) path; 3-d inputs fall
     # back to the unfused math path, two to three times slower for a few query rows over a few hundred keys.
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1)[None],
-        keys.transpose(0, 1)[None],
-        values.transpose(0, 1)[None],
-        attn_mask=mask,
-        scale=scaling,
-        enable_gqa=True,
-    )  # [1, num_heads, query_len, value_dim]
-    return out[0].transpose(0, 1)
+    arguments = (query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None])
+    if mask is None and query.is_cuda:
+        with sdpa_kernel(_UNMASKED_CUDA):
+            out = F.scaled_dot_product_attention(*arguments, scale=scaling, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(*arguments, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [1, num_heads, query_len, value_dim] -> [query_len, num_heads, value_dim]
