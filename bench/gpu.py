@@ -8,7 +8,7 @@ it times, on TargetRunner steps:
                  length L (1..k+1) a round commits L tokens, so tok/s at L is batch * L / round time. Draft compute
                  and the wire are not included: this measures what the target can deliver at a given acceptance.
 Results go to --out as JSON and Markdown. On a machine without CUDA it stops with one line and exit code 2.
-Nothing here has run on a GPU yet (docs/gpu.md).
+Its first run, on an H200, is in bench/results/gpu/2026-12-04-h200 (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -33,9 +33,11 @@ from packaging.requirements import Requirement  # noqa: E402
 from scripts import gpu_steps  # noqa: E402
 
 LIMIT_BYTES = 64 * 2**20  # the tracked and untracked-not-ignored tree plus the carried wheels
-# The weights of the bundled demo (tandem/demo) are 81 MiB in bfloat16: alone they exceed the limit, and no GPU step
+# The weights of the bundled demo (tandem/demo) are 106 MiB in bfloat16: alone they exceed the limit, and no GPU step
 # reads them, so `pack` moves them out of the tree for the run and `unpark` puts them back.
-PARKED = tuple(f"tandem/demo/{name}/model.safetensors" for name in ("target", "mtp", "eagle3", "eagle3-mla"))
+PARKED = tuple(
+    f"tandem/demo/{name}/model.safetensors" for name in ("target", "mtp", "eagle3", "eagle3-mla", "dflash", "dspark")
+)
 # The GPU image's Python packages that Tandem's requirements name (the rest of its list does not matter here).
 IMAGE = frozenset(
     {"torch", "transformers", "tokenizers", "safetensors", "tqdm", "aiohttp", "prometheus-client", "psutil", "numpy"}

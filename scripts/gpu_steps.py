@@ -1,6 +1,6 @@
 """The GPU check's steps (scripts/gpu_check.py run): each one a time-boxed subprocess whose result is written to
-OUT/summary.md the moment it ends, so that a run cut short still says how far it got. The boxes add up to 395 s
-(455 s with FlashInfer), inside gpu-check.sh's 470 s and the 8 minutes a run may take on an H100.
+OUT/summary.md the moment it ends, so that a run cut short still says how far it got. The boxes add up to 405 s
+(465 s with FlashInfer), inside gpu-check.sh's 470 s and the 8 minutes a run may take on an H100.
 
     1. tests/cuda (CUDA vs CPU parity, batched verifier, CUDA graphs and FlashInfer where FlashInfer was brought)
     2. stack: `tandem serve --device cuda` with a Llama-3.1-8B-shaped random target (fewer layers: --layers) and a
@@ -167,9 +167,9 @@ def bench_steps(record: Record, work: Path, flashinfer: bool) -> None:
             record.add(Result(f"{name}: break-even", True, 0.0, break_even(summary)))
     target, draft = work / "stack" / "target", work / "stack" / "eagle3"
     command = [sys.executable, "-m", "launch.cli", "bench", "--target", str(target), "--draft", str(draft)]
-    command += ["--concurrency", "1", "8", "32", "--num-prompts", "32", "--max-new-tokens", "32", "--dtype", "bfloat16"]
+    command += ["--concurrency", "1", "8", "32", "--num-prompts", "16", "--max-new-tokens", "32", "--dtype", "bfloat16"]
     record.step(
-        "tandem bench split beside colocated", 90, [*command, "--no-transformers", "--out", str(work / "split")]
+        "tandem bench split beside colocated", 120, [*command, "--no-transformers", "--out", str(work / "split")]
     )
     summary = read_json(work / "split" / "latest.json")
     if summary is not None:
@@ -196,7 +196,7 @@ def run_all(args: argparse.Namespace) -> int:
     record.step("tests/cuda", 75, pytest)
     note = f"Llama-3.1-8B widths, {args.layers} of 32 layers, float32"
     result = record.step(
-        "stack: tandem serve --device cuda", 170, stack_command(work / "stack", "cuda", layers=args.layers)
+        "stack: tandem serve --device cuda", 150, stack_command(work / "stack", "cuda", layers=args.layers)
     )
     record.add(Result("stack shape", result.passed, 0.0, note))
     bench_steps(record, work, flashinfer_brought())
