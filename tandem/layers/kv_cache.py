@@ -54,6 +54,11 @@ class CacheLayout:
     key_dim: int
     value_dim: int
 
+    def token_bytes(self, num_layers: int, dtype: torch.dtype) -> int:
+        """What one token takes in a pool of `num_layers` layers of this layout (every layer holds every token: a
+        sliding window limits what attention reads, not what the pool keeps)."""
+        return num_layers * self.num_kv_heads * (self.key_dim + self.value_dim) * dtype.itemsize
+
 
 class PagedKVCache:
     @classmethod
@@ -61,11 +66,9 @@ class PagedKVCache:
         cls, num_layers: int, layout: CacheLayout, settings: KVCacheSettings, dtype: torch.dtype, device: torch.device
     ) -> PagedKVCache:
         """The pool `settings` asks for, shaped by what one token leaves in one layer (`layout`)."""
-        row_width = layout.num_kv_heads * (layout.key_dim + layout.value_dim)
-        bytes_per_block = num_layers * settings.block_size * row_width * dtype.itemsize
         return cls(
             num_layers,
-            settings.blocks_for(bytes_per_block),
+            settings.blocks_for(settings.block_size * layout.token_bytes(num_layers, dtype)),
             settings.block_size,
             layout.num_kv_heads,
             layout.key_dim,

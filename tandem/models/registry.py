@@ -220,6 +220,31 @@ def check_tensor_parallel(model_dir: Path, tp: int) -> None:
     on_meta(lambda: _architecture(hf).build(hf, ParallelGroup(rank=0, world_size=tp)))
 
 
+def built_target(
+    hf: dict[str, Any], dtype: torch.dtype, device: str, group: ParallelGroup = SINGLE_PROCESS
+) -> tuple[TargetArchitecture, TargetModel]:
+    """This rank's model as load_target holds it before reading weights: uninitialised on `device` (on "meta": shapes
+    and dtypes only, no memory), floating tensors in `dtype` except the family's float32 buffers, the head tied."""
+    architecture = _architecture(hf)
+    model = on_meta(lambda: architecture.build(hf, group))
+    # Every family is an nn.Module; the protocol only lists what the servers use.
+    assert isinstance(model, nn.Module)
+    model = materialized(model, device, dtype)
+    keep_float32(model, architecture.float32_buffers)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return architecture, model
+
+
+def not_read(architecture: TargetArchitecture, num_layers: int) -> Callable[[str], bool] | None:
+    """The checkpoint names the target does not read (draft layers after its last, other models' towers); None:
+    it reads every one."""
+    skip = partial(_is_after_last_layer, num_layers) if architecture.skips_layers_after_last else None
+    if architecture.skipped_prefixes:
+        skip = partial(_is_skipped, architecture.skipped_prefixes, skip)
+    return skip
+
+
 def load_target(
     model_dir: Path,
     dtype: torch.dtype = torch.float32,
@@ -227,29 +252,19 @@ def load_target(
     group: ParallelGroup = SINGLE_PROCESS,
 ) -> TargetModel:
     """Builds this rank's model and reads its shard of the checkpoint (all of it with one rank)."""
-    hf = read_target_config(model_dir)
-    architecture = _architecture(hf)
-    model = on_meta(lambda: architecture.build(hf, group))
-    # Every family is an nn.Module; the protocol only lists what the servers use.
-    assert isinstance(model, nn.Module)
-    model = materialized(model, device, dtype)
-    keep_float32(model, architecture.float32_buffers)
-    tied = model.config.tie_word_embeddings
-    if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    skip = None
+    architecture, model = built_target(read_target_config(model_dir), dtype, device, group)
+    num_layers = model.config.num_layers
     if architecture.skips_layers_after_last:
-        num_layers = model.config.num_layers
         LOG.info(
             "%s: not reading model.layers.{>= %d}.* (draft layers after the last target layer)", model_dir, num_layers
         )
-        skip = partial(_is_after_last_layer, num_layers)
     if architecture.skipped_prefixes:
         skipped = "*, ".join(architecture.skipped_prefixes)
         LOG.info("%s: not reading %s* (not part of the text model)", model_dir, skipped)
-        skip = partial(_is_skipped, architecture.skipped_prefixes, skip)
+    skip = not_read(architecture, num_layers)
+    assert isinstance(model, nn.Module)
     unused = load_weights(model, iter_tensors(model_dir, skip, dtype), architecture.name_map, source=str(model_dir))
-    tied_head = ["lm_head.weight"] if tied else []
+    tied_head = ["lm_head.weight"] if model.config.tie_word_embeddings else []
     unexpected = [name for name in unused if name not in tied_head and not name.endswith(_IGNORED_SUFFIXES)]
     if unexpected:
         LOG.warning("%s: %d checkpoint tensors not used, e.g. %s", model_dir, len(unexpected), unexpected[:3])

@@ -138,6 +138,69 @@ def iter_tensors(
         yield from dequantized(stored, quantization, str(model_dir), dtype)
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where one checkpoint tensor goes: a parameter (or buffer), its packed part, and what of the tensor this rank
+    holds."""
+
+    parameter_name: str
+    part: str | None  # the packed part (tandem.layers.linear.PackedLinear), None for a whole parameter
+    full_shape: tuple[int, ...]  # the checkpoint tensor's expected shape, all ranks' slices together
+    spec: ShardSpec | None  # this rank's slice; None: a module that is not sharded takes the whole tensor
+
+    @property
+    def key(self) -> tuple[str, str | None]:
+        return self.parameter_name, self.part
+
+
+class ParameterSlots:
+    """A module's parameters and buffers as a checkpoint fills them: which checkpoint name goes where (through the
+    name map and the modules' shard specs), and what is still missing."""
+
+    def __init__(self, module: nn.Module, name_map: NameMap) -> None:
+        self.name_map = name_map
+        self.parameters = dict(module.named_parameters()) | dict(module.named_buffers())
+        self.modules = dict(module.named_modules())
+        expected: set[tuple[str, str | None]] = set()
+        for name in self.parameters:
+            owner = self.modules[name.rpartition(".")[0]]
+            if isinstance(owner, PackedLinear):
+                expected.update((name, part) for part in owner.part_rows)
+            else:
+                expected.add((name, None))
+        self.expected = frozenset(expected)
+
+    def slot(self, checkpoint_name: str) -> Slot | None:
+        """Where the tensor `checkpoint_name` goes; None when no parameter takes it."""
+        parameter_name, part = self.name_map.to_parameter(checkpoint_name)
+        if (parameter_name, part) not in self.expected:
+            return None
+        owner_name, _, leaf = parameter_name.rpartition(".")
+        owner = self.modules[owner_name]
+        if isinstance(owner, ShardedModule):
+            spec = owner.shard_spec(leaf, part)
+            return Slot(parameter_name, part, spec.full_shape, spec)
+        return Slot(parameter_name, part, tuple(self.parameters[parameter_name].shape), None)
+
+    def check_filled(
+        self,
+        filled: Collection[tuple[str, str | None]],
+        optional: frozenset[str],
+        present_roots: Collection[str],
+        source: str,
+    ) -> None:
+        """Raises CheckpointError naming the checkpoint tensors of the parameters not `filled` (except `optional`
+        ones); `present_roots`: the leading name components of the checkpoint's tensors, to name them as it would."""
+        missing = sorted(
+            self.name_map.to_checkpoint(name, part, present_roots)
+            for name, part in self.expected - set(filled)
+            if name not in optional
+        )
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise CheckpointError(f"missing tensor {shown} in {source}")
+
+
 def load_weights(
     module: nn.Module,
     tensors: Iterator[tuple[str, Stored]],
@@ -150,45 +213,31 @@ def load_weights(
     Raises CheckpointError naming the tensor on a shape mismatch or a missing tensor; names in
     `optional` may be absent (the caller fills them another way).
     """
-    parameters = dict(module.named_parameters()) | dict(module.named_buffers())
-    modules = dict(module.named_modules())
-    expected: set[tuple[str, str | None]] = set()
-    for name in parameters:
-        owner = modules[name.rpartition(".")[0]]
-        if isinstance(owner, PackedLinear):
-            expected.update((name, part) for part in owner.part_rows)
-        else:
-            expected.add((name, None))
+    slots = ParameterSlots(module, name_map)
+    filled: set[tuple[str, str | None]] = set()
     unused = []
     present_roots: set[str] = set()  # leading name components of the checkpoint's tensors, to name missing ones
     for checkpoint_name, stored in tensors:
         present_roots.add(checkpoint_name.split(".")[0])
-        parameter_name, part = name_map.to_parameter(checkpoint_name)
-        if (parameter_name, part) not in expected:
+        slot = slots.slot(checkpoint_name)
+        if slot is None or slot.key in filled:
             unused.append(checkpoint_name)
             continue
-        owner_name, _, leaf = parameter_name.rpartition(".")
-        owner = modules[owner_name]
-        parameter = parameters[parameter_name]
-        spec = owner.shard_spec(leaf, part) if isinstance(owner, ShardedModule) else None
         try:
-            expected_shape = spec.full_shape if spec is not None else tuple(parameter.shape)
-            if stored.shape != expected_shape:
-                raise ValueError(f"expected shape {expected_shape}, got {stored.shape}")
-            tensor = stored.read(spec)
-            if part is None:
-                parameter.data.copy_(tensor)
+            if stored.shape != slot.full_shape:
+                raise ValueError(f"expected shape {slot.full_shape}, got {stored.shape}")
+            tensor = stored.read(slot.spec)
+            if slot.part is None:
+                slots.parameters[slot.parameter_name].data.copy_(tensor)
             else:
+                owner_name, _, leaf = slot.parameter_name.rpartition(".")
+                owner = slots.modules[owner_name]
                 assert isinstance(owner, PackedLinear)
-                owner.load_part(leaf, part, tensor)
+                owner.load_part(leaf, slot.part, tensor)
         except ValueError as error:
             raise CheckpointError(f"tensor {checkpoint_name} in {source}: {error}") from None
-        expected.discard((parameter_name, part))
-    expected = {(name, part) for name, part in expected if name not in optional}
-    if expected:
-        missing = sorted(name_map.to_checkpoint(name, part, present_roots) for name, part in expected)
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"missing tensor {shown} in {source}")
+        filled.add(slot.key)
+    slots.check_filled(filled, optional, present_roots, source)
     return unused
 
 

@@ -13,6 +13,10 @@ float weight. Two formats, as the releases ship them:
 A module is quantized when its marker tensor (`weight_scale_inv`, `weight_packed`) is present; others keep their
 float `X.weight` (norms, routers, embeddings, and what the release leaves unquantized).
 
+Each format also says what its stored parts are for a weight of a given shape (`stored_shapes`) and how many of the
+weight's rows and columns one stored element covers (`cells`), which is what a rank's slice of the stored form takes
+(tandem.models.memory_plan).
+
 Values are computed in float32 and then cast to the serving dtype. For INT4 the float32 product is exact, so at the
 scales' own dtype (bfloat16 for Kimi-K2.5) this equals compressed-tensors' decompression; for fp8 it is transformers'
 and DeepSeek's (a float32 product, then the cast).
@@ -32,6 +36,10 @@ from tandem.errors import StartupError
 from tandem.parallel.layers import ShardSpec
 
 LOG = logging.getLogger(__name__)
+
+INT4_PER_WORD = 8  # compressed-tensors packs 8 four-bit values into one int32 word
+# A part's cells: the weight rows and columns one stored element covers; None: the part is stored whole on every rank.
+Cells = tuple[int, int] | None
 
 
 class QuantizationError(StartupError):
@@ -97,13 +105,22 @@ class BlockFp8:
     def describe(self) -> str:
         return f"block-wise fp8 e4m3 ({self.block[0]}x{self.block[1]} blocks)"
 
+    def stored_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """The parts' shapes for a [rows, cols] weight."""
+        grid = tuple(math.ceil(size / block) for size, block in zip(shape, self.block, strict=True))
+        return {"weight": shape, "weight_scale_inv": grid}
+
+    def cells(self) -> dict[str, Cells]:
+        """Each part's cells: an fp8 value is one weight value, a scale one block."""
+        return {"weight": (1, 1), "weight_scale_inv": self.block}
+
     def weight(self, prefix: str, parts: dict[str, Stored], dtype: torch.dtype) -> DequantizedTensor:
         weight, scale = parts["weight"], parts["weight_scale_inv"]
         if len(weight.shape) != 2 or weight.dtype != "F8_E4M3":
             raise QuantizationError(
                 f"tensor {prefix}weight: expected a 2-d float8 e4m3 weight, got {weight.dtype} {list(weight.shape)}"
             )
-        grid = tuple(math.ceil(size / block) for size, block in zip(weight.shape, self.block, strict=True))
+        grid = self.stored_shapes(weight.shape)["weight_scale_inv"]
         if scale.shape != grid:
             raise QuantizationError(
                 f"tensor {prefix}weight_scale_inv: expected shape {grid} ({self.describe()} of "
@@ -123,6 +140,19 @@ class PackedInt4:
     def describe(self) -> str:
         return f"compressed-tensors pack-quantized int4 (symmetric, groups of {self.group_size})"
 
+    def stored_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """The parts' shapes for a [rows, cols] weight."""
+        rows, cols = shape
+        return {
+            "weight_packed": (rows, math.ceil(cols / INT4_PER_WORD)),
+            "weight_scale": (rows, math.ceil(cols / self.group_size)),
+            "weight_shape": (2,),
+        }
+
+    def cells(self) -> dict[str, Cells]:
+        """Each part's cells: a word is 8 values of a row, a scale one group of a row; weight_shape is whole."""
+        return {"weight_packed": (1, INT4_PER_WORD), "weight_scale": (1, self.group_size), "weight_shape": None}
+
     def weight(self, prefix: str, parts: dict[str, Stored], dtype: torch.dtype) -> DequantizedTensor:
         packed, scale = parts["weight_packed"], parts["weight_scale"]
         shape = tuple(int(size) for size in parts["weight_shape"].read().tolist())
@@ -131,11 +161,9 @@ class PackedInt4:
                 f"tensor {prefix}weight_packed: expected int32 words of a 2-d weight, got {packed.dtype} and "
                 f"weight_shape {list(shape)}"
             )
-        rows, cols = shape
-        for name, stored, expected in (
-            ("weight_packed", packed, (rows, math.ceil(cols / 8))),
-            ("weight_scale", scale, (rows, math.ceil(cols / self.group_size))),
-        ):
+        expected_shapes = self.stored_shapes(shape)
+        for name, stored in (("weight_packed", packed), ("weight_scale", scale)):
+            expected = expected_shapes[name]
             if stored.shape != expected:
                 raise QuantizationError(
                     f"tensor {prefix}{name}: expected shape {expected} for weight_shape {list(shape)} "
