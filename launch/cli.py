@@ -1,4 +1,5 @@
-"""The `tandem` command: serve, one service per process, a streaming generate client, and the benchmarks."""
+"""The `tandem` command: serve, one service per process, a streaming generate client, the memory plan of a target,
+and the benchmarks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from launch.client import add_client_parsers, generate, scale
+from launch.plan_command import add_plan_parser
 from launch.security_flags import admin_token_of, client_security_of
 from launch.serve_command import add_serve_parser, run_serve
 from launch.service_commands import add_service_parsers, run_service
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         # Listed here; `tandem bench --help` is bench.cli's. No help option of its own, so --help reaches bench.cli.
         commands.add_parser(command, help=summary, add_help=False)
     add_client_parsers(commands)
+    add_plan_parser(commands)
     return parser
 
 
@@ -56,6 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "plan":
+        from launch.plan_report import run_plan  # imports torch, which the other commands' parsing does without
+
+        return run_plan(args)
     if args.command == "generate":
         return generate(args)
     if args.command == "scale":

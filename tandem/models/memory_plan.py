@@ -1,0 +1,289 @@
+"""What a target checkpoint takes on each tensor-parallel rank, read from its config.json and safetensors headers
+alone (`tandem plan`): the rank's weights, one token's KV, and what a memory of a given size leaves for the KV pool.
+
+Each rank's model is built on the meta device by the family's own code (tandem.models.registry.built_target: shapes
+and dtypes, no memory), and each checkpoint tensor is matched to its parameter and the rank's slice of it as the
+loader matches them (tandem.weights.loader.ParameterSlots), so the numbers follow the code's sharding: column- and
+row-parallel weights split, vocab-parallel tables cut by the vocab rule, the rest replicated, and a family that
+refuses a tp refuses it here too.
+
+Quantized weights are counted two ways. As stored: the rank's slice of every stored part, scales included, where a
+slice that starts or ends inside a block (fp8) or group (INT4) takes all of that block's scales and is reported as
+cut (`CutBlock`). Dequantized: the values in the serving dtype, which is what the loader holds today
+(tandem.weights.quantized). Float weights count in the dtype the target holds them in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.layers.kv_cache import CacheLayout
+from tandem.models.registry import TargetArchitecture, TargetModel, built_target, not_read
+from tandem.parallel.group import ParallelGroup
+from tandem.weights.headers import TensorHeader
+from tandem.weights.loader import CheckpointError, ParameterSlots, Slot
+from tandem.weights.quantized import Quantization, QuantizationError, quantization_of
+
+
+@dataclass(frozen=True)
+class CheckpointWeight:
+    """One tensor as the loader's name map sees it: a float tensor, or a quantized module's stored parts together
+    under the name of the float weight they stand for (X.weight)."""
+
+    name: str
+    parts: dict[str, TensorHeader]  # a quantized weight's parts by part name; a float tensor: {"weight": itself}
+    quantized: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(header.nbytes for header in self.parts.values())
+
+
+@dataclass(frozen=True)
+class CutBlock:
+    """A rank's slice of a quantized weight that starts or ends inside a block (fp8) or group (INT4): the rank holds
+    the scales of every block it touches, and a kernel on the stored form would have to split the block."""
+
+    weight: str
+    rank: int
+    dim: int  # 0: rows, 1: columns
+    start: int
+    end: int
+    cell: int  # the block's or group's extent along dim
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    quantized_bytes: int  # the rank's slices of the quantized weights as stored, scales included
+    float_bytes: int  # every other weight and buffer, in the dtype the target holds it in
+    dequantized_bytes: int  # every weight and buffer with the quantized ones dequantized to the serving dtype
+    kv_layout: CacheLayout  # what one token leaves in one layer of this rank's pool
+    kv_token_bytes: int  # what one token takes in this rank's pool, all layers
+
+    def weight_bytes(self, dequantize: bool) -> int:
+        return self.dequantized_bytes if dequantize else self.quantized_bytes + self.float_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    architecture: str
+    tp: int
+    dtype: str  # the serving dtype: float weights, dequantized weights and the KV cache
+    quantization: str | None  # the checkpoint's quantization, described; None: no quantized weights
+    parameters: int  # values of the weights the target reads, all ranks together
+    num_layers: int
+    max_position_embeddings: int
+    ranks: tuple[RankPlan, ...]
+    cuts: tuple[CutBlock, ...]
+    skipped: tuple[str, ...]  # checkpoint tensors the target does not read (draft layers, other models' towers)
+    skipped_bytes: int
+    unused: tuple[str, ...]  # tensors no parameter takes (a tied head's copy, rotary tables)
+    unused_bytes: int
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """What one rank's memory leaves for its KV pool once its weights are in. It fits when the pool gets one block,
+    the least the target starts with (tandem.settings.KVCacheSettings.blocks_for)."""
+
+    memory_bytes: int
+    weight_bytes: int
+    block_size: int  # tokens per block
+    block_bytes: int  # one block of KV on this rank
+
+    @property
+    def kv_bytes(self) -> int:
+        return max(0, self.memory_bytes - self.weight_bytes)
+
+    @property
+    def blocks(self) -> int:
+        return self.kv_bytes // self.block_bytes
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
+
+    @property
+    def fits(self) -> bool:
+        return self.blocks >= 1
+
+    @property
+    def shortfall(self) -> int:
+        """Bytes more this rank would need for its weights and one block; 0 when it fits."""
+        return max(0, self.weight_bytes + self.block_bytes - self.memory_bytes)
+
+
+def kv_budget(rank: RankPlan, memory_bytes: int, block_size: int, dequantize: bool) -> KVBudget:
+    return KVBudget(memory_bytes, rank.weight_bytes(dequantize), block_size, block_size * rank.kv_token_bytes)
+
+
+def plan_memory(hf: dict[str, Any], headers: Sequence[TensorHeader], tp: int, dtype: str, source: str) -> MemoryPlan:
+    """The per-rank plan of the target whose config.json is `hf` and whose checkpoint lists `headers`, at tp ranks
+    serving in `dtype` ("bfloat16", ...). Raises a StartupError naming what the code refuses: an architecture, a tp
+    that does not divide a head count (ParallelismError), a missing or misshapen tensor (CheckpointError), a
+    quantization (QuantizationError)."""
+    serving_dtype = getattr(torch, dtype)
+    architecture, model = built_target(hf, serving_dtype, "meta", ParallelGroup(rank=0, world_size=tp))
+    skip = not_read(architecture, model.config.num_layers)
+    skipped = [header for header in headers if skip is not None and skip(header.name)]
+    skipped_names = {header.name for header in skipped}
+    quantization = quantization_of(hf)
+    weights = checkpoint_weights([header for header in headers if header.name not in skipped_names], quantization)
+    first = _count_rank((architecture, model), weights, quantization, 0, source)
+    counted = [first]
+    for rank in range(1, tp):
+        built = built_target(hf, serving_dtype, "meta", ParallelGroup(rank=rank, world_size=tp))
+        counted.append(_count_rank(built, weights, quantization, rank, source))
+    unused = set(first.unused)
+    return MemoryPlan(
+        architecture=model.config.architecture,
+        tp=tp,
+        dtype=dtype,
+        quantization=quantization.describe() if quantization is not None else None,
+        parameters=first.parameters,
+        num_layers=model.config.num_layers,
+        max_position_embeddings=model.config.max_position_embeddings,
+        ranks=tuple(rank.plan for rank in counted),
+        cuts=tuple(cut for rank in counted for cut in rank.cuts),
+        skipped=tuple(header.name for header in skipped),
+        skipped_bytes=sum(header.nbytes for header in skipped),
+        unused=tuple(first.unused),
+        unused_bytes=sum(weight.nbytes for weight in weights if weight.name in unused),
+    )
+
+
+def checkpoint_weights(headers: Sequence[TensorHeader], quantization: Quantization | None) -> list[CheckpointWeight]:
+    """The tensors as the loader hands them to the name map (tandem.weights.quantized.dequantized): each quantized
+    module's parts as one weight at its marker's place, every other tensor as itself. Raises QuantizationError for a
+    missing part, or a float8 tensor without scales."""
+    by_name = {header.name: header for header in headers}
+    parts: set[str] = set()
+    weights: list[CheckpointWeight] = []
+    if quantization is not None:
+        for name in by_name:
+            if name.endswith("." + quantization.marker):
+                prefix = name.removesuffix(quantization.marker)
+                parts.update(prefix + part for part in quantization.parts)
+    for header in headers:
+        if quantization is not None and header.name.endswith("." + quantization.marker):
+            prefix = header.name.removesuffix(quantization.marker)
+            missing = [prefix + part for part in quantization.parts if prefix + part not in by_name]
+            if missing:
+                raise QuantizationError(f"tensor {missing[0]}: missing ({header.name} says {quantization.describe()})")
+            stored = {part: by_name[prefix + part] for part in quantization.parts}
+            weights.append(CheckpointWeight(prefix + "weight", stored, quantized=True))
+        elif header.name not in parts:
+            if header.dtype.startswith("F8"):
+                described = quantization.describe() if quantization is not None else "none"
+                raise QuantizationError(
+                    f"tensor {header.name}: stored as {header.dtype} with no scales (quantization_config: {described})"
+                )
+            weights.append(CheckpointWeight(header.name, {"weight": header}, quantized=False))
+    return weights
+
+
+@dataclass(frozen=True)
+class _CountedRank:
+    plan: RankPlan
+    cuts: list[CutBlock]
+    parameters: int  # values of the weights matched, all ranks' slices together
+    unused: list[str]
+
+
+def _count_rank(
+    built: tuple[TargetArchitecture, TargetModel],
+    weights: Sequence[CheckpointWeight],
+    quantization: Quantization | None,
+    rank: int,
+    source: str,
+) -> _CountedRank:
+    """One rank's bytes: each weight matched to its parameter and slice as load_weights matches it."""
+    architecture, model = built
+    assert isinstance(model, nn.Module)
+    slots = ParameterSlots(model, architecture.name_map)
+    filled: set[tuple[str, str | None]] = set()
+    present_roots: set[str] = set()
+    totals = {"quantized": 0, "float": 0, "dequantized": 0, "parameters": 0}
+    cuts: list[CutBlock] = []
+    unused: list[str] = []
+    for weight in weights:
+        present_roots.add(weight.name.split(".")[0])
+        slot = slots.slot(weight.name)
+        if slot is None or slot.key in filled:
+            unused.append(weight.name)
+            continue
+        _check_shapes(weight, slot, quantization, source)
+        held = _slice_values(slot) * slots.parameters[slot.parameter_name].element_size()
+        totals["parameters"] += math.prod(slot.full_shape)
+        totals["dequantized"] += held
+        if weight.quantized:
+            assert quantization is not None
+            stored, cut = _stored_slice(weight, slot, quantization, rank)
+            totals["quantized"] += stored
+            cuts.extend(cut)
+        else:
+            totals["float"] += held
+        filled.add(slot.key)
+    slots.check_filled(filled, frozenset(), present_roots, source)
+    layout = model.cache_layout
+    token_bytes = layout.token_bytes(model.config.num_layers, next(model.parameters()).dtype)
+    plan = RankPlan(rank, totals["quantized"], totals["float"], totals["dequantized"], layout, token_bytes)
+    return _CountedRank(plan, cuts, totals["parameters"], unused)
+
+
+def _check_shapes(weight: CheckpointWeight, slot: Slot, quantization: Quantization | None, source: str) -> None:
+    """CheckpointError naming the tensor whose stored shape is not the one its parameter takes (the loader's check,
+    made on the stored parts of a quantized weight)."""
+    if not weight.quantized:
+        expected = {"weight": slot.full_shape}
+    elif len(slot.full_shape) == 2:
+        assert quantization is not None
+        expected = quantization.stored_shapes(slot.full_shape)
+    else:
+        raise CheckpointError(f"tensor {weight.name} in {source}: quantized, for a {len(slot.full_shape)}-d parameter")
+    for part, header in weight.parts.items():
+        if header.shape != expected[part]:
+            raise CheckpointError(
+                f"tensor {header.name} in {source}: expected shape {expected[part]}, got {header.shape}"
+            )
+
+
+def _slice_values(slot: Slot) -> int:
+    """Values of the rank's slice of the (float) weight."""
+    values = math.prod(slot.full_shape)
+    spec = slot.spec
+    if spec is None or spec.size is None:
+        return values
+    return values // slot.full_shape[spec.dim] * spec.size
+
+
+def _stored_slice(
+    weight: CheckpointWeight, slot: Slot, quantization: Quantization, rank: int
+) -> tuple[int, list[CutBlock]]:
+    """Bytes of the rank's slice of every stored part of a quantized weight, and the blocks the slice cuts.
+
+    Example: fp8 with 128 x 128 blocks, a [7168, 2048] weight split by columns at tp 32: rank 1 holds columns
+    [64, 128), 64 of the weight's 2048 fp8 columns and all of scale column 0 (1 of 16), which it shares with rank 0.
+    """
+    spec = slot.spec
+    total = 0
+    cuts: list[CutBlock] = []
+    cells = quantization.cells()
+    for part, header in weight.parts.items():
+        part_cells = cells[part]
+        if spec is None or spec.size is None or part_cells is None:
+            total += header.nbytes
+            continue
+        cell, end = part_cells[spec.dim], spec.start + spec.size
+        first, last = spec.start // cell, -(-end // cell)  # the cells the slice touches: [first, last)
+        total += header.nbytes * (last - first) // header.shape[spec.dim]
+        if spec.start % cell or (end % cell and end != slot.full_shape[spec.dim]):
+            cuts.append(CutBlock(weight.name, rank, spec.dim, spec.start, end, cell))
+    return total, [max(cuts, key=lambda cut: cut.cell)] if cuts else []  # the widest cut stands for the weight
