@@ -40,9 +40,8 @@ def run_plan(args: argparse.Namespace) -> int:
         device = _device(request.device)
         dtype = resolve_dtype(request.dtype, device)
         memory = _memory(request, device)
-        plan = plan_memory(
-            read_hf_config(request.target), checkpoint_headers(request.target), request.tp, dtype, str(request.target)
-        )
+        headers = checkpoint_headers(request.target)
+        plan = plan_memory(read_hf_config(request.target), headers, request.tp, dtype, device, str(request.target))
     except (StartupError, OSError) as error:
         print(f"tandem plan: {error}", file=sys.stderr)
         return BAD_INPUT
@@ -139,15 +138,27 @@ def _rank_lines(rank: RankPlan, plan: MemoryPlan, request: PlanRequest, memory: 
     lines = [f"rank {rank.rank}"]
     if plan.quantization is None:
         budget = kv_budget(rank, memory.bytes, request.block_size, dequantize=False)
-        return [*lines, f"  weights: {_size(budget.weight_bytes)}", f"    KV: {_outcome(budget, plan)}"]
+        return [
+            *lines,
+            f"  weights: {_size(budget.weight_bytes)}",
+            *_copy_lines(rank.float_copy_bytes),
+            f"    KV: {_outcome(budget, plan)}",
+        ]
     lines.append(f"  quantized weights as stored, with their scales: {_size(rank.quantized_bytes)}")
     lines.append(f"  float weights in the dtype held: {_size(rank.float_bytes)}")
     for dequantize in (False, True):
         budget = kv_budget(rank, memory.bytes, request.block_size, dequantize)
         chosen = " (planned)" if dequantize == request.dequantize else ""
         lines.append(f"  {_form(plan, dequantize)}: {_size(budget.weight_bytes)}{chosen}")
+        lines.extend(_copy_lines(rank.dequantized_copy_bytes if dequantize else rank.float_copy_bytes))
         lines.append(f"    KV: {_outcome(budget, plan)}")
     return lines
+
+
+def _copy_lines(copy_bytes: int) -> list[str]:
+    if not copy_bytes:
+        return []
+    return [f"    of which oneDNN's copies of the linear weights (float32 on the CPU): {_size(copy_bytes)}"]
 
 
 def _outcome(budget: KVBudget, plan: MemoryPlan) -> str:

@@ -127,14 +127,24 @@ def prepack(model: Modules) -> int:
     For inference, after the weights are loaded: a weight changed afterwards would leave its copy stale, so the
     runners call it when they are built and training never does. The copy takes as much memory as the weight.
     """
-    if not ONEDNN:
-        return 0
     packed = 0
     with torch.no_grad():
-        for module in model.modules():
-            weight = module.weight if isinstance(module, Linear) and module.prepackable else None
-            if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
-                continue
-            module.prepacked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            packed += 1
+        for module in prepackable_linears(model):
+            weight = module.weight
+            if prepacks(weight.device.type, weight.dtype):
+                module.prepacked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+                packed += 1
     return packed
+
+
+def prepacks(device: str, dtype: torch.dtype) -> bool:
+    """Whether `prepack` copies a weight held on `device` ("cpu", "cuda", ...) in `dtype`: float32 on the CPU, where
+    PyTorch has oneDNN."""
+    return ONEDNN and device == "cpu" and dtype == torch.float32
+
+
+def prepackable_linears(model: Modules) -> Iterator[Linear]:
+    """The Linears of `model` that `prepack` copies where it `prepacks`: those multiplied as a whole."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.prepackable:
+            yield module

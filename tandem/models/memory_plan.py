@@ -11,6 +11,10 @@ Quantized weights are counted two ways. As stored: the rank's slice of every sto
 slice that starts or ends inside a block (fp8) or group (INT4) takes all of that block's scales and is reported as
 cut (`CutBlock`). Dequantized: the values in the serving dtype, which is what the loader holds today
 (tandem.weights.quantized). Float weights count in the dtype the target holds them in.
+
+On the CPU in float32 the target also holds oneDNN's blocked copy of every linear weight it multiplies as a whole
+(tandem.layers.matmul.prepack, as large as the weight), so there those weights count twice: the float ones in both
+forms, the quantized ones only dequantized (a weight kept quantized would not be copied).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from torch import nn
 
 from tandem.layers.kv_cache import CacheLayout
+from tandem.layers.matmul import prepackable_linears, prepacks
 from tandem.models.registry import TargetArchitecture, TargetModel, built_target, not_read
 from tandem.parallel.group import ParallelGroup
 from tandem.weights.headers import TensorHeader
@@ -64,11 +69,15 @@ class RankPlan:
     quantized_bytes: int  # the rank's slices of the quantized weights as stored, scales included
     float_bytes: int  # every other weight and buffer, in the dtype the target holds it in
     dequantized_bytes: int  # every weight and buffer with the quantized ones dequantized to the serving dtype
+    float_copy_bytes: int  # oneDNN's copies of the float linear weights (CPU, float32; tandem.layers.matmul.prepack)
+    dequantized_copy_bytes: int  # the same, of every linear weight with the quantized ones dequantized
     kv_layout: CacheLayout  # what one token leaves in one layer of this rank's pool
     kv_token_bytes: int  # what one token takes in this rank's pool, all layers
 
     def weight_bytes(self, dequantize: bool) -> int:
-        return self.dequantized_bytes if dequantize else self.quantized_bytes + self.float_bytes
+        if dequantize:
+            return self.dequantized_bytes + self.dequantized_copy_bytes
+        return self.quantized_bytes + self.float_bytes + self.float_copy_bytes
 
 
 @dataclass(frozen=True)
@@ -124,11 +133,13 @@ def kv_budget(rank: RankPlan, memory_bytes: int, block_size: int, dequantize: bo
     return KVBudget(memory_bytes, rank.weight_bytes(dequantize), block_size, block_size * rank.kv_token_bytes)
 
 
-def plan_memory(hf: dict[str, Any], headers: Sequence[TensorHeader], tp: int, dtype: str, source: str) -> MemoryPlan:
+def plan_memory(
+    hf: dict[str, Any], headers: Sequence[TensorHeader], tp: int, dtype: str, device: str, source: str
+) -> MemoryPlan:
     """The per-rank plan of the target whose config.json is `hf` and whose checkpoint lists `headers`, at tp ranks
-    serving in `dtype` ("bfloat16", ...). Raises a StartupError naming what the code refuses: an architecture, a tp
-    that does not divide a head count (ParallelismError), a missing or misshapen tensor (CheckpointError), a
-    quantization (QuantizationError)."""
+    serving in `dtype` ("bfloat16", ...) on `device` ("cpu" or "cuda"). Raises a StartupError naming what the code
+    refuses: an architecture, a tp that does not divide a head count (ParallelismError), a missing or misshapen
+    tensor (CheckpointError), a quantization (QuantizationError)."""
     serving_dtype = getattr(torch, dtype)
     architecture, model = built_target(hf, serving_dtype, "meta", ParallelGroup(rank=0, world_size=tp))
     skip = not_read(architecture, model.config.num_layers)
@@ -136,11 +147,11 @@ def plan_memory(hf: dict[str, Any], headers: Sequence[TensorHeader], tp: int, dt
     skipped_names = {header.name for header in skipped}
     quantization = quantization_of(hf)
     weights = checkpoint_weights([header for header in headers if header.name not in skipped_names], quantization)
-    first = _count_rank((architecture, model), weights, quantization, 0, source)
+    first = _count_rank((architecture, model), weights, quantization, 0, device, source)
     counted = [first]
     for rank in range(1, tp):
         built = built_target(hf, serving_dtype, "meta", ParallelGroup(rank=rank, world_size=tp))
-        counted.append(_count_rank(built, weights, quantization, rank, source))
+        counted.append(_count_rank(built, weights, quantization, rank, device, source))
     unused = set(first.unused)
     return MemoryPlan(
         architecture=model.config.architecture,
@@ -202,6 +213,7 @@ def _count_rank(
     weights: Sequence[CheckpointWeight],
     quantization: Quantization | None,
     rank: int,
+    device: str,
     source: str,
 ) -> _CountedRank:
     """One rank's bytes: each weight matched to its parameter and slice as load_weights matches it."""
@@ -209,6 +221,7 @@ def _count_rank(
     assert isinstance(model, nn.Module)
     slots = ParameterSlots(model, architecture.name_map)
     filled: set[tuple[str, str | None]] = set()
+    quantized: set[int] = set()  # ids of the parameters that quantized weights fill
     present_roots: set[str] = set()
     totals = {"quantized": 0, "float": 0, "dequantized": 0, "parameters": 0}
     cuts: list[CutBlock] = []
@@ -228,14 +241,29 @@ def _count_rank(
             stored, cut = _stored_slice(weight, slot, quantization, rank)
             totals["quantized"] += stored
             cuts.extend(cut)
+            quantized.add(id(slots.parameters[slot.parameter_name]))
         else:
             totals["float"] += held
         filled.add(slot.key)
     slots.check_filled(filled, frozenset(), present_roots, source)
     layout = model.cache_layout
     token_bytes = layout.token_bytes(model.config.num_layers, next(model.parameters()).dtype)
-    plan = RankPlan(rank, totals["quantized"], totals["float"], totals["dequantized"], layout, token_bytes)
+    copies = _prepacked_copies(model, quantized, device)
+    plan = RankPlan(rank, totals["quantized"], totals["float"], totals["dequantized"], *copies, layout, token_bytes)
     return _CountedRank(plan, cuts, totals["parameters"], unused)
+
+
+def _prepacked_copies(model: nn.Module, quantized: set[int], device: str) -> tuple[int, int]:
+    """The bytes of oneDNN's copies that tandem.layers.matmul.prepack makes of this rank's linear weights: of those
+    no quantized weight fills, and of all of them; (0, 0) where it makes none (off the CPU, not float32). A tied LM
+    head is a linear layer too: its table is copied, though the embedding holds it."""
+    float_copies = all_copies = 0
+    for linear in prepackable_linears(model):
+        if prepacks(device, linear.weight.dtype):
+            size = linear.weight.numel() * linear.weight.element_size()
+            all_copies += size
+            float_copies += 0 if id(linear.weight) in quantized else size
+    return float_copies, all_copies
 
 
 def _check_shapes(weight: CheckpointWeight, slot: Slot, quantization: Quantization | None, source: str) -> None:

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from launch.cli import main
+from tandem.layers.matmul import ONEDNN, Linear, prepack
 from tandem.models.memory_plan import CutBlock, MemoryPlan, plan_memory
 from tandem.models.registry import TargetModel, load_target
 from tandem.parallel.group import ParallelGroup
@@ -84,9 +85,9 @@ def write_int4_projections(source: Path, directory: Path, group: int) -> Path:
     return directory
 
 
-def planned(directory: Path, tp: int, dtype: str = "float32") -> MemoryPlan:
+def planned(directory: Path, tp: int, dtype: str = "float32", device: str = "cpu") -> MemoryPlan:
     config = json.loads((directory / "config.json").read_text())
-    return plan_memory(config, checkpoint_headers(directory), tp, dtype, str(directory))
+    return plan_memory(config, checkpoint_headers(directory), tp, dtype, device, str(directory))
 
 
 def stored_bytes(directory: Path, keep: Callable[[str], bool] = lambda name: True) -> dict[str, int]:
@@ -160,6 +161,33 @@ def test_at_tp_2_each_rank_holds_what_the_loader_loads_on_it(checkpoints: dict[s
         assert rank.kv_token_bytes == pool_token_bytes(model)
 
 
+@pytest.mark.parametrize("name", ["llama", "llama-sharded-tied", "llama-fp8", "llama-int4"])
+def test_on_the_cpu_in_float32_each_rank_counts_the_copies_prepack_makes(
+    checkpoints: dict[str, Path], name: str
+) -> None:
+    # The quantized checkpoints quantize every projection of the decoder layers: the copies of their dequantized
+    # weights count only with --dequantize; the LM head (the embedding's table, when tied) is copied in both forms.
+    plan = planned(checkpoints[name], tp=2)
+    for rank in plan.ranks:
+        model = load_target(checkpoints[name], group=ParallelGroup(rank=rank.rank, world_size=2))
+        assert isinstance(model, torch.nn.Module)
+        prepack(model)
+        copied = {
+            module_name: module.weight.nbytes
+            for module_name, module in model.named_modules()
+            if isinstance(module, Linear) and module.prepacked is not None
+        }
+        assert (sum(copied.values()) > 0) == ONEDNN
+        assert rank.dequantized_copy_bytes == sum(copied.values())
+        quantized = name != "llama" and name != "llama-sharded-tied"
+        float_copies = [size for module_name, size in copied.items() if not quantized or ".layers." not in module_name]
+        assert rank.float_copy_bytes == sum(float_copies)
+        assert rank.weight_bytes(dequantize=True) == rank.dequantized_bytes + rank.dequantized_copy_bytes
+    for dtype, device in (("bfloat16", "cpu"), ("float32", "cuda")):
+        for rank in planned(checkpoints[name], tp=2, dtype=dtype, device=device).ranks:
+            assert rank.float_copy_bytes == rank.dequantized_copy_bytes == 0
+
+
 def test_quantized_slices_at_tp_2_by_hand(checkpoints: dict[str, Path]) -> None:
     # 16 x 16 fp8 blocks, groups of 16: every projection splits in half on a boundary (q/k/v, gate/up by rows, o_proj
     # and down_proj by columns: 64 / 2, 32 / 2, 128 / 2 are multiples of 16), so each rank holds half of every
@@ -208,7 +236,7 @@ def test_a_target_that_fits_with_one_block_to_spare_and_one_that_is_short(
 ) -> None:
     plan = planned(checkpoints["llama"], tp=2)
     rank = plan.ranks[0]  # the larger: vocab 330 leaves rank 1 no padding rows of its own
-    exact = rank.float_bytes + BLOCK_SIZE * rank.kv_token_bytes
+    exact = rank.weight_bytes(dequantize=False) + BLOCK_SIZE * rank.kv_token_bytes  # float32 on the CPU: with copies
     arguments = ["plan", "--target", str(checkpoints["llama"]), "--tp", "2", "--device", "cpu"]
     assert main([*arguments, "--gpu-memory-bytes", str(exact)]) == 0
     assert f"fits: {BLOCK_SIZE} tokens of KV on every rank, with the weights" in capsys.readouterr().out
