@@ -232,7 +232,7 @@ def _count_rank(
         if slot is None or slot.key in filled:
             unused.append(weight.name)
             continue
-        _check_shapes(weight, slot, quantization, source)
+        _check_stored(weight, slot, quantization, source)
         held = _slice_values(slot) * slots.parameters[slot.parameter_name].element_size()
         totals["parameters"] += math.prod(slot.full_shape)
         totals["dequantized"] += held
@@ -266,13 +266,20 @@ def _prepacked_copies(model: nn.Module, quantized: set[int], device: str) -> tup
     return float_copies, all_copies
 
 
-def _check_shapes(weight: CheckpointWeight, slot: Slot, quantization: Quantization | None, source: str) -> None:
-    """CheckpointError naming the tensor whose stored shape is not the one its parameter takes (the loader's check,
-    made on the stored parts of a quantized weight)."""
+def _check_stored(weight: CheckpointWeight, slot: Slot, quantization: Quantization | None, source: str) -> None:
+    """The loader's checks, made on the stored parts of a quantized weight: QuantizationError naming a part whose
+    dtype is not the format's, CheckpointError naming the tensor whose stored shape is not the one its parameter
+    takes."""
     if not weight.quantized:
         expected = {"weight": slot.full_shape}
     elif len(slot.full_shape) == 2:
         assert quantization is not None
+        for part, dtype in quantization.stored_dtypes().items():
+            if weight.parts[part].dtype != dtype:
+                raise QuantizationError(
+                    f"tensor {weight.parts[part].name} in {source}: stored as {weight.parts[part].dtype}, "
+                    f"{quantization.describe()} stores {dtype}"
+                )
         expected = quantization.stored_shapes(slot.full_shape)
     else:
         raise CheckpointError(f"tensor {weight.name} in {source}: quantized, for a {len(slot.full_shape)}-d parameter")

@@ -110,13 +110,17 @@ class BlockFp8:
         grid = tuple(math.ceil(size / block) for size, block in zip(shape, self.block, strict=True))
         return {"weight": shape, "weight_scale_inv": grid}
 
+    def stored_dtypes(self) -> dict[str, str]:
+        """The safetensors dtype of each part whose dtype the format fixes (the scales may be any float)."""
+        return {"weight": "F8_E4M3"}
+
     def cells(self) -> dict[str, Cells]:
         """Each part's cells: an fp8 value is one weight value, a scale one block."""
         return {"weight": (1, 1), "weight_scale_inv": self.block}
 
     def weight(self, prefix: str, parts: dict[str, Stored], dtype: torch.dtype) -> DequantizedTensor:
         weight, scale = parts["weight"], parts["weight_scale_inv"]
-        if len(weight.shape) != 2 or weight.dtype != "F8_E4M3":
+        if len(weight.shape) != 2 or weight.dtype != self.stored_dtypes()["weight"]:
             raise QuantizationError(
                 f"tensor {prefix}weight: expected a 2-d float8 e4m3 weight, got {weight.dtype} {list(weight.shape)}"
             )
@@ -149,6 +153,10 @@ class PackedInt4:
             "weight_shape": (2,),
         }
 
+    def stored_dtypes(self) -> dict[str, str]:
+        """The safetensors dtype of each part whose dtype the format fixes (the scales may be any float)."""
+        return {"weight_packed": "I32"}
+
     def cells(self) -> dict[str, Cells]:
         """Each part's cells: a word is 8 values of a row, a scale one group of a row; weight_shape is whole."""
         return {"weight_packed": (1, INT4_PER_WORD), "weight_scale": (1, self.group_size), "weight_shape": None}
@@ -156,7 +164,7 @@ class PackedInt4:
     def weight(self, prefix: str, parts: dict[str, Stored], dtype: torch.dtype) -> DequantizedTensor:
         packed, scale = parts["weight_packed"], parts["weight_scale"]
         shape = tuple(int(size) for size in parts["weight_shape"].read().tolist())
-        if len(shape) != 2 or packed.dtype != "I32":
+        if len(shape) != 2 or packed.dtype != self.stored_dtypes()["weight_packed"]:
             raise QuantizationError(
                 f"tensor {prefix}weight_packed: expected int32 words of a 2-d weight, got {packed.dtype} and "
                 f"weight_shape {list(shape)}"

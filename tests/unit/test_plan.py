@@ -29,6 +29,7 @@ from tandem.models.registry import TargetModel, load_target
 from tandem.parallel.group import ParallelGroup
 from tandem.settings import KVCacheSettings
 from tandem.weights.headers import checkpoint_headers
+from tandem.weights.quantized import QuantizationError
 from target_server.ranks import build_cache
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.helpers.deepseek_checkpoints import DEEPSEEK_NEXTN, TinyDeepseekSpec, write_tiny_deepseek
@@ -276,6 +277,33 @@ def test_input_that_cannot_be_planned_exits_2_naming_it(
     tp = "3" if change == "tp" else "1"
     assert main(["plan", "--target", str(target), "--tp", tp, "--device", "cpu", "--gpu-memory-bytes", "1G"]) == 2
     assert f"tandem plan: {message.format(target=target)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "part", "stored", "expected"),
+    [
+        ("llama-fp8", "weight", torch.float32, "F32, block-wise fp8 e4m3 (16x16 blocks) stores F8_E4M3"),
+        ("llama-int4", "weight_packed", torch.int64, "I64, compressed-tensors pack-quantized int4"),
+    ],
+)
+def test_a_quantized_part_in_another_dtype_is_refused_as_the_loader_refuses_it(
+    checkpoints: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    part: str,
+    stored: torch.dtype,
+    expected: str,
+) -> None:
+    target = shutil.copytree(checkpoints[name], tmp_path / "target")
+    tensors = load_file(str(target / "model.safetensors"))
+    changed = f"model.layers.0.self_attn.q_proj.{part}"
+    tensors[changed] = tensors[changed].to(stored)
+    save_file(tensors, str(target / "model.safetensors"))
+    assert main(["plan", "--target", str(target), "--device", "cpu", "--gpu-memory-bytes", "1G"]) == 2
+    assert f"tandem plan: tensor {changed} in {target}: stored as {expected}" in capsys.readouterr().err
+    with pytest.raises(QuantizationError, match=f"tensor {changed}: expected"):
+        load_target(target)
 
 
 @pytest.fixture(scope="module")
