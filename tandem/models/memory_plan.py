@@ -33,21 +33,7 @@ from tandem.models.registry import TargetArchitecture, TargetModel, built_target
 from tandem.parallel.group import ParallelGroup
 from tandem.weights.headers import TensorHeader
 from tandem.weights.loader import CheckpointError, ParameterSlots, Slot
-from tandem.weights.quantized import Quantization, QuantizationError, quantization_of
-
-
-@dataclass(frozen=True)
-class CheckpointWeight:
-    """One tensor as the loader's name map sees it: a float tensor, or a quantized module's stored parts together
-    under the name of the float weight they stand for (X.weight)."""
-
-    name: str
-    parts: dict[str, TensorHeader]  # a quantized weight's parts by part name; a float tensor: {"weight": itself}
-    quantized: bool
-
-    @property
-    def nbytes(self) -> int:
-        return sum(header.nbytes for header in self.parts.values())
+from tandem.weights.quantized import Grouped, Quantization, QuantizationError, grouped, quantization_of
 
 
 @dataclass(frozen=True)
@@ -146,7 +132,8 @@ def plan_memory(
     skipped = [header for header in headers if skip is not None and skip(header.name)]
     skipped_names = {header.name for header in skipped}
     quantization = quantization_of(hf)
-    weights = checkpoint_weights([header for header in headers if header.name not in skipped_names], quantization)
+    read = [(header.name, header) for header in headers if header.name not in skipped_names]
+    weights = grouped(read, quantization, source)
     first = _count_rank((architecture, model), weights, quantization, 0, device, source)
     counted = [first]
     for rank in range(1, tp):
@@ -166,38 +153,8 @@ def plan_memory(
         skipped=tuple(header.name for header in skipped),
         skipped_bytes=sum(header.nbytes for header in skipped),
         unused=tuple(first.unused),
-        unused_bytes=sum(weight.nbytes for weight in weights if weight.name in unused),
+        unused_bytes=sum(_stored_bytes(weight) for weight in weights if weight.name in unused),
     )
-
-
-def checkpoint_weights(headers: Sequence[TensorHeader], quantization: Quantization | None) -> list[CheckpointWeight]:
-    """The tensors as the loader hands them to the name map (tandem.weights.quantized.dequantized): each quantized
-    module's parts as one weight at its marker's place, every other tensor as itself. Raises QuantizationError for a
-    missing part, or a float8 tensor without scales."""
-    by_name = {header.name: header for header in headers}
-    parts: set[str] = set()
-    weights: list[CheckpointWeight] = []
-    if quantization is not None:
-        for name in by_name:
-            if name.endswith("." + quantization.marker):
-                prefix = name.removesuffix(quantization.marker)
-                parts.update(prefix + part for part in quantization.parts)
-    for header in headers:
-        if quantization is not None and header.name.endswith("." + quantization.marker):
-            prefix = header.name.removesuffix(quantization.marker)
-            missing = [prefix + part for part in quantization.parts if prefix + part not in by_name]
-            if missing:
-                raise QuantizationError(f"tensor {missing[0]}: missing ({header.name} says {quantization.describe()})")
-            stored = {part: by_name[prefix + part] for part in quantization.parts}
-            weights.append(CheckpointWeight(prefix + "weight", stored, quantized=True))
-        elif header.name not in parts:
-            if header.dtype.startswith("F8"):
-                described = quantization.describe() if quantization is not None else "none"
-                raise QuantizationError(
-                    f"tensor {header.name}: stored as {header.dtype} with no scales (quantization_config: {described})"
-                )
-            weights.append(CheckpointWeight(header.name, {"weight": header}, quantized=False))
-    return weights
 
 
 @dataclass(frozen=True)
@@ -210,7 +167,7 @@ class _CountedRank:
 
 def _count_rank(
     built: tuple[TargetArchitecture, TargetModel],
-    weights: Sequence[CheckpointWeight],
+    weights: Sequence[Grouped[TensorHeader]],
     quantization: Quantization | None,
     rank: int,
     device: str,
@@ -266,7 +223,7 @@ def _prepacked_copies(model: nn.Module, quantized: set[int], device: str) -> tup
     return float_copies, all_copies
 
 
-def _check_stored(weight: CheckpointWeight, slot: Slot, quantization: Quantization | None, source: str) -> None:
+def _check_stored(weight: Grouped[TensorHeader], slot: Slot, quantization: Quantization | None, source: str) -> None:
     """The loader's checks, made on the stored parts of a quantized weight: QuantizationError naming a part whose
     dtype is not the format's, CheckpointError naming the tensor whose stored shape is not the one its parameter
     takes."""
@@ -290,6 +247,10 @@ def _check_stored(weight: CheckpointWeight, slot: Slot, quantization: Quantizati
             )
 
 
+def _stored_bytes(weight: Grouped[TensorHeader]) -> int:
+    return sum(header.nbytes for header in weight.parts.values())
+
+
 def _slice_values(slot: Slot) -> int:
     """Values of the rank's slice of the (float) weight."""
     values = math.prod(slot.full_shape)
@@ -300,7 +261,7 @@ def _slice_values(slot: Slot) -> int:
 
 
 def _stored_slice(
-    weight: CheckpointWeight, slot: Slot, quantization: Quantization, rank: int
+    weight: Grouped[TensorHeader], slot: Slot, quantization: Quantization, rank: int
 ) -> tuple[int, list[CutBlock]]:
     """Bytes of the rank's slice of every stored part of a quantized weight, and the blocks the slice cuts.
 

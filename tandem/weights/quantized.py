@@ -15,7 +15,8 @@ float `X.weight` (norms, routers, embeddings, and what the release leaves unquan
 
 Each format also says what its stored parts are for a weight of a given shape (`stored_shapes`) and how many of the
 weight's rows and columns one stored element covers (`cells`), which is what a rank's slice of the stored form takes
-(tandem.models.memory_plan).
+(tandem.models.memory_plan). `grouped` gathers a module's parts, on tensors or on headers alone: the loader and
+the plan see one grouping.
 
 Values are computed in float32 and then cast to the serving dtype. For INT4 the float32 product is exact, so at the
 scales' own dtype (bfloat16 for Kimi-K2.5) this equals compressed-tensors' decompression; for fp8 it is transformers'
@@ -28,7 +29,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -257,55 +258,82 @@ def _int4_group_size(name: str, group: dict[str, Any], config: dict[str, Any]) -
     return size
 
 
+class Described(Protocol):
+    """A checkpoint tensor as far as grouping goes: its safetensors dtype (a Stored, or a header alone)."""
+
+    @property
+    def dtype(self) -> str: ...
+
+
+Part = TypeVar("Part", bound=Described)
+
+
+@dataclass(frozen=True)
+class Grouped(Generic[Part]):
+    """One checkpoint tensor as the name maps see it: a float tensor (`parts` {"weight": it}), or a quantized
+    module's stored parts under the name of the float weight they stand for (X.weight)."""
+
+    name: str
+    parts: dict[str, Part]
+    quantized: bool
+
+
+def grouped(tensors: Sequence[tuple[str, Part]], quantization: Quantization | None, source: str) -> list[Grouped[Part]]:
+    """The checkpoint's tensors in its order, each quantized module's parts as one entry at its marker's place.
+    Raises QuantizationError naming a missing part, or a float8 tensor that has no scales (which a plain copy would
+    silently cast)."""
+    by_name = dict(tensors)
+    modules: dict[str, dict[str, Part]] = {}  # prefix ("model.layers.3.mlp.up_proj.") -> its parts by part name
+    for name in by_name:
+        prefix = _marked_prefix(name, quantization)
+        if prefix is None:
+            continue
+        assert quantization is not None
+        missing = [prefix + part for part in quantization.parts if prefix + part not in by_name]
+        if missing:
+            raise QuantizationError(f"tensor {missing[0]}: missing in {source} ({name} says {quantization.describe()})")
+        modules[prefix] = {part: by_name[prefix + part] for part in quantization.parts}
+    members = {prefix + part for prefix, parts in modules.items() for part in parts}
+    described = quantization.describe() if quantization is not None else "none"
+    result: list[Grouped[Part]] = []
+    for name, tensor in tensors:
+        prefix = _marked_prefix(name, quantization)
+        if prefix is not None:
+            result.append(Grouped(prefix + "weight", modules[prefix], quantized=True))
+        elif name not in members:
+            if tensor.dtype.startswith("F8"):
+                raise QuantizationError(
+                    f"tensor {name}: stored as {tensor.dtype} with no scales in {source} (quantization_config: "
+                    f"{described})"
+                )
+            result.append(Grouped(name, {"weight": tensor}, quantized=False))
+    return result
+
+
+def _marked_prefix(name: str, quantization: Quantization | None) -> str | None:
+    """The module prefix ("model.layers.3.mlp.up_proj.") when `name` is a quantized module's marker, else None."""
+    if quantization is None or not name.endswith("." + quantization.marker):
+        return None
+    return name.removesuffix(quantization.marker)
+
+
 def dequantized(
     stored: list[tuple[str, Stored]], quantization: Quantization | None, source: str, dtype: torch.dtype
 ) -> list[tuple[str, Stored]]:
     """The checkpoint's tensors with each quantized module's parts replaced by its dequantized `X.weight`, in the
-    checkpoint's order (at the marker's place). Raises QuantizationError naming a missing part, or a float8 tensor
-    that has no scales (which a plain copy would silently cast)."""
-    if quantization is None:
-        _refuse_float8(stored, source, "none")
-        return stored
-    weights = _quantized_weights(dict(stored), quantization, source, dtype)
-    parts = {prefix + part for prefix in weights for part in quantization.parts}
+    checkpoint's order (at the marker's place); the checks and errors are `grouped`'s and the format's."""
     result: list[tuple[str, Stored]] = []
-    for name, tensor in stored:
-        if name.endswith("." + quantization.marker):
-            prefix = name.removesuffix(quantization.marker)
-            result.append((prefix + "weight", weights[prefix]))
-        elif name not in parts:
-            result.append((name, tensor))
-    _refuse_float8(result, source, quantization.describe())
-    _log_dequantization(source, quantization, list(weights.values()), dtype)
-    return result
-
-
-def _refuse_float8(tensors: list[tuple[str, Stored]], source: str, quantization: str) -> None:
-    for name, tensor in tensors:
-        if tensor.dtype.startswith("F8"):
-            raise QuantizationError(
-                f"tensor {name}: stored as {tensor.dtype} with no scales in {source} (quantization_config: "
-                f"{quantization})"
-            )
-
-
-def _quantized_weights(
-    by_name: dict[str, Stored], quantization: Quantization, source: str, dtype: torch.dtype
-) -> dict[str, DequantizedTensor]:
-    """Module prefix ("model.layers.3.mlp.experts.7.up_proj.") -> its dequantized weight, for every module whose
-    marker tensor the checkpoint has."""
-    weights = {}
-    for name in by_name:
-        if not name.endswith("." + quantization.marker):
+    weights: list[DequantizedTensor] = []
+    for entry in grouped(stored, quantization, source):
+        if not entry.quantized:
+            result.append((entry.name, entry.parts["weight"]))
             continue
-        prefix = name.removesuffix(quantization.marker)
-        missing = [prefix + part for part in quantization.parts if prefix + part not in by_name]
-        if missing:
-            raise QuantizationError(f"tensor {missing[0]}: missing in {source} ({name} says {quantization.describe()})")
-        weights[prefix] = quantization.weight(
-            prefix, {part: by_name[prefix + part] for part in quantization.parts}, dtype
-        )
-    return weights
+        assert quantization is not None
+        weights.append(quantization.weight(entry.name.removesuffix("weight"), entry.parts, dtype))
+        result.append((entry.name, weights[-1]))
+    if quantization is not None:
+        _log_dequantization(source, quantization, weights, dtype)
+    return result
 
 
 def _log_dequantization(
