@@ -175,8 +175,12 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"config.json: not found in {model_dir}")
-    with path.open() as handle:
-        config: dict[str, Any] = json.load(handle)
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"config.json in {model_dir}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"config.json in {model_dir}: a JSON {type(config).__name__}, not an object")
     return config
 
 

@@ -92,8 +92,14 @@ class NameMap:
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise CheckpointError(f"{index}: not valid JSON ({error})") from None
+        except (KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index}: no weight_map of tensor names to file names") from None
+        return [model_dir / name for name in names]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {model_dir}")

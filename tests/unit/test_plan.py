@@ -254,6 +254,8 @@ def test_a_target_that_fits_with_one_block_to_spare_and_one_that_is_short(
     [
         ("missing", "--target {target}: no such directory"),
         ("no-config", "config.json: not found in {target}"),
+        ("bad-config", "config.json in {target}: not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+        ("bad-index", "{target}/model.safetensors.index.json: no weight_map of tensor names to file names"),
         ("architecture", "architectures: 'NoSuchForCausalLM' is not a supported target"),
         ("tp", "tp 3 does not divide num_attention_heads 4"),
         ("tensor", "missing tensor model.layers.0.self_attn.q_proj.weight in {target}"),
@@ -267,6 +269,10 @@ def test_input_that_cannot_be_planned_exits_2_naming_it(
         shutil.copytree(checkpoints["llama"], target)
     if change == "no-config":
         (target / "config.json").unlink()
+    if change == "bad-config":
+        (target / "config.json").write_text("not JSON")
+    if change == "bad-index":
+        (target / "model.safetensors.index.json").write_text('{"metadata": {}}')
     if change == "architecture":
         config = json.loads((target / "config.json").read_text())
         (target / "config.json").write_text(json.dumps(config | {"architectures": ["NoSuchForCausalLM"]}))
