@@ -98,22 +98,25 @@ def write_checkpoints(work: Path, tiny: bool, layers: int) -> tuple[Path, Path]:
 
 
 def stack_main(args: argparse.Namespace) -> int:
-    """Greedy tokens of the split stack with the EAGLE3 head equal the target-only stack's, on args.device."""
+    """Greedy tokens of the split stack with the EAGLE3 head equal its target-only tokens (the same request with
+    disable_speculation), on args.device; the head must have drafted."""
     from tests.integration.stack import generate, serve
 
     started = time.perf_counter()
     target, draft = write_checkpoints(args.work, args.tiny, args.layers)
     print(f"checkpoints written in {time.perf_counter() - started:.0f} s", flush=True)
     flags = ("--device", args.device, "--dtype", args.dtype, "--speculative-num-steps", "3")
-    tokens = []
-    for head in (draft, None):
-        with serve(target, head, *flags) as stack:
-            completion = generate(stack.address, prompt=PROMPT, max_new_tokens=32, ignore_eos=True)
-        tokens.append(completion.token_ids)
-        print(f"{'speculative' if head else 'target-only'}: {completion.token_ids}", flush=True)
-    same = tokens[0] == tokens[1] and len(tokens[0]) == 32
-    print(f"greedy tokens identical: {'yes' if same else 'NO'} ({len(tokens[0])} tokens)", flush=True)
-    return 0 if same else 1
+    request = dict(prompt=PROMPT, max_new_tokens=32, ignore_eos=True)
+    with serve(target, draft, *flags) as stack:
+        speculative = generate(stack.address, **request)
+        target_only = generate(stack.address, **request, disable_speculation=True)
+    for name, completion in (("speculative", speculative), ("target-only", target_only)):
+        print(f"{name}: {completion.token_ids}", flush=True)
+    same = speculative.token_ids == target_only.token_ids and len(speculative.token_ids) == 32
+    drafted = speculative.stats.draft_tokens > 0
+    print(f"greedy tokens identical: {'yes' if same else 'NO'} ({len(speculative.token_ids)} tokens)", flush=True)
+    print(f"drafts verified: {speculative.stats.draft_tokens}", flush=True)
+    return 0 if same and drafted else 1
 
 
 def bench_gpu_command(out: Path, graphs: bool) -> list[str]:
