@@ -40,6 +40,11 @@ STARTUP_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 15.0
 
 
+def stop_timeout_s(name: str, shutdown_timeout_s: float) -> float:
+    """How long a service may take to stop after SIGTERM: the orchestrator drains its streams first."""
+    return STOP_TIMEOUT_S + (shutdown_timeout_s if name == "orchestrator" else 0.0)
+
+
 def service_arguments(command: str, settings: TargetSettings | DraftSettings) -> list[str]:
     """`tandem target|draft` with these settings: their options, and the resolved devices as a request."""
     device = DeviceRequest.of(settings.device, settings.dtype, settings.cache)
@@ -199,7 +204,7 @@ class Launcher:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 try:
-                    process.wait(timeout=STOP_TIMEOUT_S)
+                    process.wait(timeout=stop_timeout_s(child.name, self.settings.shutdown_timeout_s))
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()

@@ -31,7 +31,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from launch.actor_security import ActorSecurity, ServiceSettings
-from launch.processes import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, Interrupted, http_line, ready_line
+from launch.processes import STARTUP_TIMEOUT_S, Interrupted, http_line, ready_line, stop_timeout_s
 from launch.ray_actors import RankActor, ServiceActor, ServiceExit, rendezvous_on_this_node
 from launch.ray_reservation import DRAFT_CPUS, NoRoom, Reservation, available_cpus, no_room, rank_bundle, resources
 from launch.restarts import Backoff
@@ -295,12 +295,13 @@ class RayLauncher:
     def stop(self) -> None:
         """Stops orchestrator, drafts, target (reverse start order), then leaves or ends the cluster."""
         for service in reversed(self.services):
+            timeout_s = stop_timeout_s(service.name, self.settings.shutdown_timeout_s)
             try:
-                ending: ServiceExit = ray.get(service.actor.stop.remote(), timeout=STOP_TIMEOUT_S)
+                ending: ServiceExit = ray.get(service.actor.stop.remote(), timeout=timeout_s)
             except RayActorError as error:
                 ending = actor_died(error)
             except GetTimeoutError:
-                ending = ServiceExit(1, f"did not stop within {STOP_TIMEOUT_S:.0f} s, killed")
+                ending = ServiceExit(1, f"did not stop within {timeout_s:.0f} s, killed")
             report(f"{service.name} {ending.reason}")
             ray.kill(service.actor)
         for group in self._placements:

@@ -102,6 +102,9 @@ class ServeSettings:
     served_model_name: str | None = field(
         default=OrchestratorSettings.served_model_name, metadata=flag_of(OrchestratorSettings, "served_model_name")
     )  # None: the target's name
+    shutdown_timeout_s: float = field(
+        default=OrchestratorSettings.shutdown_timeout_s, metadata=flag_of(OrchestratorSettings, "shutdown_timeout_s")
+    )
 
     def __post_init__(self) -> None:
         check_ngram_kinds(self.ngram, self.scheduler.hybrid)
@@ -182,4 +185,5 @@ class ServeSettings:
             ),
             served_model_name=self.served_model_name,
             ngram=self.ngram,
+            shutdown_timeout_s=self.shutdown_timeout_s,
         )

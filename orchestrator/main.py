@@ -80,4 +80,5 @@ async def serve_orchestrator(settings: OrchestratorSettings, listen: ListenSetti
         background=background,
         interceptors=[BearerInterceptor(settings.api_key)] if settings.api_key is not None else [],
         unhealthy=lambda: service.generation.scheduler.unhealthy(time.monotonic()),
+        drain=lambda: service.generation.drain(settings.shutdown_timeout_s),
     )

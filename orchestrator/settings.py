@@ -7,7 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.api.tool_formats import TOOL_CALL_FORMATS
-from tandem.flags import checked, flag, nested, non_negative, optional, positive, positive_seconds
+from tandem.flags import (
+    checked,
+    flag,
+    nested,
+    non_negative,
+    non_negative_seconds,
+    optional,
+    positive,
+    positive_seconds,
+)
 from tandem.settings import TreeShape, parse_size
 from tandem.transport import Insecure, TransportSecurity
 
@@ -292,6 +301,15 @@ class OrchestratorSettings:
     )
     # Draft here by prompt lookup (no draft_addresses with it); `--draft ngram` is the command's.
     ngram: NgramSettings | None = field(default=None, metadata=optional(NgramSettings, "--draft ngram"))
+    shutdown_timeout_s: float = field(
+        default=30.0,
+        metadata=flag(
+            "--shutdown-timeout",
+            "seconds the streams in flight may take to finish after SIGTERM (new requests are refused meanwhile); "
+            "those still running then end with UNAVAILABLE",
+            parse=non_negative_seconds,
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_ngram_kinds(self.ngram, self.scheduler.hybrid)

@@ -16,3 +16,10 @@ def in_background(work: Awaitable[Any]) -> asyncio.Future[Any]:
     _RUNNING.add(future)
     future.add_done_callback(_RUNNING.discard)
     return future
+
+
+async def settled(timeout_s: float) -> None:
+    """Waits up to `timeout_s` for the work started with in_background to end (what a shutdown lets finish)."""
+    pending = [future for future in _RUNNING if not future.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout_s)

@@ -386,3 +386,10 @@ def positive_seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text}: must be a number of seconds above 0")
     return value
+
+
+def non_negative_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be a number of seconds, 0 or more")
+    return value

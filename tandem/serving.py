@@ -67,12 +67,15 @@ async def run_server(
     background: Sequence[asyncio.Task[None]] = (),
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     unhealthy: Callable[[], str | None] | None = None,
+    drain: Callable[[], Awaitable[object]] | None = None,
 ) -> None:
-    """Serves until SIGINT, SIGTERM or cancellation, then reports NOT_SERVING, runs on_stop and stops the server.
+    """Serves until SIGINT, SIGTERM or cancellation, then reports NOT_SERVING, drains, runs on_stop and stops the
+    server.
 
     `background` tasks are essential to the service (a scheduler loop, a hidden-state stream): when one
     ends, the process stops instead of serving in a broken state. `unhealthy`, polled every HEALTH_POLL_S, says
-    why the service cannot serve now (None when it can); grpc.health.v1 reports NOT_SERVING meanwhile.
+    why the service cannot serve now (None when it can); grpc.health.v1 reports NOT_SERVING meanwhile. `drain` lets
+    the calls in flight finish before the server stops (not when a background task ended: nothing would progress).
     """
     server, health_servicer, address = await start_server(register, service_names, listen, interceptors)
     LOG.info("%s serving on %s (%s)", name, address, listen.security.describe())
@@ -105,8 +108,9 @@ async def run_server(
         LOG.error("%s: %s, stopping", name, reason)
     LOG.info("%s stopping", name)
     await health_servicer.enter_graceful_shutdown()
-    if on_stop is not None:
-        await on_stop()
+    for step in (drain if not failed else None, on_stop):
+        if step is not None:
+            await step()
     await server.stop(grace=1.0)
     for task in background:
         task.cancel()

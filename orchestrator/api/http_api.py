@@ -44,7 +44,7 @@ from orchestrator.api.tool_output import ChatTools, ToolReply
 from orchestrator.api.tool_stream import Piece
 from orchestrator.loop.generation import OPENAI_FINISH_REASONS, Generation
 from orchestrator.loop.metrics import CONTENT_TYPE
-from orchestrator.loop.output import Output, RequestFailed
+from orchestrator.loop.output import Output, RequestFailed, ShuttingDown
 from orchestrator.loop.scheduler import QueueFull
 from orchestrator.loop.validation import InvalidRequest, client_request_id
 from orchestrator.peers.backends import FailureKind
@@ -116,7 +116,7 @@ class HttpApi:
         try:
             return await handler(request)
         except ApiError as error:
-            return web.json_response(error.body(), status=error.status)
+            return web.json_response(error.body(), status=error.status, headers=error.headers)
         except web.HTTPException as error:
             if error.status < 400:
                 raise
@@ -216,7 +216,8 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
 
 def _failure_error(failure: RequestFailed) -> ApiError:
     status = STATUS_OF_FAILURE[failure.kind]
-    return ApiError(status, str(failure), kind=KIND_OF_STATUS[status])
+    headers = {"Retry-After": str(failure.retry_after_s)} if isinstance(failure, ShuttingDown) else None
+    return ApiError(status, str(failure), kind=KIND_OF_STATUS[status], headers=headers)
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:

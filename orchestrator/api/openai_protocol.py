@@ -42,7 +42,13 @@ class ApiError(Exception):
     """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error", code: Any = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: Any = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -50,6 +56,7 @@ class ApiError(Exception):
         self.param = param
         self.kind = kind
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

@@ -21,6 +21,16 @@ class RequestFailed(Exception):
         self.kind = kind
 
 
+class ShuttingDown(RequestFailed):
+    """A request refused, or ended, because the orchestrator is shutting down: the client may retry it elsewhere
+    (the HTTP API answers 503 with Retry-After)."""
+
+    retry_after_s = 1
+
+    def __init__(self, message: str) -> None:
+        super().__init__(FailureKind.UNAVAILABLE, message)
+
+
 @dataclass
 class Stats:
     rounds: int = 0

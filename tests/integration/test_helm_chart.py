@@ -260,6 +260,22 @@ def test_the_orchestrator_waits_out_a_target_restart_and_every_service_gets_the_
     assert {"--target-wait=90", "--keepalive-timeout=4"} <= set(head_command(cluster))
 
 
+def test_the_orchestrator_pod_lives_until_its_streams_drained(helm: str) -> None:
+    values = render(
+        helm, ["--set", "orchestrator.shutdownTimeout=45", "--set", "orchestrator.terminationGracePeriodSeconds=70"]
+    )
+    deployment = find(values, "Deployment", f"{PREFIX}-orchestrator")
+    orchestrator = container(deployment)
+    assert argument(orchestrator["args"], "--shutdown-timeout") == "45"
+    pre_stop = orchestrator["lifecycle"]["preStop"]["exec"]["command"]
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert pre_stop[0] == "sleep" and int(pre_stop[1]) + 45 < grace == 70
+    ray = [*VALUE_SETS["ray-values"], "--set", "orchestrator.shutdownTimeout=20"]
+    [cluster] = [m for m in render(helm, ray) if m["kind"] == "RayCluster"]
+    assert "--shutdown-timeout=20" in head_command(cluster)
+    assert cluster["spec"]["headGroupSpec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60
+
+
 def test_the_target_startup_probe_allows_minutes_of_loading(helm: str) -> None:
     probe = container(find(render(helm, []), "StatefulSet", f"{PREFIX}-target"))["startupProbe"]
     assert probe["periodSeconds"] * probe["failureThreshold"] >= 20 * 60
@@ -316,6 +332,10 @@ def test_secrets_are_referenced_never_rendered(helm: str) -> None:
             "ray.draftReplicas 5 needs 3 Ray CPUs (half each), but the draft group offers",
         ),
         (["--set", "target.serviceMonitor.enabled=true"], "target.serviceMonitor.enabled needs target.metrics.enabled"),
+        (
+            ["--set", "orchestrator.shutdownTimeout=60"],
+            "orchestrator.terminationGracePeriodSeconds: 60 is less than preStopSleepSeconds + shutdownTimeout + 10",
+        ),
         (
             ["--set", "orchestrator.serviceMonitor.enabled=true"],
             "orchestrator.serviceMonitor.enabled needs orchestrator.http.enabled",
