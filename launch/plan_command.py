@@ -51,8 +51,8 @@ class PlanRequest:
         default=False,
         metadata=flag(
             "--dequantize",
-            "judge the fit with quantized weights dequantized to --dtype (what the target loads today) instead of "
-            "kept as stored",
+            "judge the fit with quantized weights dequantized to --dtype (what the target holds with --dequantize) "
+            "instead of kept as stored",
         ),
     )
 

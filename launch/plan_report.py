@@ -124,7 +124,8 @@ def _cut_notes(plan: MemoryPlan) -> list[str]:
     return [
         f"  note: tp {plan.tp} cuts the quantization blocks or groups of {len(weights)} weights, e.g. rank "
         f"{cut.rank}'s {what} [{cut.start}, {cut.end}) of {cut.weight}, in blocks of {cut.cell}; a rank is counted "
-        "with the scales of every block it touches"
+        "with the scales of every block it touches, and the target refuses this tp unless it dequantizes "
+        "(--dequantize)"
     ]
 
 

@@ -68,6 +68,8 @@ class PackedLinear(Linear):
         return ShardSpec(full_shape, dim=0, start=self.group.rank * size, size=size)
 
     def expert_rows(self, part: str, expert: int) -> torch.Tensor:  # -> [this rank's rows of one expert, input]
+        if self.stored is not None:  # kept as stored: only this expert's rows expand
+            return self.stored.expert(part, expert)
         start, size = self.part_rows[part]
         rows = size // self.experts
         return self.weight.narrow(0, start + expert * rows, rows)

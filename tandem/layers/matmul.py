@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.layers.stored import StoredWeight
+
 # `few` takes at most this many rows of a weight with out >= in (a wider one goes to oneDNN from 3 rows on).
 FEW_ROWS_WIDE = 6
 # Without oneDNN, `few` takes up to this many rows (as fast as F.linear or faster up to 64) and F.linear the rest.
@@ -111,13 +113,50 @@ class Modules(Protocol):
 class Linear(nn.Linear):
     """nn.Linear through `linear`; the same parameters and checkpoint names. `prepacked` is oneDNN's blocked copy of
     the weight once `prepack` made it (not a parameter or buffer: it is not saved, loaded or moved). A Linear that is
-    never multiplied as a whole (`prepackable` False: stacked experts, run one expert's rows at a time) gets none."""
+    never multiplied as a whole (`prepackable` False: stacked experts, run one expert's rows at a time) gets none.
+
+    A quantized checkpoint's weight may be kept as stored (`keep_stored`): the float `weight` parameter is then gone
+    and `stored` holds the stored parts, expanded before each product (tandem.layers.stored). `float_weight` is the
+    weight either way."""
 
     prepacked: torch.Tensor | None = None
     prepackable: bool = True
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.stored: StoredWeight | None = None
+
+    def keep_stored(self, stored: StoredWeight) -> None:
+        """Replaces the float weight (on the meta device: never allocated) by its stored form."""
+        assert stored.shape == (self.out_features, self.in_features), "the stored form of this layer's weight"
+        del self.weight
+        self.stored = stored
+
+    def float_weight(self) -> torch.Tensor:  # -> [out, in]
+        """The weight in the serving dtype: the parameter, or the stored form expanded (a new tensor each call)."""
+        return self.weight if self.stored is None else self.stored.expanded()
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [..., in] -> [..., out]
+        """x W^T (+ bias): `linear`, or `stored_linear` for a weight kept as stored."""
+        if self.stored is not None:
+            return stored_linear(x, self.stored, bias)
+        return linear(x, self.weight, bias, self.prepacked)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.prepacked)
+        return self.product(x, self.bias)
+
+
+def stored_linear(
+    x: torch.Tensor,  # [..., in]
+    stored: StoredWeight,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # -> [..., out]
+    """linear(x, W, bias) for a weight kept as stored: W expanded a run of rows at a time (StoredWeight.chunks), each
+    run multiplied by `linear` while it is in the cache, so that no [out, in] float weight is ever allocated."""
+    y = x.new_empty((*x.shape[:-1], stored.shape[0]))
+    for rows, weight in stored.chunks():
+        y[..., rows] = linear(x, weight)
+    return y if bias is None else y + bias
 
 
 def prepack(model: Modules) -> int:
@@ -144,7 +183,8 @@ def prepacks(device: str, dtype: torch.dtype) -> bool:
 
 
 def prepackable_linears(model: Modules) -> Iterator[Linear]:
-    """The Linears of `model` that `prepack` copies where it `prepacks`: those multiplied as a whole."""
+    """The Linears of `model` that `prepack` copies where it `prepacks`: those multiplied as a whole, with a float
+    weight (a weight kept as stored gets no copy, which would be as large as its float form)."""
     for module in model.modules():
-        if isinstance(module, Linear) and module.prepackable:
+        if isinstance(module, Linear) and module.prepackable and module.stored is None:
             yield module

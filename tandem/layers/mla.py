@@ -114,7 +114,7 @@ class MultiHeadLatentAttention(nn.Module):
         # key_rope is one head shared by all query heads: [num_tokens, 1, qk_rope_head_dim].
         query_rope, key_rope = self.rotary(metadata.positions, query_rope, key_rope[:, None, :])
         # kv_b_proj's rows are, head by head, qk_nope_head_dim key rows then v_head_dim value rows.
-        up_projection = self.kv_b_proj.weight.view(config.num_heads, -1, config.kv_lora_rank)
+        up_projection = self.kv_b_proj.float_weight().view(config.num_heads, -1, config.kv_lora_rank)
         key_up, value_up = up_projection.split([config.qk_nope_head_dim, config.v_head_dim], dim=1)
         query_latent = torch.einsum("thn,hnc->thc", query_nope, key_up)  # [num_tokens, heads, kv_lora_rank]
         rows = torch.cat((latent[:, None, :], key_rope), dim=-1)  # [num_tokens, 1, kv_lora_rank + rope]

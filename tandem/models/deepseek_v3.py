@@ -12,7 +12,7 @@ Kimi-K2 checkpoints use this architecture name with model_type "kimi_k2"; the ar
 family, so the alias needs nothing else. Kimi-K2.5 (KimiK25ForConditionalGeneration on the hub,
 Kimi_K25ForConditionalGeneration in transformers) is this text model inside a multimodal checkpoint: its
 `text_config` and the `language_model.` names (`kimi_k25_text_config`, KIMI_K25_NAMES); its vision tower is not read.
-Quantized weights (block-wise fp8, compressed-tensors INT4) are dequantized by the loader (tandem.weights.quantized).
+Quantized weights (block-wise fp8, compressed-tensors INT4) stay as stored (tandem.layers.stored).
 
 The EAGLE3 MLA head (Eagle3DeepseekV2ForCausalLM, tandem.models.eagle3) is one layer of this family read from the same
 kind of config.json (`DeepseekV3DraftLayerConfig`): the same decoder layer with a 2*hidden attention input, a fused
@@ -262,7 +262,7 @@ def _check_weights_and_activation(hf: dict[str, Any]) -> None:
     if hf["hidden_act"] != "silu":
         raise ConfigError(f"hidden_act: {hf['hidden_act']!r} is not supported (silu)")
     try:
-        # The loader dequantizes what this accepts; refused here, a quantization is named before any weight is read.
+        # The loader reads what this accepts; refused here, a quantization is named before any weight is read.
         quantization_of(hf)
     except QuantizationError as error:
         raise ConfigError(str(error)) from None

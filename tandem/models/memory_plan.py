@@ -7,10 +7,11 @@ loader matches them (tandem.weights.loader.ParameterSlots), so the numbers follo
 row-parallel weights split, vocab-parallel tables cut by the vocab rule, the rest replicated, and a family that
 refuses a tp refuses it here too.
 
-Quantized weights are counted two ways. As stored: the rank's slice of every stored part, scales included, where a
-slice that starts or ends inside a block (fp8) or group (INT4) takes all of that block's scales and is reported as
-cut (`CutBlock`). Dequantized: the values in the serving dtype, which is what the loader holds today
-(tandem.weights.quantized). Float weights count in the dtype the target holds them in.
+Quantized weights are counted two ways. As stored, what the target holds by default (tandem.layers.stored): the
+rank's slice of every part it keeps, scales included (INT4's weight_shape is not kept), where a slice that starts or
+ends inside a block (fp8) or group (INT4) takes all of that block's scales and is reported as cut (`CutBlock`; the
+target refuses such a tp unless it dequantizes). Dequantized: the values in the serving dtype, what the target holds
+with --dequantize. Float weights count in the dtype the target holds them in.
 
 On the CPU in float32 the target also holds oneDNN's blocked copy of every linear weight it multiplies as a whole
 (tandem.layers.matmul.prepack, as large as the weight), so there those weights count twice: the float ones in both
@@ -28,12 +29,13 @@ import torch
 from torch import nn
 
 from tandem.layers.kv_cache import CacheLayout
-from tandem.layers.matmul import prepackable_linears, prepacks
+from tandem.layers.matmul import Linear, prepackable_linears, prepacks
 from tandem.models.registry import TargetArchitecture, TargetModel, built_target, not_read
 from tandem.parallel.group import ParallelGroup
+from tandem.weights.formats import Quantization, QuantizationError
 from tandem.weights.headers import TensorHeader
 from tandem.weights.loader import CheckpointError, ParameterSlots, Slot
-from tandem.weights.quantized import Grouped, Quantization, QuantizationError, grouped, quantization_of
+from tandem.weights.quantized import Grouped, grouped, quantization_of
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class CutBlock:
 @dataclass(frozen=True)
 class RankPlan:
     rank: int
-    quantized_bytes: int  # the rank's slices of the quantized weights as stored, scales included
+    quantized_bytes: int  # the rank's slices of the quantized weights' kept parts as stored, scales included
     float_bytes: int  # every other weight and buffer, in the dtype the target holds it in
     dequantized_bytes: int  # every weight and buffer with the quantized ones dequantized to the serving dtype
     float_copy_bytes: int  # oneDNN's copies of the float linear weights (CPU, float32; tandem.layers.matmul.prepack)
@@ -193,7 +195,8 @@ def _count_rank(
         held = _slice_values(slot) * slots.parameters[slot.parameter_name].element_size()
         totals["parameters"] += math.prod(slot.full_shape)
         totals["dequantized"] += held
-        if weight.quantized:
+        owner_name, _, leaf = slot.parameter_name.rpartition(".")
+        if weight.quantized and leaf == "weight" and isinstance(slots.modules[owner_name], Linear):  # kept as stored
             assert quantization is not None
             stored, cut = _stored_slice(weight, slot, quantization, rank)
             totals["quantized"] += stored
@@ -263,7 +266,7 @@ def _slice_values(slot: Slot) -> int:
 def _stored_slice(
     weight: Grouped[TensorHeader], slot: Slot, quantization: Quantization, rank: int
 ) -> tuple[int, list[CutBlock]]:
-    """Bytes of the rank's slice of every stored part of a quantized weight, and the blocks the slice cuts.
+    """Bytes of the rank's slice of every part the target keeps of a quantized weight, and the blocks the slice cuts.
 
     Example: fp8 with 128 x 128 blocks, a [7168, 2048] weight split by columns at tp 32: rank 1 holds columns
     [64, 128), 64 of the weight's 2048 fp8 columns and all of scale column 0 (1 of 16), which it shares with rank 0.
@@ -272,8 +275,8 @@ def _stored_slice(
     total = 0
     cuts: list[CutBlock] = []
     cells = quantization.cells()
-    for part, header in weight.parts.items():
-        part_cells = cells[part]
+    for part in quantization.kept:
+        header, part_cells = weight.parts[part], cells[part]
         if spec is None or spec.size is None or part_cells is None:
             total += header.nbytes
             continue

@@ -8,6 +8,10 @@ target's (layers after the last one) or stays in float32.
 
 Tensor parallel: a family is built for one rank of a `ParallelGroup` and holds that rank's shard of the weights;
 `load_target` reads only that shard from the checkpoint.
+
+Quantized checkpoints: `load_target` keeps every linear weight the checkpoint stores quantized as stored (fp8 or INT4
+with its scales, tandem.layers.stored), expanded before each product; with `dequantize` it holds them dequantized to
+the serving dtype instead.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ from tandem.models.step3p5 import CHECKPOINT_NAMES as STEP3P5_NAMES
 from tandem.models.step3p5 import Step3p5ForCausalLM
 from tandem.models.step3p5_config import Step3p5Config
 from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
-from tandem.weights.loader import NameMap, iter_tensors, load_weights, materialized, on_meta
+from tandem.weights.loader import NameMap, checkpoint_tensors, keep_stored, load_weights, materialized, on_meta
+from tandem.weights.quantized import quantization_of
 
 LOG = logging.getLogger(__name__)
 
@@ -211,13 +216,25 @@ def target_architecture(name: str) -> TargetArchitecture:
     return TARGET_ARCHITECTURES[name]
 
 
-def check_tensor_parallel(model_dir: Path, tp: int) -> None:
-    """Raises ConfigError / ParallelismError if the model cannot be split into tp ranks, before any rank starts.
+def check_tensor_parallel(model_dir: Path, tp: int, dequantize: bool = False) -> None:
+    """Raises ConfigError / ParallelismError if the model cannot be split into tp ranks, before any rank starts, and
+    QuantizationError if a rank's slice of a weight kept quantized would cut a block or group (not with `dequantize`).
 
-    Builds rank 0's model on the meta device (no memory, no weights, no process group).
+    Builds rank 0's model on the meta device (no memory, no weights, no process group); of a quantized checkpoint it
+    reads the headers (and INT4's two-integer weight shapes), no weights.
     """
     hf = read_hf_config(model_dir)
-    on_meta(lambda: _architecture(hf).build(hf, ParallelGroup(rank=0, world_size=tp)))
+    architecture, model = target_on_meta(hf, ParallelGroup(rank=0, world_size=tp))
+    if not dequantize and quantization_of(hf) is not None:
+        assert isinstance(model, nn.Module)
+        with checkpoint_tensors(model_dir, not_read(architecture, model.config.num_layers)) as tensors:
+            keep_stored(model, tensors, architecture.name_map, torch.float32, "meta")
+
+
+def target_on_meta(hf: dict[str, Any], group: ParallelGroup) -> tuple[TargetArchitecture, TargetModel]:
+    """This rank's model on the meta device: shapes and dtypes, no memory."""
+    architecture = _architecture(hf)
+    return architecture, on_meta(lambda: architecture.build(hf, group))
 
 
 def built_target(
@@ -225,15 +242,18 @@ def built_target(
 ) -> tuple[TargetArchitecture, TargetModel]:
     """This rank's model as load_target holds it before reading weights: uninitialised on `device` (on "meta": shapes
     and dtypes only, no memory), floating tensors in `dtype` except the family's float32 buffers, the head tied."""
-    architecture = _architecture(hf)
-    model = on_meta(lambda: architecture.build(hf, group))
+    architecture, model = target_on_meta(hf, group)
+    return architecture, _materialized(architecture, model, dtype, device)
+
+
+def _materialized(architecture: TargetArchitecture, model: TargetModel, dtype: torch.dtype, device: str) -> TargetModel:
     # Every family is an nn.Module; the protocol only lists what the servers use.
     assert isinstance(model, nn.Module)
     model = materialized(model, device, dtype)
     keep_float32(model, architecture.float32_buffers)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return architecture, model
+    return model
 
 
 def not_read(architecture: TargetArchitecture, num_layers: int) -> Callable[[str], bool] | None:
@@ -250,10 +270,12 @@ def load_target(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     group: ParallelGroup = SINGLE_PROCESS,
+    dequantize: bool = False,
 ) -> TargetModel:
-    """Builds this rank's model and reads its shard of the checkpoint (all of it with one rank)."""
-    architecture, model = built_target(read_target_config(model_dir), dtype, device, group)
-    num_layers = model.config.num_layers
+    """Builds this rank's model and reads its shard of the checkpoint (all of it with one rank); quantized linear
+    weights kept as stored, or with `dequantize` dequantized to `dtype`."""
+    architecture, meta = target_on_meta(read_target_config(model_dir), group)
+    num_layers = meta.config.num_layers
     if architecture.skips_layers_after_last:
         LOG.info(
             "%s: not reading model.layers.{>= %d}.* (draft layers after the last target layer)", model_dir, num_layers
@@ -261,9 +283,13 @@ def load_target(
     if architecture.skipped_prefixes:
         skipped = "*, ".join(architecture.skipped_prefixes)
         LOG.info("%s: not reading %s* (not part of the text model)", model_dir, skipped)
-    skip = not_read(architecture, num_layers)
-    assert isinstance(model, nn.Module)
-    unused = load_weights(model, iter_tensors(model_dir, skip, dtype), architecture.name_map, source=str(model_dir))
+    with checkpoint_tensors(model_dir, not_read(architecture, num_layers), dtype) as tensors:
+        if not dequantize:
+            assert isinstance(meta, nn.Module)
+            keep_stored(meta, tensors, architecture.name_map, dtype, device)
+        model = _materialized(architecture, meta, dtype, device)
+        assert isinstance(model, nn.Module)
+        unused = load_weights(model, iter(tensors), architecture.name_map, source=str(model_dir))
     tied_head = ["lm_head.weight"] if model.config.tie_word_embeddings else []
     unexpected = [name for name in unused if name not in tied_head and not name.endswith(_IGNORED_SUFFIXES)]
     if unexpected:

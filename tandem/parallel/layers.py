@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.layers.matmul import Linear, linear
+from tandem.layers.matmul import Linear
 from tandem.parallel.group import ParallelGroup, all_gather, all_reduce
 from tandem.parallel.vocab import VocabShard, vocab_shard
 
@@ -60,13 +60,13 @@ class RowParallelLinear(Linear):
         self.local_input_size = local_input_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., input / tp] -> [..., output]
-        partial = linear(hidden, self.weight, self.bias if self.group.is_first else None, self.prepacked)
+        partial = self.product(hidden, self.bias if self.group.is_first else None)
         return all_reduce(partial, self.group)
 
     def shard_spec(self, parameter_name: str, part: str | None) -> ShardSpec:
         if parameter_name == "bias":
-            return ShardSpec.whole((self.weight.shape[0],))
-        full_shape = (self.weight.shape[0], self.input_size)
+            return ShardSpec.whole((self.out_features,))
+        full_shape = (self.out_features, self.input_size)
         return ShardSpec(full_shape, dim=1, start=self.group.rank * self.local_input_size, size=self.local_input_size)
 
 
@@ -97,7 +97,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return all_reduce(embedded, self.group)
 
     def shard_spec(self, parameter_name: str, part: str | None) -> ShardSpec:
-        return _vocab_spec(self.vocab_size, self.weight, self.shard)
+        return _vocab_spec(self.vocab_size, self.embedding_dim, self.shard)
 
     def padded_weight(self) -> torch.Tensor:  # -> [s, hidden], zero rows for padding
         return F.pad(self.weight.detach(), (0, 0, 0, self.shard.padding))
@@ -118,15 +118,15 @@ class ParallelLMHead(Linear):
         self.shard: VocabShard = shard
 
     def forward(self, normed: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab]
-        local = F.pad(linear(normed, self.weight, None, self.prepacked), (0, self.shard.padding))  # [..., s]
+        local = F.pad(self.product(normed, None), (0, self.shard.padding))  # [..., s]
         return all_gather(local, self.group, dim=-1)[..., : self.vocab_size]  # [..., tp * s] -> [..., vocab]
 
     def shard_spec(self, parameter_name: str, part: str | None) -> ShardSpec:
-        return _vocab_spec(self.vocab_size, self.weight, self.shard)
+        return _vocab_spec(self.vocab_size, self.in_features, self.shard)
 
-    def padded_weight(self) -> torch.Tensor:  # -> [s, hidden], zero rows for padding
-        return F.pad(self.weight.detach(), (0, 0, 0, self.shard.padding))
+    def padded_weight(self) -> torch.Tensor:  # -> [s, hidden], zero rows for padding; a stored head expanded
+        return F.pad(self.float_weight().detach(), (0, 0, 0, self.shard.padding))
 
 
-def _vocab_spec(vocab_size: int, weight: torch.Tensor, shard: VocabShard) -> ShardSpec:
-    return ShardSpec((vocab_size, weight.shape[1]), dim=0, start=shard.start, size=shard.real)
+def _vocab_spec(vocab_size: int, width: int, shard: VocabShard) -> ShardSpec:
+    return ShardSpec((vocab_size, width), dim=0, start=shard.start, size=shard.real)

@@ -7,16 +7,18 @@ parameter. Every parameter must be covered, or loading fails naming the missing 
 Tensor parallel: a module that holds one rank's slice of a tensor (tandem.parallel.layers.ShardedModule) says which
 slice per parameter (`ShardSpec`), and only that slice is read from the file; each rank reads its own.
 
-Quantized checkpoints (config.json's quantization_config) are dequantized here, before any name map sees them
-(tandem.weights.quantized): a quantized module's stored parts become one float `X.weight`.
+Quantized checkpoints (config.json's quantization_config): before any name map sees them, a quantized module's stored
+parts become one `X.weight` (tandem.weights.quantized). A Linear that `keep_stored` gave its stored form
+(tandem.layers.stored) before the model was materialized loads its rank's slice of the stored parts; any other
+module, or every one with --dequantize, loads the weight dequantized to the serving dtype.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Collection, Iterator
-from contextlib import ExitStack
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,8 +29,11 @@ from torch import nn
 
 from tandem.errors import StartupError
 from tandem.layers.linear import PackedLinear
+from tandem.layers.matmul import Linear
+from tandem.layers.stored import StoredWeight
 from tandem.parallel.layers import ShardedModule, ShardSpec
-from tandem.weights.quantized import Stored, dequantized, quantization_of
+from tandem.weights.formats import QuantizationError, QuantizedTensor, Stored, stored_slices
+from tandem.weights.quantized import quantization_of, quantized_entries
 
 LOG = logging.getLogger(__name__)
 
@@ -124,14 +129,13 @@ class StoredTensor:
         return self._handle.get_slice(self._name)[tuple(index)]
 
 
-def iter_tensors(
+@contextmanager
+def checkpoint_tensors(
     model_dir: Path, skip: Callable[[str], bool] | None = None, dtype: torch.dtype = torch.float32
-) -> Iterator[tuple[str, Stored]]:
-    """Every tensor of the checkpoint, except those whose name `skip` accepts; none is read before it is used.
-
-    Quantized weights come dequantized, in `dtype` (the serving dtype); every file stays open until the iteration
-    ends, since a weight and its scales may lie in different files.
-    """
+) -> Iterator[list[tuple[str, Stored]]]:
+    """Every tensor of the checkpoint, except those whose name `skip` accepts, none read yet; the files stay open
+    until the context ends, since a weight and its scales may lie in different files. A quantized module's weight
+    comes as one QuantizedTensor, whose float values come in `dtype` (the serving dtype)."""
     config = model_dir / "config.json"
     quantization = quantization_of(json.loads(config.read_text())) if config.is_file() else None
     with ExitStack() as files:
@@ -141,7 +145,15 @@ def iter_tensors(
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 if skip is None or not skip(name):
                     stored.append((name, StoredTensor(handle, name)))
-        yield from dequantized(stored, quantization, str(model_dir), dtype)
+        yield quantized_entries(stored, quantization, str(model_dir), dtype)
+
+
+def iter_tensors(
+    model_dir: Path, skip: Callable[[str], bool] | None = None, dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[str, Stored]]:
+    """`checkpoint_tensors` one by one, the files open until the iteration ends."""
+    with checkpoint_tensors(model_dir, skip, dtype) as tensors:
+        yield from tensors
 
 
 @dataclass(frozen=True)
@@ -169,12 +181,25 @@ class ParameterSlots:
         self.modules = dict(module.named_modules())
         expected: set[tuple[str, str | None]] = set()
         for name in self.parameters:
-            owner = self.modules[name.rpartition(".")[0]]
+            owner_name = name.rpartition(".")[0]
+            owner = self.modules[owner_name]
+            if isinstance(owner, StoredWeight):  # a stored part, loaded under its layer's weight (`kept`)
+                continue
             if isinstance(owner, PackedLinear):
                 expected.update((name, part) for part in owner.part_rows)
             else:
                 expected.add((name, None))
+        for name, stored in self.kept().items():
+            expected.update((f"{name}.weight", segment) for segment in stored.segments)
         self.expected = frozenset(expected)
+
+    def kept(self) -> dict[str, StoredWeight]:
+        """The stored forms of the weights kept as stored, by their layer's name."""
+        return {
+            name: module.stored
+            for name, module in self.modules.items()
+            if isinstance(module, Linear) and module.stored is not None
+        }
 
     def slot(self, checkpoint_name: str) -> Slot | None:
         """Where the tensor `checkpoint_name` goes; None when no parameter takes it."""
@@ -186,6 +211,9 @@ class ParameterSlots:
         if isinstance(owner, ShardedModule):
             spec = owner.shard_spec(leaf, part)
             return Slot(parameter_name, part, spec.full_shape, spec)
+        if parameter_name not in self.parameters:  # a weight kept as stored
+            assert isinstance(owner, Linear) and owner.stored is not None
+            return Slot(parameter_name, part, owner.stored.shape, None)
         return Slot(parameter_name, part, tuple(self.parameters[parameter_name].shape), None)
 
     def check_filled(
@@ -232,19 +260,60 @@ def load_weights(
         try:
             if stored.shape != slot.full_shape:
                 raise ValueError(f"expected shape {slot.full_shape}, got {stored.shape}")
-            tensor = stored.read(slot.spec)
-            if slot.part is None:
-                slots.parameters[slot.parameter_name].data.copy_(tensor)
+            owner_name, _, leaf = slot.parameter_name.rpartition(".")
+            owner = slots.modules[owner_name]
+            if isinstance(owner, Linear) and owner.stored is not None:
+                assert isinstance(stored, QuantizedTensor), "keep_stored keeps only weights stored quantized"
+                owner.stored.load(slot.part, stored.read_stored(slot.spec))
+            elif slot.part is None:
+                slots.parameters[slot.parameter_name].data.copy_(stored.read(slot.spec))
             else:
-                owner_name, _, leaf = slot.parameter_name.rpartition(".")
-                owner = slots.modules[owner_name]
                 assert isinstance(owner, PackedLinear)
-                owner.load_part(leaf, slot.part, tensor)
+                owner.load_part(leaf, slot.part, stored.read(slot.spec))
         except ValueError as error:
             raise CheckpointError(f"tensor {checkpoint_name} in {source}: {error}") from None
         filled.add(slot.key)
     slots.check_filled(filled, optional, present_roots, source)
     return unused
+
+
+def keep_stored(
+    module: nn.Module, tensors: Sequence[tuple[str, Stored]], name_map: NameMap, dtype: torch.dtype, device: str
+) -> int:
+    """Gives every Linear of `module` (still on the meta device) whose weight the checkpoint stores quantized its
+    stored form in place of the float weight, which is then never materialized; returns how many. A quantized weight
+    of any other module (an embedding) loads dequantized. Raises QuantizationError naming a weight whose rank slice
+    would cut a block or group (tandem.weights.formats.stored_slices), or a packed layer of quantized and float parts.
+    """
+    slots = ParameterSlots(module, name_map)
+    found: dict[str, dict[str | None, QuantizedTensor]] = {}  # layer name -> its quantized parts
+    for name, stored in tensors:
+        slot = slots.slot(name)
+        if slot is None or not isinstance(stored, QuantizedTensor):
+            continue
+        owner_name, _, leaf = slot.parameter_name.rpartition(".")
+        if leaf == "weight" and isinstance(slots.modules[owner_name], Linear):
+            stored_slices(stored.quantization, slot.spec, name)  # refuses a cut before anything is read
+            found.setdefault(owner_name, {})[slot.part] = stored
+    for owner_name, parts in found.items():
+        owner = slots.modules[owner_name]
+        assert isinstance(owner, Linear)
+        experts = owner.experts if isinstance(owner, PackedLinear) else 1
+        segments = _segments(owner)
+        if set(parts) != set(segments):
+            raise QuantizationError(
+                f"{owner_name}: packs the quantized parts {sorted(map(str, parts))} with float ones (--dequantize)"
+            )
+        quantization = next(iter(parts.values())).quantization
+        owner.keep_stored(StoredWeight(quantization, segments, owner.in_features, dtype, device, experts))
+    return len(found)
+
+
+def _segments(layer: Linear) -> dict[str | None, int]:
+    """A layer's stored segments and the rows of one expert each: a PackedLinear's parts, else the whole weight."""
+    if isinstance(layer, PackedLinear):
+        return {part: size // layer.experts for part, (_, size) in layer.part_rows.items()}
+    return {None: layer.out_features}
 
 
 Built = TypeVar("Built")

@@ -300,7 +300,7 @@ def test_moe_layer_freq_places_moe_layers_as_deepseek_does(hf_config: dict[str, 
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        # fp8 and compressed-tensors INT4 are dequantized at load (tests/unit/test_quantized_checkpoints.py).
+        # fp8 and compressed-tensors INT4 are read (tests/unit/test_quantized_checkpoints.py).
         ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config.quant_method"),
         ({"scoring_func": "softmax"}, "scoring_func"),
         ({"topk_method": "greedy"}, "topk_method"),

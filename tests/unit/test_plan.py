@@ -25,11 +25,11 @@ from safetensors.torch import load_file, save_file
 from launch.cli import main
 from tandem.layers.matmul import ONEDNN, Linear, prepack
 from tandem.models.memory_plan import CutBlock, MemoryPlan, plan_memory
-from tandem.models.registry import TargetModel, load_target
+from tandem.models.registry import TargetModel, check_tensor_parallel, load_target
 from tandem.parallel.group import ParallelGroup
 from tandem.settings import KVCacheSettings
+from tandem.weights.formats import QuantizationError
 from tandem.weights.headers import checkpoint_headers
-from tandem.weights.quantized import QuantizationError
 from target_server.ranks import build_cache
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.helpers.deepseek_checkpoints import DEEPSEEK_NEXTN, TinyDeepseekSpec, write_tiny_deepseek
@@ -41,6 +41,11 @@ from tests.helpers.quantized_checkpoints import int4_config, pack_int4, quantize
 GROUP = 16  # INT4 group; with 16 x 16 fp8 blocks, every tp-2 split of the tiny Llama falls on a boundary
 BLOCK_SIZE = KVCacheSettings.block_size
 H200_BYTES = 141_000_000_000
+# What the target says when tp 2 would cut the 48 x 48 fp8 blocks of "llama-fp8-cut" (down_proj is met first).
+CUT_DOWN_PROJ = (
+    r"^tensor model\.layers\.0\.mlp\.down_proj\.weight: columns 64 per rank is not a multiple of the 48-column fp8 "
+    r"block"
+)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +118,22 @@ def held_bytes(model: TargetModel) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in held(model))
 
 
+def is_kept(name: str) -> bool:
+    """A tensor the target holds: every one but INT4's weight_shape (the layer's own shape gives it)."""
+    return not name.endswith("weight_shape")
+
+
+def prepacked_bytes(model: TargetModel) -> dict[str, int]:
+    """The bytes of the oneDNN copy `prepack` makes of each linear layer's weight, by layer name."""
+    assert isinstance(model, torch.nn.Module)
+    prepack(model)
+    return {
+        name: module.prepacked.nbytes
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and module.prepacked is not None
+    }
+
+
 def pool_token_bytes(model: TargetModel) -> int:
     """What the target's own KV pool allocates per token (three blocks, every layer)."""
     settings = KVCacheSettings(num_blocks=3, block_size=4)
@@ -144,9 +165,12 @@ def test_at_tp_1_the_weights_are_the_stored_bytes_of_what_the_target_reads(
     directory = checkpoints[name]
     plan = planned(directory, tp=1)
     (rank,) = plan.ranks
-    assert rank.quantized_bytes + rank.float_bytes == sum(stored_bytes(directory, read).values())
+    stored = sum(stored_bytes(directory, lambda tensor: read(tensor) and is_kept(tensor)).values())
+    assert rank.quantized_bytes + rank.float_bytes == stored
     assert plan.skipped_bytes == sum(stored_bytes(directory, lambda tensor: not read(tensor)).values())
-    model = load_target(directory)  # float32: quantized weights dequantized, as the plan's dequantized bytes
+    # Kept as stored (the default), the target holds exactly the stored bytes; dequantized, the plan's other count.
+    assert held_bytes(load_target(directory)) == stored
+    model = load_target(directory, dequantize=True)
     assert rank.dequantized_bytes == held_bytes(model)
     assert plan.parameters == sum(tensor.numel() for tensor in held(model))
     assert rank.kv_token_bytes == pool_token_bytes(model)
@@ -157,9 +181,15 @@ def test_at_tp_1_the_weights_are_the_stored_bytes_of_what_the_target_reads(
 def test_at_tp_2_each_rank_holds_what_the_loader_loads_on_it(checkpoints: dict[str, Path], name: str) -> None:
     plan = planned(checkpoints[name], tp=2)
     for rank in plan.ranks:
-        model = load_target(checkpoints[name], group=ParallelGroup(rank=rank.rank, world_size=2))
+        group = ParallelGroup(rank=rank.rank, world_size=2)
+        model = load_target(checkpoints[name], group=group, dequantize=True)
         assert rank.dequantized_bytes == held_bytes(model)
         assert rank.kv_token_bytes == pool_token_bytes(model)
+        if name == "llama-fp8-cut":  # kept as stored, refused: tp 2 cuts the 48 x 48 blocks
+            with pytest.raises(QuantizationError, match=CUT_DOWN_PROJ):
+                load_target(checkpoints[name], group=group)
+        else:
+            assert rank.quantized_bytes + rank.float_bytes == held_bytes(load_target(checkpoints[name], group=group))
 
 
 @pytest.mark.parametrize("name", ["llama", "llama-sharded-tied", "llama-fp8", "llama-int4"])
@@ -170,19 +200,15 @@ def test_on_the_cpu_in_float32_each_rank_counts_the_copies_prepack_makes(
     # weights count only with --dequantize; the LM head (the embedding's table, when tied) is copied in both forms.
     plan = planned(checkpoints[name], tp=2)
     for rank in plan.ranks:
-        model = load_target(checkpoints[name], group=ParallelGroup(rank=rank.rank, world_size=2))
-        assert isinstance(model, torch.nn.Module)
-        prepack(model)
-        copied = {
-            module_name: module.weight.nbytes
-            for module_name, module in model.named_modules()
-            if isinstance(module, Linear) and module.prepacked is not None
-        }
-        assert (sum(copied.values()) > 0) == ONEDNN
-        assert rank.dequantized_copy_bytes == sum(copied.values())
+        group = ParallelGroup(rank=rank.rank, world_size=2)
+        copied = {dequantize: prepacked_bytes(load_target(checkpoints[name], group=group, dequantize=dequantize))
+                  for dequantize in (True, False)}  # fmt: skip
+        assert (sum(copied[True].values()) > 0) == ONEDNN
+        assert rank.dequantized_copy_bytes == sum(copied[True].values())
+        # Kept as stored, the quantized weights (every projection of the decoder layers) get no copy.
         quantized = name != "llama" and name != "llama-sharded-tied"
-        float_copies = [size for module_name, size in copied.items() if not quantized or ".layers." not in module_name]
-        assert rank.float_copy_bytes == sum(float_copies)
+        assert all(not quantized or ".layers." not in module_name for module_name in copied[False])
+        assert rank.float_copy_bytes == sum(copied[False].values())
         assert rank.weight_bytes(dequantize=True) == rank.dequantized_bytes + rank.dequantized_copy_bytes
     for dtype, device in (("bfloat16", "cpu"), ("float32", "cuda")):
         for rank in planned(checkpoints[name], tp=2, dtype=dtype, device=device).ranks:
@@ -192,7 +218,7 @@ def test_on_the_cpu_in_float32_each_rank_counts_the_copies_prepack_makes(
 def test_quantized_slices_at_tp_2_by_hand(checkpoints: dict[str, Path]) -> None:
     # 16 x 16 fp8 blocks, groups of 16: every projection splits in half on a boundary (q/k/v, gate/up by rows, o_proj
     # and down_proj by columns: 64 / 2, 32 / 2, 128 / 2 are multiples of 16), so each rank holds half of every
-    # stored part, except INT4's weight_shape ([2] int64), which every rank holds whole.
+    # stored part it keeps (INT4's weight_shape, [2] int64, is not kept).
     fp8 = stored_bytes(checkpoints["llama-fp8"], is_quantized_part)
     assert [rank.quantized_bytes for rank in planned(checkpoints["llama-fp8"], tp=2).ranks] == [
         sum(fp8.values()) // 2
@@ -200,9 +226,8 @@ def test_quantized_slices_at_tp_2_by_hand(checkpoints: dict[str, Path]) -> None:
     int4 = stored_bytes(checkpoints["llama-int4"], is_quantized_part)
     shapes = {name: size for name, size in int4.items() if name.endswith("weight_shape")}
     assert len(shapes) == 4 * 7 and set(shapes.values()) == {16}
-    halves = (sum(int4.values()) - sum(shapes.values())) // 2 + sum(shapes.values())
     plan = planned(checkpoints["llama-int4"], tp=2)
-    assert [rank.quantized_bytes for rank in plan.ranks] == [halves] * 2
+    assert [rank.quantized_bytes for rank in plan.ranks] == [(sum(int4.values()) - sum(shapes.values())) // 2] * 2
     assert plan.cuts == ()
 
 
@@ -216,6 +241,15 @@ def test_a_split_inside_a_block_is_reported_and_both_ranks_hold_its_scales(check
     assert CutBlock("model.layers.0.self_attn.o_proj.weight", rank=1, dim=1, start=32, end=64, cell=48) in plan.cuts
     total = sum(stored_bytes(checkpoints["llama-fp8-cut"], is_quantized_part).values())
     assert sum(rank.quantized_bytes for rank in plan.ranks) > total  # the scales of cut blocks, on both ranks
+
+
+def test_a_tp_that_cuts_blocks_is_refused_before_any_rank_starts_unless_dequantized(
+    checkpoints: dict[str, Path],
+) -> None:
+    with pytest.raises(QuantizationError, match=CUT_DOWN_PROJ):
+        check_tensor_parallel(checkpoints["llama-fp8-cut"], 2)
+    check_tensor_parallel(checkpoints["llama-fp8-cut"], 2, dequantize=True)
+    check_tensor_parallel(checkpoints["llama-fp8"], 2)
 
 
 def test_no_tensor_data_is_read(checkpoints: dict[str, Path], tmp_path: Path) -> None:

@@ -1,16 +1,16 @@
-"""Quantized checkpoints dequantized at load (tandem.weights.quantized): block-wise fp8 as DeepSeek-V3 and Kimi-K2
-ship, compressed-tensors pack-quantized INT4 as Kimi-K2.5 ships its routed experts.
+"""Quantized checkpoints (tandem.weights.formats, quantized; tandem.layers.stored): block-wise fp8 as DeepSeek-V3 and
+Kimi-K2 ship, compressed-tensors pack-quantized INT4 as Kimi-K2.5 ships its routed experts.
 
 Small tensors against the formats' definitions (and fixed words of compressed-tensors' packing); tiny DeepSeek-V3 and
-Kimi-K2.5 checkpoints quantized by the formats' rules (tests.helpers.quantized_checkpoints), whose loaded weights must
-equal the reference dequantization exactly and whose greedy output must equal transformers' on that dequantization;
-refusals of what is not supported, naming it.
+Kimi-K2.5 checkpoints quantized by the formats' rules (tests.helpers.quantized_checkpoints), whose weights, kept as
+stored (expanded) or dequantized at load, must equal the reference dequantization exactly and whose greedy output must
+equal transformers' on that dequantization; a rank's slice of the stored form along whole blocks; refusals of what is
+not supported, naming it.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import re
 import shutil
 from pathlib import Path
@@ -21,17 +21,23 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Kimi_K25ForConditionalGeneration
 
+from tandem.layers.linear import PackedLinear
+from tandem.layers.matmul import Linear
+from tandem.layers.stored import StoredWeight
 from tandem.models.config import ConfigError
 from tandem.models.deepseek_v3 import DeepseekV3Config
 from tandem.models.registry import load_target
 from tandem.parallel.layers import ShardSpec
-from tandem.weights.quantized import (
+from tandem.weights.formats import (
+    BlockFp8,
     QuantizationError,
+    QuantizedTensor,
     dequantize_block_fp8,
     dequantize_packed_int4,
-    quantization_of,
-    unpack_int4,
+    int4_values_into,
 )
+from tandem.weights.loader import checkpoint_tensors, on_meta
+from tandem.weights.quantized import quantization_of
 from tests.helpers.deepseek_checkpoints import TinyDeepseekSpec, write_tiny_deepseek
 from tests.helpers.kimi_checkpoints import write_tiny_kimi_k25
 from tests.helpers.parity import token_ids
@@ -54,22 +60,28 @@ FP8_BLOCK = (16, 24)
 INT4_GROUP = 16
 
 
+def int4_values(packed: torch.Tensor, columns: int) -> torch.Tensor:  # [rows, words] int32 -> [rows, columns] int8
+    values = torch.empty((packed.shape[0], columns))
+    int4_values_into(packed, values)
+    return values.to(torch.int8)
+
+
 def test_int4_packing_matches_compressed_tensors_words() -> None:
     # Words produced by compressed-tensors' pack_to_int32 (0.20.0) for these values: nibble k of word w holds column
     # 8 * w + k, as q + 8, least significant first; unused nibbles of the last word are 0.
     ramp = torch.arange(-8, 8, dtype=torch.int8)[None]  # [1, 16]
     assert pack_int4(ramp).tolist() == [[0x76543210, 0xFEDCBA98 - (1 << 32)]]
-    assert torch.equal(unpack_int4(torch.tensor([[0x76543210, 0xFEDCBA98 - (1 << 32)]], dtype=torch.int32), 16), ramp)
+    assert torch.equal(int4_values(torch.tensor([[0x76543210, 0xFEDCBA98 - (1 << 32)]], dtype=torch.int32), 16), ramp)
     odd = torch.tensor([[1, 7, -8, 0, 3, -1, 2, -5, 6, 4, -3]], dtype=torch.int8)
     assert pack_int4(odd).tolist() == [[981172473, 1486]]
-    assert torch.equal(unpack_int4(torch.tensor([[981172473, 1486]], dtype=torch.int32), 11), odd)
+    assert torch.equal(int4_values(torch.tensor([[981172473, 1486]], dtype=torch.int32), 11), odd)
 
 
 def test_int4_dequantization_follows_the_format() -> None:
     weight = torch.randn((6, 45), generator=torch.Generator().manual_seed(0))
     q, scale = quantize_int4(weight, INT4_GROUP)  # 45 columns: 3 groups, the last one partial
     packed = pack_int4(q)
-    assert torch.equal(unpack_int4(packed, 45), q)
+    assert torch.equal(int4_values(packed, 45), q)
     ours = dequantize_packed_int4(packed, scale, (6, 45), INT4_GROUP)
     expected = torch.stack([q[:, c].float() * scale[:, c // INT4_GROUP].float() for c in range(45)], dim=1)
     assert torch.equal(ours, expected)
@@ -87,6 +99,27 @@ def test_fp8_dequantization_follows_the_format_at_partial_edge_blocks() -> None:
     ours = dequantize_block_fp8(fp8, scale_inv, FP8_BLOCK)
     assert torch.equal(ours, dequantize_block_fp8_reference(fp8, scale_inv, FP8_BLOCK))
     assert (ours - weight).abs().max() <= weight.abs().max() / 8  # fp8 keeps 3 mantissa bits
+
+
+def test_a_stack_of_packed_experts_kept_as_stored_expands_part_by_part_and_expert_by_expert() -> None:
+    # gate/up of 2 experts, 20 rows each (a partial 16-row block at each part's end), 40 input columns: each part of
+    # each expert is its own stored weight with its own block grid.
+    generator = torch.Generator().manual_seed(2)
+    layer = on_meta(lambda: PackedLinear(40, {"gate": 20, "up": 20}, bias=False, experts=2))
+    layer.keep_stored(StoredWeight(BlockFp8(FP8_BLOCK), {"gate": 20, "up": 20}, 40, torch.float32, "cpu", experts=2))
+    expected = {}
+    for part in ("gate", "up"):
+        stored = [quantize_block_fp8(torch.randn((20, 40), generator=generator), FP8_BLOCK) for _ in range(2)]
+        assert layer.stored is not None
+        layer.stored.load(part, {"weight": torch.stack([fp8 for fp8, _ in stored]),
+                                 "weight_scale_inv": torch.stack([scale for _, scale in stored])})  # fmt: skip
+        expected[part] = [dequantize_block_fp8_reference(fp8, scale, FP8_BLOCK) for fp8, scale in stored]
+    for part in ("gate", "up"):
+        for expert in range(2):
+            assert torch.equal(layer.expert_rows(part, expert), expected[part][expert])
+    # The whole weight in the layer's row order: gate (expert 0, expert 1), then up.
+    assert torch.equal(layer.float_weight(), torch.cat([*expected["gate"], *expected["up"]]))
+    assert dict(layer.named_parameters()) == {} and len(dict(layer.named_buffers())) == 4  # no float weight held
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +141,26 @@ def int4_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "int4", root / "reference"
 
 
-def assert_same_weights(quantized: Path, reference: Path, dtype: torch.dtype) -> None:
-    ours = load_target(quantized, dtype=dtype)
+def assert_loads_as_the_reference(quantized: Path, reference: Path, dtype: torch.dtype) -> list[str]:
+    """Dequantized at load, every tensor equals the reference's; kept as stored, every float tensor does and every
+    stored weight expands to the reference's weight. Returns the layers whose weights are kept as stored."""
     expected = load_target(reference, dtype=dtype)
-    assert isinstance(ours, torch.nn.Module) and isinstance(expected, torch.nn.Module)
+    dequantized = load_target(quantized, dtype=dtype, dequantize=True)
+    kept = load_target(quantized, dtype=dtype)
+    assert isinstance(expected, torch.nn.Module) and isinstance(dequantized, torch.nn.Module)
+    assert isinstance(kept, torch.nn.Module)
     expected_state = expected.state_dict()
-    for name, tensor in ours.state_dict().items():
+    for name, tensor in dequantized.state_dict().items():
         assert tensor.dtype == expected_state[name].dtype, name
         assert torch.equal(tensor, expected_state[name]), name
+    stored = [name for name, layer in kept.named_modules() if isinstance(layer, Linear) and layer.stored is not None]
+    for name in stored:
+        weight = kept.get_submodule(name).float_weight()
+        assert weight.dtype == dtype and torch.equal(weight, expected_state[name + ".weight"]), name
+    for name, tensor in kept.state_dict().items():
+        if ".stored." not in name:
+            assert torch.equal(tensor, expected_state[name]), name
+    return stored
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -124,7 +169,10 @@ def test_fp8_weights_load_as_the_reference_dequantization(fp8_dirs: tuple[Path, 
     stored = load_file(str(quantized / "model.safetensors"))
     assert stored["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.float8_e4m3fn
     assert stored["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (3, 3)
-    assert_same_weights(quantized, reference, dtype)
+    kept = assert_loads_as_the_reference(quantized, reference, dtype)
+    # Every projection of the decoder layers (3 layers of q_a, q_b, kv_a, kv_b, o; a dense MLP, then 8 routed experts
+    # and a shared one, gate/up and down each), not the head.
+    assert len(kept) == 3 * 5 + 2 + 2 * (9 * 2) and all(name.startswith("model.layers.") for name in kept)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -134,7 +182,8 @@ def test_int4_experts_load_as_the_reference_dequantization(int4_dirs: tuple[Path
     prefix = "language_model.model.blocks.1.mlp.experts.3.gate_proj."
     assert stored[prefix + "weight_packed"].shape == (32, 8) and prefix + "weight" not in stored
     assert "language_model.model.blocks.1.mlp.shared_experts.gate_proj.weight" in stored  # left in float
-    assert_same_weights(quantized, reference, dtype)
+    kept = assert_loads_as_the_reference(quantized, reference, dtype)
+    assert len(kept) == 2 * 8 * 2 and all(".mlp.experts." in name for name in kept)  # 2 MoE layers' routed experts
 
 
 def test_fp8_greedy_equals_transformers_on_the_dequantized_weights(fp8_dirs: tuple[Path, Path]) -> None:
@@ -151,33 +200,28 @@ def test_int4_kimi_k25_greedy_equals_transformers_on_the_dequantized_weights(int
     assert served_greedy(quantized, prompt, NEW_TOKENS) == transformers_greedy(model, prompt, NEW_TOKENS)
 
 
-def test_dequantized_weights_slice_for_tensor_parallel_shards(fp8_dirs: tuple[Path, Path]) -> None:
-    from tandem.weights.loader import iter_tensors
-
+def test_quantized_weights_slice_for_tensor_parallel_shards(fp8_dirs: tuple[Path, Path]) -> None:
     quantized, reference = fp8_dirs
-    name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"  # [40, 64]: shards cut through the 16-row blocks
+    name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"  # [40, 64] in 16 x 24 blocks: a [3, 3] grid
     expected = load_file(str(reference / "model.safetensors"))[name]
-    shards = (
-        (ShardSpec((40, 64), dim=0, start=10, size=20), slice(10, 30), slice(None)),
-        (ShardSpec((40, 64), dim=1, start=32, size=32), slice(None), slice(32, 64)),
-    )
-    found = 0
-    for stored_name, stored in iter_tensors(quantized):  # the files are open while the iteration runs
-        if stored_name == name:
-            found += 1
-            assert stored.shape == (40, 64)
-            for spec, rows, cols in shards:
-                assert torch.equal(stored.read(spec), expected[rows, cols])
-    assert found == 1
-
-
-def test_dequantization_is_logged_with_its_memory(
-    fp8_dirs: tuple[Path, Path], caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.INFO, logger="tandem.weights.quantized"):
-        load_target(fp8_dirs[0], dtype=torch.bfloat16)
-    assert "block-wise fp8 e4m3 (16x24 blocks)" in caplog.text
-    assert "GiB in bfloat16" in caplog.text
+    stored = load_file(str(quantized / "model.safetensors"))
+    by_rows, by_columns = ShardSpec((40, 64), dim=0, start=10, size=20), ShardSpec((40, 64), dim=1, start=32, size=32)
+    with checkpoint_tensors(quantized) as tensors:
+        (weight,) = [tensor for tensor_name, tensor in tensors if tensor_name == name]
+        assert isinstance(weight, QuantizedTensor) and weight.shape == (40, 64)
+        # Dequantized, any slice: the whole weight is dequantized, then cut.
+        assert torch.equal(weight.read(by_rows), expected[10:30])
+        assert torch.equal(weight.read(by_columns), expected[:, 32:])
+        # As stored, whole blocks: rows [16, 40) (the last block partial, where the weight ends) take scale rows 1..2.
+        parts = weight.read_stored(ShardSpec((40, 64), dim=0, start=16, size=24))
+        assert torch.equal(parts["weight"].view(torch.uint8), stored[name][16:].view(torch.uint8))
+        assert torch.equal(parts["weight_scale_inv"], stored[name + "_scale_inv"][1:])
+        with pytest.raises(QuantizationError, match=r"weight: rows 20 per rank is not a multiple of the 16-row fp8"):
+            weight.read_stored(by_rows)
+        with pytest.raises(
+            QuantizationError, match=r"columns 32 per rank is not a multiple of the 24-column fp8 block"
+        ):
+            weight.read_stored(by_columns)
 
 
 def edited(directory: Path, tmp_path: Path, edit: Any) -> Path:
@@ -253,7 +297,7 @@ def test_unsupported_int4_weight_schemes_are_refused_naming_the_key(key: str, va
         quantization_of({"text_config": {"quantization_config": config}})
 
 
-def test_deepseek_config_accepts_what_the_loader_dequantizes(float_deepseek: Path) -> None:
+def test_deepseek_config_accepts_what_the_loader_reads(float_deepseek: Path) -> None:
     hf = json.loads((float_deepseek / "config.json").read_text())
     DeepseekV3Config.from_hf(hf | {"quantization_config": fp8_config((128, 128))})
     DeepseekV3Config.from_hf(hf | {"quantization_config": int4_config(32)})

@@ -1,0 +1,124 @@
+"""A linear layer's weight kept as a quantized checkpoint stores it, expanded to the serving dtype before each product.
+
+The formats (block-wise fp8, compressed-tensors INT4: tandem.weights.quantized) say which stored parts a weight keeps
+in memory and how they expand to float32 values. A `StoredWeight` holds those parts segment by segment: a plain Linear
+has one segment (None), a PackedLinear one per part (q/k/v, gate/up), since each part is a checkpoint tensor of its
+own with its own blocks or groups. A segment holds this rank's rows of its part; a stack of experts
+(PackedLinear with `experts` > 1) keeps every expert's parts with a leading expert dimension.
+
+The parts are buffers named `{segment}_{part}` (`weight` and `weight_scale_inv` for a plain fp8 Linear,
+`gate_weight_packed` ... for a packed INT4 one), registered as the loader hands them over (`load`): the float weight
+they stand for is never allocated, and a model's memory is the stored bytes plus its float parts.
+
+`expanded` builds the whole float weight ([out, in], in the serving dtype) and `expert` one expert's rows of one part;
+Linear.forward calls the first just before its product, so a mixture of experts expands only the experts a step
+routes to (tandem.layers.moe runs only those).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Protocol
+
+import torch
+from torch import nn
+
+# Values a run of expanded rows holds (`StoredWeight.chunks`): 4 MiB in float32, which the cache keeps between its
+# expansion and its product.
+CHUNK_VALUES = 2**20
+
+
+class StoredFormat(Protocol):
+    """What a StoredWeight needs of a quantization format (tandem.weights.quantized.BlockFp8, PackedInt4)."""
+
+    @property
+    def kept(self) -> tuple[str, ...]: ...  # the stored parts held in memory, e.g. ("weight", "weight_scale_inv")
+
+    def stored_shapes(self, shape: tuple[int, int]) -> dict[str, tuple[int, ...]]: ...  # for a [rows, cols] weight
+
+    @property
+    def row_cell(self) -> int: ...  # a run of rows expanded apart starts at a multiple of this (a block's rows)
+
+    def rows_of(self, parts: Mapping[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
+        """The stored parts of rows [start, stop) of one weight, start a multiple of `row_cell`."""
+        ...
+
+    def expand_into(self, parts: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+        """Writes the float32 values of one stored [rows, cols] weight into `out` ([rows, cols] float32)."""
+        ...
+
+
+class StoredWeight(nn.Module):
+    def __init__(
+        self,
+        format: StoredFormat,
+        segments: dict[str | None, int],  # segment -> this rank's rows of one expert, in the weight's row order
+        columns: int,  # this rank's columns (the layer's in_features)
+        dtype: torch.dtype,  # the serving dtype the weight expands to
+        device: torch.device | str,
+        experts: int = 1,
+    ) -> None:
+        super().__init__()
+        self.format = format
+        self.segments = segments
+        self.columns = columns
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.experts = experts
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The float weight's shape on this rank: [out, in]."""
+        return self.experts * sum(self.segments.values()), self.columns
+
+    def load(self, segment: str | None, parts: Mapping[str, torch.Tensor]) -> None:
+        """Keeps this rank's slice of one segment's stored parts (every kept part); ValueError naming a part whose
+        shape is not the one the segment takes."""
+        expected = self.format.stored_shapes((self.segments[segment], self.columns))
+        for name in self.format.kept:
+            shape = (self.experts, *expected[name]) if self.experts > 1 else expected[name]
+            tensor = parts[name]
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{name}: expected shape {shape} on this rank, got {tuple(tensor.shape)}")
+            # A copy the process owns, as a float weight's: a tensor read from the checkpoint may map its file.
+            self.register_buffer(_buffer_name(segment, name), tensor.to(self.device, copy=True))
+
+    def expanded(self) -> torch.Tensor:  # -> [out, in] in the serving dtype
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        for rows, weight in self.chunks():
+            out[rows] = weight
+        return out
+
+    def expert(self, segment: str | None, expert: int) -> torch.Tensor:  # -> [rows of one expert, in]
+        """One expert's rows of one segment, expanded."""
+        out = torch.empty((self.segments[segment], self.columns), dtype=torch.float32, device=self.device)
+        self.format.expand_into(self._parts(segment, expert), out)
+        return out.to(self.dtype)
+
+    def chunks(self, values: int = CHUNK_VALUES) -> Iterator[tuple[slice, torch.Tensor]]:
+        """The weight expanded a run of rows at a time, in row order: (rows, [len(rows), in] in the serving dtype).
+        A run holds about `values` values, in a float32 buffer reused from run to run (valid until the next), so that
+        what is expanded is multiplied while it is in the cache. Example: fp8 in 128-row blocks, 7168 columns: runs
+        of 128 rows (a whole block of rows, at least); 2048 columns: runs of 128."""
+        cell = self.format.row_cell
+        step = max(cell, values // self.columns // cell * cell)
+        buffer = torch.empty((step, self.columns), dtype=torch.float32, device=self.device)
+        row = 0
+        for segment, rows in self.segments.items():
+            for expert in range(self.experts):
+                parts = self._parts(segment, expert)
+                for start in range(0, rows, step):
+                    stop = min(rows, start + step)
+                    out = buffer[: stop - start]
+                    self.format.expand_into(self.format.rows_of(parts, start, stop), out)
+                    yield slice(row + start, row + stop), out.to(self.dtype)
+                row += rows
+
+    def _parts(self, segment: str | None, expert: int) -> dict[str, torch.Tensor]:
+        """One expert's stored parts of one segment."""
+        parts = {name: self.get_buffer(_buffer_name(segment, name)) for name in self.format.kept}
+        return {name: part[expert] for name, part in parts.items()} if self.experts > 1 else parts
+
+
+def _buffer_name(segment: str | None, part: str) -> str:
+    return part if segment is None else f"{segment}_{part}"
