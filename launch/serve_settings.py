@@ -59,6 +59,7 @@ class ServeSettings:
     tp: int = field(
         default=TargetSettings.tp, metadata=flag_of(TargetSettings, "tp")
     )  # the target's tensor-parallel ranks
+    dequantize: bool = field(default=TargetSettings.dequantize, metadata=flag_of(TargetSettings, "dequantize"))
     target_threads: int = field(
         default=TargetSettings.threads,
         metadata=flag(
@@ -133,6 +134,7 @@ class ServeSettings:
             device=self.device,
             cache=self.cache,
             tp=self.tp,
+            dequantize=self.dequantize,
             threads=self.target_threads,
             rendezvous=rendezvous,
         )

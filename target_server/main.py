@@ -54,14 +54,16 @@ def start_target(settings: TargetSettings) -> TargetRunner:
     if settings.tp < 1:
         raise StartupError(f"tp: {settings.tp} (must be >= 1)")
     if settings.tp > 1:
-        check_tensor_parallel(settings.model_dir, settings.tp)  # refuses an unfit tp before any rank starts
+        # Refuses an unfit tp (one that cuts a quantized block, too) before any rank starts.
+        check_tensor_parallel(settings.model_dir, settings.tp, settings.dequantize)
     device = rank_device(settings.device, 0)
     ranks = start_ranks(settings, torch.device(device))
     try:
         LOG.info(
             "rank 0/%d: loading target from %s (%s on %s)", settings.tp, settings.model_dir, settings.dtype, device
         )
-        model = load_target(settings.model_dir, dtype=getattr(torch, settings.dtype), device=device, group=ranks.group)
+        dtype = getattr(torch, settings.dtype)
+        model = load_target(settings.model_dir, dtype, device, ranks.group, settings.dequantize)
         ranks.wait_until_loaded()
     except BaseException:
         ranks.abort()

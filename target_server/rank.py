@@ -49,7 +49,7 @@ def run_rank(settings: TargetSettings, rank: int) -> None:
             settings.dtype,
             device,
         )
-        model = load_target(settings.model_dir, dtype=getattr(torch, settings.dtype), device=device, group=group)
+        model = load_target(settings.model_dir, getattr(torch, settings.dtype), device, group, settings.dequantize)
         prepack(model)
         cache = build_cache(model, settings.cache)
         LOG.info("rank %d/%d: loaded in %.1f s", rank, settings.tp, time.perf_counter() - started)

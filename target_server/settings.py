@@ -32,3 +32,11 @@ class TargetSettings:
     # ranks 1..tp-1 itself as child processes; given: someone else (the Ray launcher) starts them.
     rendezvous: str | None = None
     metrics_port: int | None = metrics_port_field()
+    dequantize: bool = field(
+        default=False,
+        metadata=flag(
+            "--dequantize",
+            "hold a quantized checkpoint's weights dequantized to --dtype instead of as stored (fp8 or INT4 with "
+            "their scales, expanded before each product)",
+        ),
+    )

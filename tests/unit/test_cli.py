@@ -155,20 +155,21 @@ def test_the_kv_pool_is_sized_one_way_and_the_children_get_that_way(capsys: pyte
 
 
 def test_the_service_commands_round_trip_the_settings_the_launcher_gives_them() -> None:
-    settings = serve_settings("--tp", "2", "--block-size", "8", "--mtp-mode", "independent")
+    settings = serve_settings("--tp", "2", "--block-size", "8", "--mtp-mode", "independent", "--dequantize")
     launcher = Launcher(settings)
     target = target_settings_of(build_parser().parse_args([*launcher.target_arguments(), "--port", "0"]))
     assert target == settings.target_settings()
     draft = draft_settings_of(build_parser().parse_args([*launcher.draft_arguments("draft-3"), "--port", "0"]))
     assert draft == settings.draft_settings("draft-3", "")
-    assert (target.tp, target.cache.block_size, draft.mtp_mode) == (2, 8, "independent")
+    assert (target.tp, target.cache.block_size, draft.mtp_mode, target.dequantize) == (2, 8, "independent", True)
 
 
 def test_a_target_rank_gets_rank_0_s_settings_through_its_command_line() -> None:
-    settings = serve_settings("--tp", "2", "--kv-cache-memory", "1MiB", "--target-threads", "1").target_settings()
-    command = rank_command(settings, 1, "127.0.0.1:9")
+    settings = serve_settings("--tp", "2", "--kv-cache-memory", "1MiB", "--target-threads", "1", "--dequantize")
+    command = rank_command(settings.target_settings(), 1, "127.0.0.1:9")
     assert command[1:3] == ["-m", "target_server.rank"]
-    assert parse_arguments(command[3:]) == (replace(settings, rendezvous="127.0.0.1:9"), 1)
+    assert parse_arguments(command[3:]) == (replace(settings.target_settings(), rendezvous="127.0.0.1:9"), 1)
+    assert settings.target_settings().dequantize
 
 
 def test_the_keepalive_timeout_reaches_every_child_and_is_at_least_a_second(

@@ -92,9 +92,10 @@ def transformers_greedy(reference: Any, prompt: list[int], count: int) -> list[i
     return [int(token) for token in output[0, len(prompt) :]]
 
 
-def served_greedy(model_dir: Path, prompt: list[int], count: int) -> list[int]:
-    """Greedy decoding through the target server's runner (prefill, then one verify per token)."""
-    runner = start_target(TargetSettings(model_dir=model_dir, cache=CACHE))
+def served_greedy(model_dir: Path, prompt: list[int], count: int, dequantize: bool = False) -> list[int]:
+    """Greedy decoding through the target server's runner (prefill, then one verify per token); `dequantize`: the
+    target's --dequantize (quantized checkpoints)."""
+    runner = start_target(TargetSettings(model_dir=model_dir, cache=CACHE, dequantize=dequantize))
     tokens = list(runner.prefill("plain", prompt, SamplingParams()).new_tokens)
     while len(tokens) < count:
         tokens += runner.verify("plain").new_tokens

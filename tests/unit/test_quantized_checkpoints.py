@@ -51,6 +51,7 @@ from tests.helpers.quantized_checkpoints import (
     write_fp8,
     write_int4_experts,
 )
+from tests.unit.test_deepseek_v3 import kimi_k2_config
 from tests.unit.test_gemma4 import NEW_TOKENS, served_greedy, transformers_greedy
 
 SPEC = TinyDeepseekSpec(num_layers=3)
@@ -186,18 +187,27 @@ def test_int4_experts_load_as_the_reference_dequantization(int4_dirs: tuple[Path
     assert len(kept) == 2 * 8 * 2 and all(".mlp.experts." in name for name in kept)  # 2 MoE layers' routed experts
 
 
-def test_fp8_greedy_equals_transformers_on_the_dequantized_weights(fp8_dirs: tuple[Path, Path]) -> None:
+def test_fp8_greedy_equals_transformers_kept_as_stored_and_dequantized(
+    fp8_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
     quantized, reference = fp8_dirs
     model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     prompt = token_ids(13, seed=7)
-    assert served_greedy(quantized, prompt, NEW_TOKENS) == transformers_greedy(model, prompt, NEW_TOKENS)
+    expected = transformers_greedy(model, prompt, NEW_TOKENS)
+    # Kimi-K2 ships the same fp8 layout under its own config.json (model_type kimi_k2, rope in the older form).
+    kimi_k2 = edited(quantized, tmp_path, kimi_k2_config)
+    for directory in (quantized, kimi_k2):
+        for dequantize in (False, True):
+            assert served_greedy(directory, prompt, NEW_TOKENS, dequantize) == expected, (directory, dequantize)
 
 
-def test_int4_kimi_k25_greedy_equals_transformers_on_the_dequantized_weights(int4_dirs: tuple[Path, Path]) -> None:
+def test_int4_kimi_k25_greedy_equals_transformers_kept_as_stored_and_dequantized(int4_dirs: tuple[Path, Path]) -> None:
     quantized, reference = int4_dirs
     model = Kimi_K25ForConditionalGeneration.from_pretrained(reference, dtype=torch.float32).eval()
     prompt = token_ids(13, seed=8)
-    assert served_greedy(quantized, prompt, NEW_TOKENS) == transformers_greedy(model, prompt, NEW_TOKENS)
+    expected = transformers_greedy(model, prompt, NEW_TOKENS)
+    for dequantize in (False, True):
+        assert served_greedy(quantized, prompt, NEW_TOKENS, dequantize) == expected, dequantize
 
 
 def test_quantized_weights_slice_for_tensor_parallel_shards(fp8_dirs: tuple[Path, Path]) -> None:
