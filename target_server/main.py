@@ -12,12 +12,16 @@ import time
 import uuid
 
 import torch
+from torch import nn
 
 from tandem.devices import rank_device
 from tandem.errors import StartupError
+from tandem.layers.kv_cache import PagedKVCache
+from tandem.layers.matmul import prepackable_linears
+from tandem.layers.stored import StoredWeight
 from tandem.leases import sweep_interval
 from tandem.model_thread import ModelThread
-from tandem.models.registry import check_tensor_parallel, load_target
+from tandem.models.registry import TargetModel, check_tensor_parallel, load_target
 from tandem.models.tokenizer_digest import tokenizer_digest
 from tandem.sampling.grammar import Grammars
 from tandem.service_metrics import ServiceMetrics, model_service_metrics, serve_metrics
@@ -80,7 +84,37 @@ def start_target(settings: TargetSettings) -> TargetRunner:
         time.perf_counter() - started,
     )
     grammars = Grammars(settings.model_dir, config.vocab_size)  # its tokenizer is read when a grammar first comes
-    return TargetRunner(model, settings.cache, max_context, ranks, grammars=grammars)
+    runner = TargetRunner(model, settings.cache, max_context, ranks, grammars=grammars)
+    LOG.info("%s; %s", weights_line(runner.model), kv_line(runner.cache))
+    return runner
+
+
+def weights_line(model: TargetModel) -> str:
+    """What rank 0 holds of the weights, by kind: quantized weights as stored (scales included), float weights and
+    buffers (a tied table once), and oneDNN's copies of float linear weights (tandem.layers.matmul.prepack)."""
+    assert isinstance(model, nn.Module)
+    stored = {
+        id(tensor) for module in model.modules() if isinstance(module, StoredWeight) for tensor in module.buffers()
+    }
+    held = [*model.parameters(), *model.buffers()]
+    quantized = sum(tensor.nbytes for tensor in held if id(tensor) in stored)
+    floats = sum(tensor.nbytes for tensor in held if id(tensor) not in stored)
+    copies = sum(module.prepacked.nbytes for module in prepackable_linears(model) if module.prepacked is not None)
+    return (
+        f"weights per rank: {_size(quantized)} quantized as stored, {_size(floats)} float, {_size(copies)} oneDNN "
+        "copies"
+    )
+
+
+def kv_line(cache: PagedKVCache) -> str:
+    return (
+        f"KV cache: {cache.num_blocks} blocks of {cache.block_size} tokens ({cache.num_blocks * cache.block_size} "
+        f"tokens), {_size(cache.keys.nbytes + cache.values.nbytes)} per rank"
+    )
+
+
+def _size(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None:
@@ -88,13 +122,6 @@ async def serve_target(settings: TargetSettings, listen: ListenSettings) -> None
     model_thread = ModelThread("target-model", settings.threads)
     runner = await model_thread.run(start_target, settings)
     ranks = runner.ranks
-    cache = runner.cache
-    LOG.info(
-        "KV cache: %d blocks of %d tokens, %.1f MiB per rank",
-        cache.num_blocks,
-        cache.block_size,
-        (cache.keys.nbytes + cache.values.nbytes) / 2**20,
-    )
     timeout_s = settings.cache.orphan_timeout_s
     info = target_info(runner, settings.dtype)
     info.tokenizer_digest = tokenizer_digest(settings.model_dir)  # what standalone drafts check their own against

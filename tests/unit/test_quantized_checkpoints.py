@@ -11,6 +11,7 @@ not supported, naming it.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -188,7 +189,7 @@ def test_int4_experts_load_as_the_reference_dequantization(int4_dirs: tuple[Path
 
 
 def test_fp8_greedy_equals_transformers_kept_as_stored_and_dequantized(
-    fp8_dirs: tuple[Path, Path], tmp_path: Path
+    fp8_dirs: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     quantized, reference = fp8_dirs
     model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
@@ -198,7 +199,13 @@ def test_fp8_greedy_equals_transformers_kept_as_stored_and_dequantized(
     kimi_k2 = edited(quantized, tmp_path, kimi_k2_config)
     for directory in (quantized, kimi_k2):
         for dequantize in (False, True):
-            assert served_greedy(directory, prompt, NEW_TOKENS, dequantize) == expected, (directory, dequantize)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="target_server.main"):
+                assert served_greedy(directory, prompt, NEW_TOKENS, dequantize) == expected, (directory, dequantize)
+            # The start-up line: the weights by kind (the fp8 parts take 0.2 MiB), the KV pool's capacity.
+            (line,) = [record.getMessage() for record in caplog.records if "weights per rank" in record.getMessage()]
+            stored = "0.0 MiB quantized as stored" if dequantize else "0.2 MiB quantized as stored"
+            assert stored in line and "KV cache: 64 blocks of 4 tokens (256 tokens)" in line, line
 
 
 def test_int4_kimi_k25_greedy_equals_transformers_kept_as_stored_and_dequantized(int4_dirs: tuple[Path, Path]) -> None:
