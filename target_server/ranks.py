@@ -28,6 +28,7 @@ from tandem.devices import DeviceRequest
 from tandem.errors import StartupError
 from tandem.flags import arguments_of
 from tandem.layers.kv_cache import PagedKVCache
+from tandem.layers.matmul import Linear
 from tandem.lifetime import start_child
 from tandem.models.registry import TargetModel
 from tandem.models.stack import TargetOutput
@@ -102,14 +103,16 @@ class RankDriver:
     def weight_shards(self, model: TargetModel, name: str) -> list[torch.Tensor]:  # -> tp tensors [s, hidden]
         """The vocab-parallel shards of a shared table, as each rank holds it (tandem.parallel.vocab).
 
-        A vocab-parallel table is gathered from the ranks; a replicated one (Gemma3) is cut here by the same rule.
+        A vocab-parallel table is gathered from the ranks; a replicated one (Gemma3) is cut here by the same rule. A
+        head kept as stored (a quantized checkpoint's, tandem.layers.stored) goes out expanded: drafts take floats.
         """
         module = shared_table(model, name)
         if isinstance(module, (VocabParallelEmbedding, ParallelLMHead)):
             with self._lock:
                 self._send(Command.WEIGHT_SHARDS, torch.tensor([SHARED_TABLES.index(name)]))
                 return gather_to_first(module.padded_weight(), self.group)
-        weight = module.weight  # replicated: every rank holds the whole table
+        # Replicated: every rank holds the whole table.
+        weight = module.float_weight() if isinstance(module, Linear) else module.weight
         assert isinstance(weight, torch.Tensor)
         return [shard_table(weight.detach(), self.group.world_size, rank) for rank in range(self.group.world_size)]
 

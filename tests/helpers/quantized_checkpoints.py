@@ -111,12 +111,16 @@ def int4_config(group: int) -> dict[str, Any]:
     }
 
 
-def write_fp8(source: Path, quantized_dir: Path, reference_dir: Path, block: tuple[int, int]) -> None:
-    """Every projection of the decoder layers in fp8 (not the routers, norms, embedding or head, as DeepSeek-V3)."""
+def write_fp8(
+    source: Path, quantized_dir: Path, reference_dir: Path, block: tuple[int, int], head: bool = False
+) -> None:
+    """Every projection of the decoder layers in fp8 (not the routers, norms, embedding or head, as DeepSeek-V3); with
+    `head` the LM head too (no release does: a head kept as stored, for the tables drafts pull)."""
 
     def quantize(name: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
         # The decoder layers' projections: 2-d, neither a norm nor the router (mlp.gate).
-        if ".layers." not in name or weight.dim() != 2 or "norm" in name or name.endswith(".mlp.gate.weight"):
+        projection = ".layers." in name and weight.dim() == 2 and "norm" not in name
+        if not (projection and not name.endswith(".mlp.gate.weight")) and not (head and name == "lm_head.weight"):
             return None
         fp8, scale_inv = quantize_block_fp8(weight, block)
         stored = {name: fp8, name.removesuffix("weight") + "weight_scale_inv": scale_inv}

@@ -27,6 +27,7 @@ from tandem.layers.matmul import Linear
 from tandem.layers.stored import StoredWeight
 from tandem.models.config import ConfigError
 from tandem.models.deepseek_v3 import DeepseekV3Config
+from tandem.models.mtp import load_mtp
 from tandem.models.registry import load_target
 from tandem.parallel.layers import ShardSpec
 from tandem.weights.formats import (
@@ -39,7 +40,7 @@ from tandem.weights.formats import (
 )
 from tandem.weights.loader import checkpoint_tensors, on_meta
 from tandem.weights.quantized import quantization_of
-from tests.helpers.deepseek_checkpoints import TinyDeepseekSpec, write_tiny_deepseek
+from tests.helpers.deepseek_checkpoints import DEEPSEEK_NEXTN, TinyDeepseekSpec, write_tiny_deepseek
 from tests.helpers.kimi_checkpoints import write_tiny_kimi_k25
 from tests.helpers.parity import token_ids
 from tests.helpers.quantized_checkpoints import (
@@ -215,6 +216,17 @@ def test_int4_kimi_k25_greedy_equals_transformers_kept_as_stored_and_dequantized
     expected = transformers_greedy(model, prompt, NEW_TOKENS)
     for dequantize in (False, True):
         assert served_greedy(quantized, prompt, NEW_TOKENS, dequantize) == expected, dequantize
+
+
+def test_nextn_layers_of_an_fp8_checkpoint_load_as_the_reference_dequantization(tmp_path: Path) -> None:
+    # The MTP draft reads DeepSeek-V3's NextN layers (fp8 as the release ships them) from the target's directory and
+    # holds them dequantized: its own layers are few and small.
+    write_fp8(
+        write_tiny_deepseek(tmp_path / "float", DEEPSEEK_NEXTN), tmp_path / "fp8", tmp_path / "reference", FP8_BLOCK
+    )
+    assert "model.layers.2.eh_proj.weight_scale_inv" in load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    ours, expected = load_mtp(tmp_path / "fp8").model.state_dict(), load_mtp(tmp_path / "reference").model.state_dict()
+    assert ours.keys() == expected.keys() and all(torch.equal(ours[name], expected[name]) for name in expected)
 
 
 def test_quantized_weights_slice_for_tensor_parallel_shards(fp8_dirs: tuple[Path, Path]) -> None:

@@ -2,7 +2,8 @@
 
 The tp-2 runs are real: rank 0 runs in a spawned process through the same start-up as `tandem target --tp 2`
 (target_server.main.start_target), which starts rank 1 as `python -m target_server.rank`; they talk over gloo. Every
-vocabulary here is not a multiple of 64, so the last rank's shard ends in padding rows.
+vocabulary here is not a multiple of 64, so the last rank's shard ends in padding rows. The Qwen3 checkpoint is fp8,
+kept as stored on each rank (tandem.layers.stored), its pulled LM head served as floats.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import DeepseekV3Config
+from transformers import AutoModelForCausalLM, DeepseekV3Config
 
 from tandem.layers.kv_cache import SequenceKV
 from tandem.models.registry import check_tensor_parallel
@@ -39,6 +40,7 @@ from target_server.settings import TargetSettings
 from target_server.step import ForwardStep
 from tests.helpers.checkpoints import TinyTargetSpec, read_target_tensor, write_tiny_target
 from tests.helpers.gemma3_checkpoints import TinyGemma3Spec, write_tiny_gemma3
+from tests.helpers.quantized_checkpoints import write_fp8
 
 TOLERANCE = 1e-4  # fp32, as the parity tests against transformers
 CACHE = KVCacheSettings(num_blocks=64, block_size=4)
@@ -143,9 +145,13 @@ def write_qwen2_tied(directory: Path) -> Path:
     return write_tiny_target(directory, TinyTargetSpec(family="qwen2", vocab_size=333, tie_word_embeddings=True))
 
 
-def write_qwen3(directory: Path) -> Path:
-    # q/k norms, separate embedding and LM head, a vocabulary that tp 2 splits into 512-row shards.
-    return write_tiny_target(directory, TinyTargetSpec(family="qwen3", vocab_size=1000, num_layers=3))
+def write_qwen3_fp8(directory: Path) -> Path:
+    # q/k norms, separate embedding and LM head, a vocabulary that tp 2 splits into 512-row shards; every projection
+    # and the LM head in 16 x 16 fp8 blocks, kept as stored: tp 2 splits each on a block boundary (the head's last rank
+    # ends inside its last block, where the table ends). The reference dequantization lies beside it.
+    source = write_tiny_target(directory / "float", TinyTargetSpec(family="qwen3", vocab_size=1000, num_layers=3))
+    write_fp8(source, directory / "fp8", directory / "reference", (16, 16), head=True)
+    return directory / "fp8"
 
 
 def write_gemma3(directory: Path) -> Path:
@@ -156,7 +162,7 @@ def write_gemma3(directory: Path) -> Path:
 
 CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
     "qwen2-tied": write_qwen2_tied,
-    "qwen3": write_qwen3,
+    "qwen3-fp8": write_qwen3_fp8,
     "gemma3-tied": write_gemma3,
 }
 
@@ -291,8 +297,24 @@ def test_weight_shards_reassemble_to_the_checkpoint_table(
 
 
 def checkpoint_table(checkpoint: Path, name: str) -> torch.Tensor:  # -> [vocab, hidden]
-    """The table as the checkpoint stores it; a tied checkpoint has no lm_head.weight, its head is the embedding."""
+    """The table as the checkpoint stores it (a quantized one dequantized: its reference beside it); a tied checkpoint
+    has no lm_head.weight, its head is the embedding."""
+    reference = checkpoint.parent / "reference"
+    checkpoint = reference if reference.is_dir() else checkpoint
     with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as handle:
         stored = set(handle.keys())
     untied_head = name == "lm_head" and "lm_head.weight" in stored
     return read_target_tensor(checkpoint, "lm_head.weight" if untied_head else "model.embed_tokens.weight")
+
+
+def test_an_fp8_qwen3_kept_as_stored_at_tp_2_decodes_as_transformers(
+    checkpoints: dict[str, Path], results_at_tp2: dict[str, Any]
+) -> None:
+    # The plain request's prefill and three verifies, against transformers on the reference dequantization.
+    reference = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3-fp8"].parent / "reference", dtype=torch.float32)
+    greedy = [token for _, tokens in results_at_tp2["qwen3-fp8"]["tokens"][:4] for token in tokens]
+    with torch.no_grad():
+        generated = reference.eval().generate(
+            torch.tensor([PROMPTS[1]]), do_sample=False, max_new_tokens=len(greedy), min_new_tokens=len(greedy)
+        )
+    assert greedy == generated[0, len(PROMPTS[1]) :].tolist()
