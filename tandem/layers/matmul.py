@@ -128,7 +128,7 @@ class Linear(nn.Linear):
 
     def keep_stored(self, stored: StoredWeight) -> None:
         """Replaces the float weight (on the meta device: never allocated) by its stored form."""
-        assert stored.shape == (self.out_features, self.in_features), "the stored form of this layer's weight"
+        assert stored.shape == (self.out_features, self.in_features), "a stored form of another shape"
         del self.weight
         self.stored = stored
 

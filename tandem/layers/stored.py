@@ -1,6 +1,6 @@
 """A linear layer's weight kept as a quantized checkpoint stores it, expanded to the serving dtype before each product.
 
-The formats (block-wise fp8, compressed-tensors INT4: tandem.weights.quantized) say which stored parts a weight keeps
+The formats (block-wise fp8, compressed-tensors INT4: tandem.weights.formats) say which stored parts a weight keeps
 in memory and how they expand to float32 values. A `StoredWeight` holds those parts segment by segment: a plain Linear
 has one segment (None), a PackedLinear one per part (q/k/v, gate/up), since each part is a checkpoint tensor of its
 own with its own blocks or groups. A segment holds this rank's rows of its part; a stack of experts
@@ -10,9 +10,10 @@ The parts are buffers named `{segment}_{part}` (`weight` and `weight_scale_inv` 
 `gate_weight_packed` ... for a packed INT4 one), registered as the loader hands them over (`load`): the float weight
 they stand for is never allocated, and a model's memory is the stored bytes plus its float parts.
 
-`expanded` builds the whole float weight ([out, in], in the serving dtype) and `expert` one expert's rows of one part;
-Linear.forward calls the first just before its product, so a mixture of experts expands only the experts a step
-routes to (tandem.layers.moe runs only those).
+`chunks` expands the weight a run of rows at a time, each run multiplied while it is in the cache
+(tandem.layers.matmul.stored_linear, what Linear.forward runs); `expanded` builds the whole float weight (MLA's
+absorbed kv_b_proj, a head drafts pull) and `expert` one expert's rows of one part. Expansion happens only in a
+layer's forward, so a mixture of experts expands only the experts a step routes to (tandem.layers.moe runs only those).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ CHUNK_VALUES = 2**20
 
 
 class StoredFormat(Protocol):
-    """What a StoredWeight needs of a quantization format (tandem.weights.quantized.BlockFp8, PackedInt4)."""
+    """What a StoredWeight needs of a quantization format (tandem.weights.formats.BlockFp8, PackedInt4)."""
 
     @property
     def kept(self) -> tuple[str, ...]: ...  # the stored parts held in memory, e.g. ("weight", "weight_scale_inv")
@@ -49,6 +50,8 @@ class StoredFormat(Protocol):
 
 
 class StoredWeight(nn.Module):
+    """One layer's weight as stored, on this rank: its segments' kept parts as buffers (module docstring)."""
+
     def __init__(
         self,
         format: StoredFormat,
@@ -98,8 +101,9 @@ class StoredWeight(nn.Module):
     def chunks(self, values: int = CHUNK_VALUES) -> Iterator[tuple[slice, torch.Tensor]]:
         """The weight expanded a run of rows at a time, in row order: (rows, [len(rows), in] in the serving dtype).
         A run holds about `values` values, in a float32 buffer reused from run to run (valid until the next), so that
-        what is expanded is multiplied while it is in the cache. Example: fp8 in 128-row blocks, 7168 columns: runs
-        of 128 rows (a whole block of rows, at least); 2048 columns: runs of 128."""
+        what is expanded is multiplied while it is in the cache. Runs start on a block's first row. Example, 2 ** 20
+        values: fp8 in 128-row blocks with 7168 columns, runs of 128 rows (146 rounded down to whole blocks, at
+        least one); with 2048 columns, 512 rows; INT4 with 7168 columns, 146 rows."""
         cell = self.format.row_cell
         step = max(cell, values // self.columns // cell * cell)
         buffer = torch.empty((step, self.columns), dtype=torch.float32, device=self.device)

@@ -183,23 +183,16 @@ class ParameterSlots:
         for name in self.parameters:
             owner_name = name.rpartition(".")[0]
             owner = self.modules[owner_name]
-            if isinstance(owner, StoredWeight):  # a stored part, loaded under its layer's weight (`kept`)
+            if isinstance(owner, StoredWeight):  # a stored part: loaded under its layer's weight (below)
                 continue
             if isinstance(owner, PackedLinear):
                 expected.update((name, part) for part in owner.part_rows)
             else:
                 expected.add((name, None))
-        for name, stored in self.kept().items():
-            expected.update((f"{name}.weight", segment) for segment in stored.segments)
+        for name, layer in self.modules.items():  # a weight kept as stored: its segments, as a PackedLinear's parts
+            if isinstance(layer, Linear) and layer.stored is not None:
+                expected.update((f"{name}.weight", segment) for segment in layer.stored.segments)
         self.expected = frozenset(expected)
-
-    def kept(self) -> dict[str, StoredWeight]:
-        """The stored forms of the weights kept as stored, by their layer's name."""
-        return {
-            name: module.stored
-            for name, module in self.modules.items()
-            if isinstance(module, Linear) and module.stored is not None
-        }
 
     def slot(self, checkpoint_name: str) -> Slot | None:
         """Where the tensor `checkpoint_name` goes; None when no parameter takes it."""
@@ -279,12 +272,11 @@ def load_weights(
 
 def keep_stored(
     module: nn.Module, tensors: Sequence[tuple[str, Stored]], name_map: NameMap, dtype: torch.dtype, device: str
-) -> int:
+) -> None:
     """Gives every Linear of `module` (still on the meta device) whose weight the checkpoint stores quantized its
-    stored form in place of the float weight, which is then never materialized; returns how many. A quantized weight
-    of any other module (an embedding) loads dequantized. Raises QuantizationError naming a weight whose rank slice
-    would cut a block or group (tandem.weights.formats.stored_slices), or a packed layer of quantized and float parts.
-    """
+    stored form in place of the float weight, which is then never materialized. A quantized weight of any other
+    module (an embedding) loads dequantized. Raises QuantizationError naming a weight whose rank slice would cut a
+    block or group (tandem.weights.formats.stored_slices), or a packed layer of quantized and float parts."""
     slots = ParameterSlots(module, name_map)
     found: dict[str, dict[str | None, QuantizedTensor]] = {}  # layer name -> its quantized parts
     for name, stored in tensors:
@@ -306,7 +298,6 @@ def keep_stored(
             )
         quantization = next(iter(parts.values())).quantization
         owner.keep_stored(StoredWeight(quantization, segments, owner.in_features, dtype, device, experts))
-    return len(found)
 
 
 def _segments(layer: Linear) -> dict[str | None, int]:

@@ -31,11 +31,13 @@ from tandem.models.mtp import load_mtp
 from tandem.models.registry import load_target
 from tandem.parallel.layers import ShardSpec
 from tandem.weights.formats import (
+    FP8_AS_FLOAT16,
     BlockFp8,
     QuantizationError,
     QuantizedTensor,
     dequantize_block_fp8,
     dequantize_packed_int4,
+    fp8_as_float16,
     int4_values_into,
 )
 from tandem.weights.loader import checkpoint_tensors, on_meta
@@ -93,6 +95,15 @@ def test_int4_dequantization_follows_the_format() -> None:
     assert torch.equal(
         ours[:, columns].bfloat16(), q[:, columns].bfloat16() * scale.repeat_interleave(INT4_GROUP, 1)[:, columns]
     )
+
+
+def test_fp8_values_moved_into_float16_are_torchs_conversion_over_256_for_every_code() -> None:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = codes.view(torch.float8_e4m3fn).float()  # [256], the two NaN codes (0x7F, 0xFF) among them
+    moved = fp8_as_float16(codes.view(torch.float8_e4m3fn)).float() * FP8_AS_FLOAT16
+    numbers = ~values.isnan()
+    assert numbers.sum() == 254 and torch.equal(moved[numbers], values[numbers])  # subnormals and both zeros too
+    assert torch.equal(moved[numbers].view(torch.int32), values[numbers].view(torch.int32))  # -0.0 stays -0.0
 
 
 def test_fp8_dequantization_follows_the_format_at_partial_edge_blocks() -> None:
