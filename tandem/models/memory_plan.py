@@ -32,7 +32,7 @@ from tandem.layers.kv_cache import CacheLayout
 from tandem.layers.matmul import Linear, prepackable_linears, prepacks
 from tandem.models.registry import TargetArchitecture, TargetModel, built_target, not_read
 from tandem.parallel.group import ParallelGroup
-from tandem.weights.formats import Quantization, QuantizationError
+from tandem.weights.formats import Quantization, QuantizationError, cell_span
 from tandem.weights.headers import TensorHeader
 from tandem.weights.loader import CheckpointError, ParameterSlots, Slot
 from tandem.weights.quantized import Grouped, grouped, quantization_of
@@ -280,9 +280,8 @@ def _stored_slice(
         if spec is None or spec.size is None or part_cells is None:
             total += header.nbytes
             continue
-        cell, end = part_cells[spec.dim], spec.start + spec.size
-        first, last = spec.start // cell, -(-end // cell)  # the cells the slice touches: [first, last)
-        total += header.nbytes * (last - first) // header.shape[spec.dim]
-        if spec.start % cell or (end % cell and end != slot.full_shape[spec.dim]):
-            cuts.append(CutBlock(weight.name, rank, spec.dim, spec.start, end, cell))
+        span = cell_span(part_cells, spec)
+        total += header.nbytes * (span.stop - span.first) // header.shape[spec.dim]
+        if span.cut:
+            cuts.append(CutBlock(weight.name, rank, spec.dim, spec.start, spec.start + spec.size, span.cell))
     return total, [max(cuts, key=lambda cut: cut.cell)] if cuts else []  # the widest cut stands for the weight

@@ -289,21 +289,43 @@ def stored_slices(quantization: Quantization, spec: ShardSpec | None, name: str)
     if spec is None or spec.size is None:
         return slices
     full = spec.full_shape
-    axis = spec.dim - (len(full) - 2)  # cells cover the last two dimensions, rows and columns
-    end = spec.start + spec.size
+    axis = _axis(spec)
     cells = {part: quantization.cells()[part] for part in quantization.kept}
     for part in sorted(quantization.kept, key=lambda part: -_cell(cells[part], axis)):
-        cell = _cell(cells[part], axis)
-        if spec.start % cell or (end % cell and end != full[spec.dim]):
+        span = cell_span(cells[part], spec)
+        if span.cut:
             rows = "rows" if axis == 0 else "columns"
             raise QuantizationError(
-                f"tensor {name}: {rows} {spec.size} per rank is not a multiple of the {cell}-{rows[:-1]} "
+                f"tensor {name}: {rows} {spec.size} per rank is not a multiple of the {span.cell}-{rows[:-1]} "
                 f"{quantization.cell_names()[part]} (this tp would cut it; choose one that does not, or --dequantize)"
             )
         stored_full = (*full[:-2], *quantization.stored_shapes(full[-2:])[part])
-        first = spec.start // cell
-        slices[part] = ShardSpec(stored_full, spec.dim, first, -(-end // cell) - first)
+        slices[part] = ShardSpec(stored_full, spec.dim, span.first, span.stop - span.first)
     return slices
+
+
+@dataclass(frozen=True)
+class CellSpan:
+    """The cells (blocks, groups) along the split dimension that a rank's slice of a weight touches."""
+
+    cell: int  # a cell's extent along that dimension
+    first: int  # the first cell touched
+    stop: int  # one past the last
+    cut: bool  # the slice starts or ends inside a cell (a rank's last cell may be partial where the weight ends)
+
+
+def cell_span(cells: Cells, spec: ShardSpec) -> CellSpan:
+    """The cells of a part with `cells` that a rank's slice `spec` (sized) of the float weight touches."""
+    assert spec.size is not None, "a slice of the whole tensor touches every cell"
+    cell = _cell(cells, _axis(spec))
+    end = spec.start + spec.size
+    cut = bool(spec.start % cell or (end % cell and end != spec.full_shape[spec.dim]))
+    return CellSpan(cell, spec.start // cell, -(-end // cell), cut)
+
+
+def _axis(spec: ShardSpec) -> int:
+    """The split dimension as cells see it: 0 rows, 1 columns (cells cover the last two), below 0 a leading one."""
+    return spec.dim - (len(spec.full_shape) - 2)
 
 
 def _cell(cells: Cells, axis: int) -> int:
