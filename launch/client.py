@@ -18,6 +18,7 @@ from launch.security_flags import (
 from launch.serve_settings import ServeSettings
 from orchestrator.settings import AdminSettings
 from tandem.auth import bearer_metadata
+from tandem.resuming import Reconnects, StreamBroken, resuming_stream
 from tandem.transport import TransportSecurity
 from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -31,7 +32,18 @@ def add_client_parsers(commands: argparse._SubParsersAction[argparse.ArgumentPar
 
     generate_parser = commands.add_parser("generate", help="stream a completion from a running Tandem")
     generate_parser.add_argument("prompt")
-    generate_parser.add_argument("--address", default=f"127.0.0.1:{ServeSettings.port}")
+    generate_parser.add_argument(
+        "--address",
+        action="append",
+        help=f"an orchestrator (default 127.0.0.1:{ServeSettings.port}); give several to resume a broken stream on "
+        "the next",
+    )
+    generate_parser.add_argument(
+        "--reconnects",
+        type=int,
+        default=Reconnects.attempts,
+        help="failed attempts in a row after which a broken stream is given up (each resumes it); 0: none",
+    )
     generate_parser.add_argument("--max-new-tokens", type=int, default=0, help="0: the server default")
     generate_parser.add_argument("--temperature", type=float, default=0.0)
     generate_parser.add_argument("--top-p", type=float, default=0.0, help="0: no nucleus filtering")
@@ -71,26 +83,43 @@ def generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         disable_speculation=args.no_speculation,
     )
-    metadata = bearer_metadata(api_key_of(args))
-    with client_security_of(args).channel(args.address) as channel:
-        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-        started = time.perf_counter()
-        try:
-            for response in stub.Generate(request, wait_for_ready=True, timeout=3600, metadata=metadata):
-                sys.stdout.write(response.text)
-                sys.stdout.flush()
-                if response.finish_reason:
-                    stats = response.stats
-                    mean_acceptance = 1 + stats.accepted_tokens / stats.rounds if stats.rounds else 0.0
-                    # From sending the request to its last token: prompt processing and streaming included.
-                    rate = stats.completion_tokens / (time.perf_counter() - started)
-                    print(
-                        f"\n[finish_reason={response.finish_reason} prompt_tokens={stats.prompt_tokens} "
-                        f"completion_tokens={stats.completion_tokens} rounds={stats.rounds} "
-                        f"draft_tokens={stats.draft_tokens} accepted_tokens={stats.accepted_tokens} "
-                        f"mean_acceptance_length={mean_acceptance:.2f} tokens_per_second={rate:.1f}]"
-                    )
-        except grpc.RpcError as error:
-            print(f"\ntandem generate: {error.code().name}: {error.details()}", file=sys.stderr)
-            return 1
+    security = client_security_of(args)
+    started = time.perf_counter()
+    responses = resuming_stream(
+        args.address or [f"127.0.0.1:{ServeSettings.port}"],
+        request,
+        security.channel,
+        metadata=bearer_metadata(api_key_of(args)),
+        reconnects=Reconnects(attempts=max(0, args.reconnects)),
+        on_reconnect=_reconnecting,
+    )
+    try:
+        for response in responses:
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+            if response.finish_reason:
+                _print_stats(response, time.perf_counter() - started)
+    except grpc.RpcError as error:
+        print(f"\ntandem generate: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    except StreamBroken as error:
+        print(f"\ntandem generate: {error}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _reconnecting(address: str, cause: str, tokens: int) -> None:
+    print(f"\n[tandem generate: resuming after {tokens} tokens at {address} ({cause})]", file=sys.stderr, flush=True)
+
+
+def _print_stats(response: orchestrator_pb2.GenerateResponse, seconds: float) -> None:
+    stats = response.stats
+    mean_acceptance = 1 + stats.accepted_tokens / stats.rounds if stats.rounds else 0.0
+    # From sending the request to its last token: prompt processing, streaming and any resume included.
+    rate = stats.completion_tokens / seconds
+    print(
+        f"\n[finish_reason={response.finish_reason} prompt_tokens={stats.prompt_tokens} "
+        f"completion_tokens={stats.completion_tokens} rounds={stats.rounds} "
+        f"draft_tokens={stats.draft_tokens} accepted_tokens={stats.accepted_tokens} "
+        f"mean_acceptance_length={mean_acceptance:.2f} tokens_per_second={rate:.1f}]"
+    )

@@ -24,6 +24,7 @@ RUN_WITH = {
     f"{INTEGRATION}/test_tree_drafting.py": f"{INTEGRATION}/test_http_api.py",
     f"{INTEGRATION}/test_hybrid_drafting.py": f"{INTEGRATION}/test_http_api.py",
     f"{INTEGRATION}/test_prefix_caching.py": f"{INTEGRATION}/test_http_api.py",
+    f"{INTEGRATION}/test_resume.py": f"{INTEGRATION}/test_http_api.py",
     # The tiny pair's stack at four steps.
     f"{INTEGRATION}/test_logprobs.py": f"{INTEGRATION}/test_greedy_equivalence.py",
     # Two Ray clusters at once: test_ray_tls looks for its actors' directories machine-wide.

@@ -101,7 +101,7 @@ class ActiveRequest:
     def took_cached(self, tokens: int) -> None:
         """Counts prompt tokens the target took from its prefix cache for the prefill that gives the first token (a
         preemption before that token starts the count again)."""
-        if not self.output.generated:
+        if len(self.output.generated) == len(self.params.resumed):
             stats = self.output.stats
             stats.cached_tokens = (stats.cached_tokens if self.kv_length else 0) + tokens
 

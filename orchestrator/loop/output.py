@@ -6,9 +6,12 @@ import asyncio
 import bisect
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from transformers import PreTrainedTokenizerBase
 
 from orchestrator.loop.text import IncrementalDetokenizer, StopStringMatcher
+from orchestrator.loop.validation import InvalidRequest, ValidatedRequest
 from orchestrator.peers.backends import FailureKind
 from tandem.sampling.logprobs import TokenLogprob
 
@@ -133,6 +136,30 @@ class RequestOutput:
         answer is the same: the first message gives "a " (its "#" is held back: it may begin "###") and both tokens,
         the second no text and no token.
         """
+        accepted, output = self._advance(new_tokens, eos_token_ids, logprobs)
+        self._time(bool(accepted))
+        self.messages.put_nowait(output)
+
+    def resume(self, tokens: Sequence[int], eos_token_ids: frozenset[int]) -> None:
+        """Takes the tokens a broken stream of the request sent (resume_token_ids) as generated and given: the stop
+        conditions, the text and the counts go on after them as if this stream had sent them. Where they end the
+        request (their last one is an end, or the max_new_tokens-th), its one message is the last, with no tokens.
+        Raises ValueError naming the first token a stream would not have sent (e.g. "[4]: ... after it ended")."""
+        if not tokens:
+            return
+        accepted, output = self._advance(tokens, eos_token_ids, ())
+        sent = len(accepted) if not output.finish_reason else min(len(accepted), output.completion_tokens)
+        if sent < len(tokens):
+            raise ValueError(f"[{sent}]: the stream ended before this token ({output.finish_reason})")
+        self.completion_tokens = len(tokens)
+        if self.finished:
+            self._time(False)
+            self.messages.put_nowait(replace(output, token_ids=[], text="", logprobs=[]))
+
+    def _advance(
+        self, new_tokens: Iterable[int], eos_token_ids: frozenset[int], logprobs: Sequence[TokenLogprob]
+    ) -> tuple[list[int], Output]:
+        """Commits new tokens up to a stop; returns those taken and the message that gives what the client may see."""
         accepted: list[int] = []
         finish_reason = ""
         for token in new_tokens:
@@ -160,23 +187,22 @@ class RequestOutput:
             text += self.stop.flush()
         self.given_length += len(text)
         self.finished = bool(finish_reason)
-        self._time(bool(accepted))
-        given = self._tokens_given(stopped)
+        # A resumed stream's client has every token it sent, though their text may still be held back.
+        given = max(self._tokens_given(stopped), self.completion_tokens)
         count = given - self.completion_tokens
         token_ids = self.generated[self.completion_tokens : given]
         given_logprobs, self.held_logprobs = self.held_logprobs[:count], self.held_logprobs[count:]
         self.completion_tokens = given
-        self.messages.put_nowait(
-            Output(
-                token_ids=token_ids,
-                text=text,
-                finish_reason=finish_reason,
-                stats=self.stats if finish_reason else None,
-                prompt_tokens=self.prompt_tokens,
-                completion_tokens=given,
-                logprobs=given_logprobs,
-            )
+        output = Output(
+            token_ids=token_ids,
+            text=text,
+            finish_reason=finish_reason,
+            stats=self.stats if finish_reason else None,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=given,
+            logprobs=given_logprobs,
         )
+        return accepted, output
 
     def _detokenize(self, tokens: list[int]) -> str:
         """The text of new tokens; with stop strings one token at a time, recording where each one's text starts."""
@@ -211,3 +237,23 @@ class RequestOutput:
     def fail(self, failure: RequestFailed) -> None:
         self.finished = True
         self.messages.put_nowait(failure)
+
+
+def request_output(
+    params: ValidatedRequest, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int]
+) -> RequestOutput:
+    """A new request's output side; a resumed one's has taken the tokens its broken stream sent (finished, when they
+    ended it). Raises InvalidRequest naming the first of them a stream would not have sent."""
+    output = RequestOutput(
+        prompt_tokens=len(params.input_ids),
+        max_new_tokens=params.max_new_tokens,
+        ignore_eos=params.ignore_eos,
+        detokenizer=IncrementalDetokenizer(tokenizer, params.input_ids),
+        stop=StopStringMatcher(params.stop),
+        stop_token_ids=params.stop_token_ids,
+    )
+    try:
+        output.resume(params.resumed, eos_token_ids)
+    except ValueError as error:
+        raise InvalidRequest(f"resume_token_ids{error}") from None
+    return output

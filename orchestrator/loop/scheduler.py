@@ -32,12 +32,11 @@ from transformers import PreTrainedTokenizerBase
 from orchestrator.loop.accounting import StepTimes, count_round, observe_target_cost
 from orchestrator.loop.batching import ActiveRequest, Drafting, KVPool, OnTarget, PlannedItem, StepPlan, plan_step
 from orchestrator.loop.draft_length import Asking, DraftLengths, request_class
-from orchestrator.loop.output import RequestFailed, RequestOutput
+from orchestrator.loop.output import RequestFailed, request_output
 from orchestrator.loop.placement import Placement
 from orchestrator.loop.proposing import Drafts, Proposer
 from orchestrator.loop.releases import RELEASE_RETRY_S, Releases
 from orchestrator.loop.speculation import RoundCosts
-from orchestrator.loop.text import IncrementalDetokenizer, StopStringMatcher
 from orchestrator.loop.validation import InvalidRequest, ValidatedRequest, with_stop_masking
 from orchestrator.peers.backends import (
     BackendError,
@@ -117,15 +116,10 @@ class Scheduler:
                 f"the waiting queue holds its maximum of {self.settings.max_waiting} requests (--max-waiting); "
                 "retry later"
             )
+        output = request_output(params, self.tokenizer, self.eos_token_ids)
+        if output.finished:  # a resume of a stream that had ended: its last message is queued already
+            return ActiveRequest(uuid.uuid4().hex, params, output, None)
         replica, paused = self.placement.admit(params, len(self.running) + 1)
-        output = RequestOutput(
-            prompt_tokens=len(params.input_ids),
-            max_new_tokens=params.max_new_tokens,
-            ignore_eos=params.ignore_eos,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.input_ids),
-            stop=StopStringMatcher(params.stop),
-            stop_token_ids=params.stop_token_ids,
-        )
         request = ActiveRequest(uuid.uuid4().hex, params, output, replica)
         if paused:
             request.pause()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -38,6 +39,28 @@ def grammar_of(request: orchestrator_pb2.GenerateRequest) -> str:
     if error:
         raise ValueError(f"{name}: {error}")
     return grammar
+
+
+def refused_resume(grammar: str, tokens: Sequence[int], tokenizer: Any) -> str:
+    """Where a grammar refuses the tokens a resumed stream sent (e.g. "[3]: the grammar does not allow token 17
+    there"), "" where it allows them all. Tokens after the grammar has ended are the target's business, as in
+    tandem.sampling.grammar.GrammarState.commit."""
+    if not grammar or not tokens:
+        return ""
+    matcher = llguidance.LLMatcher(_llg_tokenizer(tokenizer), grammar)
+    for index, token in enumerate(tokens):
+        if matcher.is_stopped():
+            return ""
+        if not matcher.consume_token(token):
+            return f"[{index}]: the grammar does not allow token {token} there"
+    return ""
+
+
+@lru_cache(maxsize=4)
+def _llg_tokenizer(tokenizer: Any) -> Any:
+    import llguidance.hf  # imported with the first resume of a constrained request: it costs an import otherwise
+
+    return llguidance.hf.from_tokenizer(tokenizer)
 
 
 def _grammar(request: orchestrator_pb2.GenerateRequest, name: str) -> str:

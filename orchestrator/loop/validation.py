@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
-from orchestrator.loop.structured import grammar_of
+from orchestrator.loop.structured import grammar_of, refused_resume
 from tandem.sampling.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling.params import SamplingParams
 from tandem.wire import orchestrator_pb2
@@ -58,6 +58,7 @@ class ValidatedRequest:
     stop_token_ids: frozenset[int] = frozenset()  # any of these ends the request ("stop"), ignore_eos or not
     top_logprobs: int | None = None  # with logprobs: how many best tokens per position; None: no logprobs
     cache_salt: str = ""  # prefix-cache blocks are shared only between requests of the same salt
+    resumed: tuple[int, ...] = ()  # tokens a broken stream of the request sent already (resume_token_ids)
 
 
 def check_bounds(request: orchestrator_pb2.GenerateRequest, limits: Limits) -> None:
@@ -98,18 +99,7 @@ def validate_request(
     if request.max_new_tokens < 0:
         raise InvalidRequest(f"max_new_tokens: must be >= 0 (0 means the server default), got {request.max_new_tokens}")
 
-    for index, token_id in enumerate(request.stop_token_ids):
-        if not 0 <= token_id < limits.vocab_size:
-            raise InvalidRequest(
-                f"stop_token_ids[{index}]: {token_id} is outside the vocabulary of {limits.vocab_size} tokens"
-            )
-    for token_id, bias in sorted(request.logit_bias.items()):
-        if not 0 <= token_id < limits.vocab_size:
-            raise InvalidRequest(f"logit_bias: {token_id} is outside the vocabulary of {limits.vocab_size} tokens")
-        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise InvalidRequest(
-                f"logit_bias[{token_id}]: must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias}"
-            )
+    _check_token_ids(request, limits.vocab_size)
     input_ids = _prompt_ids(request, tokenizer, limits.vocab_size)
     prompt_length = len(input_ids)
     if prompt_length >= limits.max_context:
@@ -129,6 +119,10 @@ def validate_request(
         max_new_tokens = request.max_new_tokens
     if not 0 <= request.min_tokens <= max_new_tokens:
         raise InvalidRequest(f"min_tokens: must be in [0, max_new_tokens = {max_new_tokens}], got {request.min_tokens}")
+    resumed = _resumed(request, max_new_tokens, limits.vocab_size)
+    refused = refused_resume(sampling.grammar, resumed, tokenizer)
+    if refused:
+        raise InvalidRequest(f"resume_token_ids{refused}")
     return ValidatedRequest(
         input_ids=input_ids,
         max_new_tokens=max_new_tokens,
@@ -139,7 +133,39 @@ def validate_request(
         stop_token_ids=frozenset(request.stop_token_ids),
         top_logprobs=_top_logprobs(request),
         cache_salt=request.cache_salt,
+        resumed=resumed,
     )
+
+
+def _resumed(request: orchestrator_pb2.GenerateRequest, max_new_tokens: int, vocab_size: int) -> tuple[int, ...]:
+    """The tokens a resumed request's stream sent already: ids of the vocabulary, no more than it may generate."""
+    resumed = tuple(request.resume_token_ids)
+    if len(resumed) > max_new_tokens:
+        raise InvalidRequest(
+            f"resume_token_ids: {len(resumed)} tokens, more than the request's max_new_tokens = {max_new_tokens}"
+        )
+    for index, token_id in enumerate(resumed):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(
+                f"resume_token_ids[{index}]: {token_id} is outside the vocabulary of {vocab_size} tokens"
+            )
+    return resumed
+
+
+def _check_token_ids(request: orchestrator_pb2.GenerateRequest, vocab_size: int) -> None:
+    """The ids of stop_token_ids and logit_bias are the vocabulary's; the biases within OpenAI's bounds."""
+    for index, token_id in enumerate(request.stop_token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(
+                f"stop_token_ids[{index}]: {token_id} is outside the vocabulary of {vocab_size} tokens"
+            )
+    for token_id, bias in sorted(request.logit_bias.items()):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(f"logit_bias: {token_id} is outside the vocabulary of {vocab_size} tokens")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidRequest(
+                f"logit_bias[{token_id}]: must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias}"
+            )
 
 
 def _top_logprobs(request: orchestrator_pb2.GenerateRequest) -> int | None:
