@@ -52,7 +52,7 @@ def observe_target_cost(
     # A paused batch's passes beside its probe's verification (batching._multi_step): the first pass computed more
     # than the others, so the step is no sample of one pass of its size.
     mixed = passes > 1 and any(item.drafts.tokens for item in items)
-    if has_chunks or mixed:
+    if has_chunks or mixed or not items:  # (no items: a step that only frees the KV of preempted requests)
         # The cost line models decoding steps, which k is chosen for: a step with prompt chunks computes hundreds of
         # tokens at a cost per token (attention over the prompt) that says nothing about a few more rows to verify,
         # and fitted in, it made drafts look dear at 8 requests (docs/architecture.md, "Adaptive k").

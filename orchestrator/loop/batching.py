@@ -176,16 +176,17 @@ def plan_step(
     waiting: deque[ActiveRequest],
     pool: KVPool,
     settings: SchedulerSettings,
+    held_elsewhere: int = 0,
 ) -> StepPlan:
     """Chooses the step; preempted requests are listed, not moved (the scheduler frees and requeues them).
 
     Decoding requests get room for as many drafts as they may verify (their draft_length, else settings.num_steps);
-    what is proposed can only be fewer.
+    what is proposed can only be fewer. `held_elsewhere` blocks of the pool are taken by other orchestrators' requests.
     """
     plan = StepPlan()
     budget = _Budget(
         pool,
-        pool.num_blocks - sum(pool.blocks(request.kv_length) for request in running),
+        pool.num_blocks - held_elsewhere - sum(pool.blocks(request.kv_length) for request in running),
         settings.max_num_batched_tokens,
         settings.max_num_batched_tokens,
     )

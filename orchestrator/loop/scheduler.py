@@ -88,6 +88,7 @@ class Scheduler:
         self.running: dict[str, ActiveRequest] = {}  # in admission order
         self.last_progress = time.monotonic()  # when the loop last finished a step (health)
         self.target_failure: str | None = None  # why the target's last step or release failed; None once it answers
+        self.held_elsewhere = 0  # KV blocks other orchestrators of the target held after the last step (estimated)
         costs = RoundCosts(settings.num_scheduler_steps)
         self.speculation = DraftLengths(settings.num_steps, settings.adaptive_k, costs)
         self.k_in_use = settings.num_steps  # the deepest k of the last step (metrics)
@@ -185,6 +186,9 @@ class Scheduler:
                 if not request.cancelled:
                     request.output.emit(result.new_tokens, self.eos_token_ids, result.logprobs)
         self.speculation.costs.observe_scheduling(times.scheduling_seconds())
+        if outcome.kv_blocks_free is not None:  # what the target holds beyond this loop's requests (before releases)
+            own = sum(self.facts.pool.blocks(request.kv_length) for request in self.running.values())
+            self.held_elsewhere = max(0, self.facts.pool.num_blocks - outcome.kv_blocks_free - own)
         self._release_finished([item.request_id for item in items])
 
     def _choose_lengths(self) -> None:
@@ -200,7 +204,7 @@ class Scheduler:
 
     async def _plan(self) -> StepPlan | None:
         """Chooses the step's requests (orchestrator.loop.batching), preempts and admits; None when nothing fits."""
-        plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings)
+        plan = plan_step(list(self.running.values()), self.waiting, self.facts.pool, self.settings, self.held_elsewhere)
         if plan.preempted:
             LOG.info("KV pool full: preempting %d requests (newest first)", len(plan.preempted))
             await self._preempt(plan.preempted)
@@ -208,12 +212,14 @@ class Scheduler:
             self.waiting.remove(request)
             self.running[request.request_id] = request
             request.output.mark_scheduled()
-        if plan.decode or plan.chunks:
+        if plan.decode or plan.chunks or plan.preempted:  # the step frees the preempted requests' KV on the target
             return plan
         if self.running or self.waiting:
-            # Nothing fits until running requests finish; they are all waiting for KV room, which only happens when
-            # the mirror and the target disagree. Yield instead of spinning.
-            await asyncio.sleep(0.01)
+            # Nothing fits until requests finish: others' (another orchestrator of the target holds blocks; the next
+            # step that runs tells how many it still holds), or this loop's, waiting for KV room when the mirror and
+            # the target disagree. Yield instead of spinning.
+            await asyncio.sleep(0.05 if self.held_elsewhere else 0.01)
+            self.held_elsewhere = 0
         return None
 
     async def _run_target(self, plan: StepPlan, items: list[StepItem]) -> StepOutcome | None:

@@ -81,6 +81,7 @@ class StepResult:
 class StepOutcome:
     results: list[StepResult]  # one per item, in order
     compute_seconds: float
+    kv_blocks_free: int | None = None  # the target's, after the step (cached blocks count free); None: not told
 
 
 @dataclass(frozen=True)

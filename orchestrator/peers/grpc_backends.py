@@ -169,7 +169,7 @@ class GrpcTarget:
             )
             for result in response.results
         ]
-        return StepOutcome(results, response.compute_seconds)
+        return StepOutcome(results, response.compute_seconds, response.kv_blocks_free)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         try:

@@ -68,6 +68,18 @@ def test_the_newest_running_request_is_preempted_for_an_older_one(tokenizer: Pre
     assert [s.request.request_id for s in plan.decode] == ["old"]
 
 
+def test_blocks_another_orchestrator_holds_are_not_this_ones(tokenizer: PreTrainedTokenizerBase) -> None:
+    old = request(tokenizer, "old", prompt=8, generated=4)  # 3 blocks, 4 after verifying
+    new = request(tokenizer, "new", prompt=8, generated=4)  # 3 blocks, 4 after verifying
+    pool = KVPool(num_blocks=10, block_size=4)
+    plan = plan_step([old, new], deque(), pool, SETTINGS)
+    assert plan.preempted == [] and [s.request.request_id for s in plan.decode] == ["old", "new"]
+    # 4 held elsewhere: 6 left, as in the tight pool above; the newest of this orchestrator's requests makes room.
+    plan = plan_step([old, new], deque(), pool, SETTINGS, held_elsewhere=4)
+    assert [r.request_id for r in plan.preempted] == ["new"]
+    assert [s.request.request_id for s in plan.decode] == ["old"]
+
+
 def test_a_request_alone_in_a_short_pool_preempts_itself(tokenizer: PreTrainedTokenizerBase) -> None:
     alone = request(tokenizer, "alone", prompt=8, generated=4)
     plan = plan_step([alone], deque(), KVPool(num_blocks=3, block_size=4), SETTINGS)
