@@ -1,6 +1,7 @@
-"""The stack `tandem bench-faults` breaks: a target, one draft replica and an orchestrator, each `tandem` service in a
-process of its own at a fixed port (so that one killed can be started again where it was), and a TCP fault proxy
-(bench.fault_proxy) on each of the three links. Every service's output is kept with the time each line came.
+"""The stack `tandem bench-faults` breaks: a target, one draft replica and two orchestrators (the second takes the
+streams of the first when it dies), each `tandem` service in a process of its own at a fixed port (so that one killed
+can be started again where it was), and a TCP fault proxy (bench.fault_proxy) on each of the three links, which both
+orchestrators share. Every service's output is kept with the time each line came.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ READY_TIMEOUT_S = 120.0
 # What the stack runs with beside --keepalive-timeout, written into the report: small KV blocks and a 1 s orphan
 # timeout so that what a fault leaves held is let go soon, a fixed k so that each scenario drafts alike.
 CACHE_FLAGS = ("--block-size", "8", "--orphan-timeout", "1")
+SHORT_SHUTDOWN_S = 0.5  # the second orchestrator's --shutdown-timeout: streams of 32 tokens are still running then
 ORCHESTRATOR_FLAGS = (
     "--speculative-num-steps",
     "3",
@@ -41,15 +43,28 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class Signalled:
+    """What a fault saw of the service it signalled, in seconds after the signal: its exit code and when it exited,
+    when it served again (started again where it was), and after a SIGTERM, when it refused a new request."""
+
+    exit_code: int | None
+    exit_s: float
+    back_s: float
+    refused_s: float | None = None
+
+
 @dataclass
 class Service:
-    """One `tandem` service process; `lines` holds (time.monotonic(), line) of its output."""
+    """One `tandem` service process; `lines` holds (time.monotonic(), line) of its output. `extra` flags go to its
+    next start."""
 
     name: str
     command: list[str]
     port: int
     process: subprocess.Popen[str] | None = None
     lines: list[tuple[float, str]] = field(default_factory=list)
+    extra: tuple[str, ...] = ()
 
     @property
     def address(self) -> str:
@@ -57,15 +72,23 @@ class Service:
 
     def start(self, workdir: Path) -> None:
         """Starts it and returns once it serves; raises RuntimeError with its output when it does not."""
+        self.launch(workdir)
+        self.wait_ready(workdir)
+
+    def launch(self, workdir: Path) -> None:
+        """Starts the process (wait_ready waits until it serves)."""
         ready_file = workdir / f"{self.name}.address"
         ready_file.unlink(missing_ok=True)
-        command = [*self.command, "--port", str(self.port), "--ready-file", str(ready_file)]
+        command = [*self.command, *self.extra, "--port", str(self.port), "--ready-file", str(ready_file)]
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.process = process
         threading.Thread(target=self._read, args=(process,), daemon=True).start()
+
+    def wait_ready(self, workdir: Path) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready_file.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
+        while not (workdir / f"{self.name}.address").exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"{self.name} did not start:\n{''.join(line for _, line in self.lines)}")
             time.sleep(0.05)
@@ -79,10 +102,11 @@ class Service:
         assert self.process is not None
         os.kill(self.process.pid, signum)
 
-    def kill(self) -> None:
+    def kill(self) -> int:
+        """SIGKILL; returns the exit code."""
         assert self.process is not None
         self.process.kill()
-        self.process.wait()
+        return self.process.wait()
 
     def stop(self) -> None:
         """SIGTERM (after SIGCONT: a scenario may have paused it), SIGKILL after 30 s."""
@@ -116,7 +140,7 @@ class FaultStack:
 
     def start(self) -> FaultStack:
         keepalive = ("--keepalive-timeout", str(self.keepalive_timeout_s))
-        ports = {name: free_port() for name in ("target", "draft", "orchestrator")}
+        ports = {name: free_port() for name in ("target", "draft", "orchestrator", "orchestrator-2")}
         target = f"127.0.0.1:{ports['target']}"
         draft = f"127.0.0.1:{ports['draft']}"
         self.proxies = {
@@ -134,15 +158,28 @@ class FaultStack:
             "draft": tandem("draft", *draft_command, *CACHE_FLAGS, *keepalive),
             "orchestrator": tandem("orchestrator", *orchestrator_command, *ORCHESTRATOR_FLAGS, *keepalive),
         }
-        for name, command in commands.items():
+        # The second drains in SHORT_SHUTDOWN_S: the short drain's streams go to it.
+        commands["orchestrator-2"] = [*commands["orchestrator"], "--shutdown-timeout", str(SHORT_SHUTDOWN_S)]
+        workdir = Path(self.workdir.name)
+        for name, command in commands.items():  # all at once: the others wait for the target's health themselves
             self.services[name] = Service(name, command, ports[name])
-            self.services[name].start(Path(self.workdir.name))
+            self.services[name].launch(workdir)
+        for service in self.services.values():
+            service.wait_ready(workdir)
         return self
 
-    def restart(self, name: str) -> None:
-        """Kills a service (SIGKILL) and starts it again at its address."""
-        self.services[name].kill()
-        self.services[name].start(Path(self.workdir.name))
+    def restart(self, name: str, *extra: str) -> Signalled:
+        """Kills a service (SIGKILL) and starts it again at its address, with `extra` flags."""
+        began = time.monotonic()
+        exit_code = self.services[name].kill()
+        return Signalled(exit_code, time.monotonic() - began, self.start_again(name, *extra, began=began))
+
+    def start_again(self, name: str, *extra: str, began: float) -> float:
+        """Starts a service that exited again at its address, with `extra` flags; returns the seconds since `began`."""
+        service = self.services[name]
+        service.extra = extra
+        service.start(Path(self.workdir.name))
+        return time.monotonic() - began
 
     def pause(self, name: str, seconds: float) -> None:
         self.services[name].signal(signal.SIGSTOP)

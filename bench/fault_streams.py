@@ -13,7 +13,9 @@ from typing import Any
 
 import grpc
 
+from bench.fault_stack import Signalled
 from tandem.grpc_util import channel_options
+from tandem.resuming import Reconnects, StreamBroken, resuming_stream
 from tandem.wire import draft_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2, target_pb2_grpc
 
 GREEDY = 8
@@ -30,14 +32,17 @@ STREAM_TIMEOUT_S = 120.0  # a stream not ended by then counts as hung
 
 @dataclass
 class Stream:
-    """One Generate call read on its own thread: every streamed token in order, when each chunk came, how it ended."""
+    """One Generate call read on its own thread: every streamed token in order, when each chunk came, how it ended.
+    With `resuming`, the client resumes a broken stream (tandem.resuming) at the next of `addresses`."""
 
-    address: str
+    addresses: tuple[str, ...]
     fields: dict[str, Any]
+    resuming: bool = False
     tokens: list[int] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)  # time.monotonic() of each chunk
     finish_reason: str = ""
-    error: grpc.RpcError | None = None
+    error: grpc.RpcError | StreamBroken | None = None
+    resumes: int = 0  # reconnections
     started: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -46,19 +51,28 @@ class Stream:
 
     def _read(self) -> None:
         request = orchestrator_pb2.GenerateRequest(**self.fields, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        reconnects = Reconnects(attempts=8 if self.resuming else 0)
         try:
-            with grpc.insecure_channel(self.address, options=channel_options()) as channel:
-                calls = orchestrator_pb2_grpc.OrchestratorStub(channel)
-                for response in calls.Generate(request, timeout=STREAM_TIMEOUT_S):
-                    self.arrivals.append(time.monotonic())
-                    self.tokens.extend(response.token_ids)
-                    self.started.set()
-                    self.finish_reason = response.finish_reason or self.finish_reason
-        except grpc.RpcError as error:
+            for response in resuming_stream(
+                self.addresses,
+                request,
+                lambda address: grpc.insecure_channel(address, options=channel_options()),
+                timeout_s=STREAM_TIMEOUT_S,
+                reconnects=reconnects,
+                on_reconnect=self._resumed,
+            ):
+                self.arrivals.append(time.monotonic())
+                self.tokens.extend(response.token_ids)
+                self.started.set()
+                self.finish_reason = response.finish_reason or self.finish_reason
+        except (grpc.RpcError, StreamBroken) as error:
             self.error = error
         finally:
             self.started.set()
             self.done.set()
+
+    def _resumed(self, address: str, cause: str, tokens: int) -> None:
+        self.resumes += 1
 
     def longest_gap_after(self, moment: float) -> float:
         """The longest wait between chunks (or from `moment` to the first chunk after it), from `moment` on."""
@@ -93,20 +107,22 @@ def target_only(address: str) -> list[list[int]]:
     return [list(completion(address, **request, **fields).token_ids) for request in REQUESTS]
 
 
-def streams_through(address: str, fault: Callable[[], None]) -> tuple[list[Stream], float]:
-    """REQUESTS as streams; `fault` runs once every one of them has streamed a token. Returns the streams once each
-    ended or hung, and when the fault began."""
-    streams = [Stream(address, request) for request in REQUESTS]
+def streams_through(
+    addresses: Sequence[str], fault: Callable[[], Signalled | None], resuming: bool = False
+) -> tuple[list[Stream], float, Signalled | None]:
+    """REQUESTS as streams to `addresses` (the first, then the next as they resume); `fault` runs once every one of
+    them has streamed a token. Returns the streams once each ended or hung, when the fault began, and what it saw."""
+    streams = [Stream(tuple(addresses), request, resuming) for request in REQUESTS]
     for stream in streams:
         if not stream.started.wait(60):
             raise AssertionError("a stream did not start within 60 s")
     if any(stream.done.is_set() for stream in streams):
         raise AssertionError("a stream ended before the fault")
     began = time.monotonic()
-    fault()
+    seen = fault()
     for stream in streams:
         stream.done.wait(max(0.0, began + STREAM_TIMEOUT_S + 5 - time.monotonic()))
-    return streams, began
+    return streams, began, seen
 
 
 def target_info(address: str) -> target_pb2.TargetInfo:

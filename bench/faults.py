@@ -1,14 +1,16 @@
 """`tandem bench-faults`: what each fault between Tandem's services costs, as a table.
 
-One stack (bench.fault_stack: target, one draft replica, orchestrator, a fault proxy on each link) serves 8 greedy and
-2 seeded sampled streams (bench.fault_streams) through each scenario in turn: latency, a reset of every connection,
-refused connections or a blackhole on each link; a draft replica paused or killed and started again; the target
-paused or killed and started again; the orchestrator killed and started again. For each it records the streams that
-completed, failed and hung, those whose tokens equal a run without the fault and without speculation, those with
-tokens repeated, missing or changed, the longest stall between two chunks of a stream from the fault on, the time
-until a service logged a warning or error about it, what the target and replica still hold once settled, services
-that exited by themselves, and whether the replica drafts again. A killed orchestrator takes its streams with it:
-that scenario's row shows them failed, and what matters is that nothing stays held and the new one serves.
+One stack (bench.fault_stack: target, one draft replica, two orchestrators, a fault proxy on each link) serves 8
+greedy and 2 seeded sampled streams (bench.fault_streams) through each scenario in turn: latency, a reset of every
+connection, refused connections or a blackhole on each link; a draft replica paused or killed and started again; the
+target paused or killed and started again; the orchestrator sent SIGTERM (its streams drain), SIGTERM with a short
+--shutdown-timeout, or killed and started again, or killed with its clients resuming on the second orchestrator
+(bench.orchestrator_faults). For each it records the streams that completed, failed and hung, those whose tokens equal
+a run without the fault and without speculation, those with tokens repeated, missing or changed, how often clients
+resumed, the longest stall between two chunks of a stream from the fault on, the time until a service logged a
+warning or error about it, what the target and replica still hold once settled, services that exited by themselves,
+whether the replica drafts again, and what the signalled orchestrator did (exit code, back after, new requests
+refused after).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.fault_stack import CACHE_FLAGS, LINKS, ORCHESTRATOR_FLAGS, FaultStack
+from bench.fault_stack import CACHE_FLAGS, LINKS, ORCHESTRATOR_FLAGS, SHORT_SHUTDOWN_S, FaultStack, Signalled
 from bench.fault_streams import NEW_TOKENS, STREAMS, completion, held_after, streams_through, target_only
+from bench.orchestrator_faults import drain, takeover
 from launch.model_dirs import shown
 
-Fault = Callable[[], None]
+Fault = Callable[[], Signalled | None]  # what it saw of the service it signalled, if it did
 
 
 def latency(stack: FaultStack, link: str) -> Fault:
@@ -69,15 +72,31 @@ def kill(stack: FaultStack, service: str) -> Fault:
     return lambda: stack.restart(service)
 
 
+@dataclass(frozen=True)
+class Scenario:
+    make: Callable[[FaultStack, str], Fault]  # called before the streams start, its fault once they have
+    where: str  # the link or service it hits
+    # The orchestrators the streams go to: the first, then the next each time a resuming stream breaks.
+    clients: tuple[str, ...] = ("orchestrator",)
+    resuming: bool = False  # the clients resume broken streams (tandem.resuming)
+
+
 LINK_FAULTS = {"latency": latency, "reset": reset, "refusal": refusal, "blackhole": blackhole}
 SERVICE_FAULTS = {"pause": pause, "kill": kill}
-# Each scenario: (the fault's maker, the link or service it hits).
-SCENARIOS: dict[str, tuple[Callable[[FaultStack, str], Fault], str]] = {
-    **{f"{name} {link}": (make, link) for link in LINKS for name, make in LINK_FAULTS.items()},
+BOTH = ("orchestrator", "orchestrator-2")
+# The second orchestrator drains within SHORT_SHUTDOWN_S: its streams may end with UNAVAILABLE, and only so.
+CUT_SHORT = f"drain orchestrator-2 (--shutdown-timeout {SHORT_SHUTDOWN_S:g})"
+SCENARIOS: dict[str, Scenario] = {
+    **{f"{name} {link}": Scenario(make, link) for link in LINKS for name, make in LINK_FAULTS.items()},
     **{
-        f"{name} {service}": (make, service) for service in ("draft", "target") for name, make in SERVICE_FAULTS.items()
+        f"{name} {service}": Scenario(make, service)
+        for service in ("draft", "target")
+        for name, make in SERVICE_FAULTS.items()
     },
-    "kill orchestrator": (kill, "orchestrator"),
+    "drain orchestrator": Scenario(drain, "orchestrator"),
+    CUT_SHORT: Scenario(drain, "orchestrator-2", ("orchestrator-2",)),
+    "kill orchestrator": Scenario(kill, "orchestrator", resuming=True),
+    "kill orchestrator, second takes over": Scenario(takeover, "orchestrator", BOTH, resuming=True),
 }
 
 
@@ -96,12 +115,19 @@ class FaultRecord:
     exits: int  # services that exited by themselves
     drafts_again: bool
     errors: tuple[str, ...]  # the failed streams' status codes
+    resumes: int = 0  # reconnections of resuming clients
+    exit_code: int | None = None  # of the orchestrator a scenario signalled
+    exit_s: float | None = None  # from its signal until it exited
+    back_s: float | None = None  # from its signal until it served again
+    refused_s: float | None = None  # from a SIGTERM until a new request was refused
 
 
 def record(stack: FaultStack, scenario: str, expected: list[list[int]]) -> FaultRecord:
     """Runs one scenario under the streams and records what it cost."""
-    make, where = SCENARIOS[scenario]
-    streams, began = streams_through(stack.address("orchestrator"), make(stack, where))
+    spec = SCENARIOS[scenario]
+    fault = spec.make(stack, spec.where)
+    addresses = [stack.address(name) for name in spec.clients]
+    streams, began, signalled = streams_through(addresses, fault, spec.resuming)
     for proxy in stack.proxies.values():
         proxy.delay_s, proxy.refusing = 0.0, False
         proxy.heal()
@@ -124,6 +150,11 @@ def record(stack: FaultStack, scenario: str, expected: list[list[int]]) -> Fault
         exits=exits,
         drafts_again=drafts_again(stack),
         errors=tuple(sorted(code_of(s.error) for s in failed)),
+        resumes=sum(stream.resumes for stream in streams),
+        exit_code=None if signalled is None else signalled.exit_code,
+        exit_s=None if signalled is None else signalled.exit_s,
+        back_s=None if signalled is None else signalled.back_s,
+        refused_s=None if signalled is None else signalled.refused_s,
     )
 
 
@@ -133,9 +164,13 @@ def code_of(error: object) -> str:
 
 
 def lost(r: FaultRecord) -> list[str]:
-    """What a scenario's record shows lost; a killed orchestrator may fail its own streams, nothing more."""
+    """What a scenario's record shows lost. Every stream completes with the tokens of a fault-free run, but under a
+    SIGTERM with a short timeout, where those still running end with UNAVAILABLE; a SIGTERM is answered by refusing
+    new requests within a second and exiting 0."""
     problems = [f"{r.hung} hung"] if r.hung else []
-    if r.scenario != "kill orchestrator":
+    if r.scenario == CUT_SHORT:
+        problems += [f"errors other than UNAVAILABLE: {r.errors}"] if set(r.errors) - {"UNAVAILABLE"} else []
+    else:
         problems += [f"{STREAMS - r.completed} not completed"] if r.completed < STREAMS else []
         problems += [f"{STREAMS - r.identical} not identical"] if r.identical < STREAMS else []
     problems += [f"{r.token_errors} with tokens wrong"] if r.token_errors else []
@@ -144,6 +179,10 @@ def lost(r: FaultRecord) -> list[str]:
     )
     problems += [f"{r.exits} services exited"] if r.exits else []
     problems += [] if r.drafts_again else ["no drafts afterwards"]
+    if r.scenario.startswith("drain"):
+        problems += [] if r.exit_code == 0 else [f"exit code {r.exit_code} after SIGTERM"]
+        refused = r.refused_s is not None and r.refused_s < 1.0
+        problems += [] if refused else [f"new requests not refused within 1 s of SIGTERM ({r.refused_s})"]
     return problems
 
 
@@ -185,8 +224,8 @@ def run_faults(target_dir: Path, draft_dir: Path, keepalive_timeout_s: float, sc
 
 
 COLUMNS = (
-    "| scenario | completed | failed | hung | identical | tokens wrong | longest stall | detected | held | exits "
-    "| drafts again |"
+    "| scenario | completed | failed | hung | identical | tokens wrong | resumed | longest stall | detected | held "
+    "| exits | drafts again | signalled orchestrator |"
 )
 
 
@@ -196,8 +235,17 @@ def row(r: FaultRecord) -> str:
     held = f"{r.held_requests} req, {r.held_blocks} blocks" if r.held_requests or r.held_blocks else "0"
     return (
         f"| {r.scenario} | {r.completed}/{STREAMS} | {failed} | {r.hung} | {r.identical}/{STREAMS} | {r.token_errors} "
-        f"| {r.longest_stall_s:.1f} s | {detected} | {held} | {r.exits} | {'yes' if r.drafts_again else 'NO'} |"
+        f"| {r.resumes} | {r.longest_stall_s:.1f} s | {detected} | {held} | {r.exits} "
+        f"| {'yes' if r.drafts_again else 'NO'} | {signalled(r)} |"
     )
+
+
+def signalled(r: FaultRecord) -> str:
+    """The signalled orchestrator's exit code, when it served again, and when it refused new requests."""
+    if r.back_s is None:
+        return "-"
+    refused = "" if r.refused_s is None else f", refused new requests after {r.refused_s:.2f} s"
+    return f"exit {r.exit_code} after {r.exit_s or 0.0:.1f} s, serving again after {r.back_s:.1f} s{refused}"
 
 
 def write_report(run: FaultRun, out: Path) -> Path:

@@ -14,7 +14,7 @@ __all__ = ["NEW_TOKENS", "PROMPTS", "target_only", "wait_for"]
 
 
 def streams_through(address: str, fault: Callable[[], None]) -> list[Stream]:
-    streams, _ = fault_streams.streams_through(address, fault)
+    streams, _, _ = fault_streams.streams_through([address], fault)
     return streams
 
 

@@ -265,6 +265,10 @@ def test_the_orchestrator_pod_lives_until_its_streams_drained(helm: str) -> None
         helm, ["--set", "orchestrator.shutdownTimeout=45", "--set", "orchestrator.terminationGracePeriodSeconds=70"]
     )
     deployment = find(values, "Deployment", f"{PREFIX}-orchestrator")
+    # Two behind one Service: a rolling update (at most 25 % unavailable: none of 2) keeps one serving.
+    assert deployment["spec"]["replicas"] == 2 and "strategy" not in deployment["spec"]
+    service = find(values, "Service", f"{PREFIX}-orchestrator")
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     orchestrator = container(deployment)
     assert argument(orchestrator["args"], "--shutdown-timeout") == "45"
     pre_stop = orchestrator["lifecycle"]["preStop"]["exec"]["command"]
