@@ -9,7 +9,7 @@ target paused or killed and started again; the orchestrator sent SIGTERM (its st
 a run without the fault and without speculation, those with tokens repeated, missing or changed, how often clients
 resumed, the longest stall between two chunks of a stream from the fault on, the time until a service logged a
 warning or error about it, what the target and replica still hold once settled, services that exited by themselves,
-whether the replica drafts again, and what the signalled orchestrator did (exit code, back after, new requests
+whether the replica drafts again, and what a killed or signalled service did (exit code, back after, new requests
 refused after).
 """
 
@@ -116,7 +116,7 @@ class FaultRecord:
     drafts_again: bool
     errors: tuple[str, ...]  # the failed streams' status codes
     resumes: int = 0  # reconnections of resuming clients
-    exit_code: int | None = None  # of the orchestrator a scenario signalled
+    exit_code: int | None = None  # of the service a scenario signalled (killed or sent SIGTERM)
     exit_s: float | None = None  # from its signal until it exited
     back_s: float | None = None  # from its signal until it served again
     refused_s: float | None = None  # from a SIGTERM until a new request was refused
@@ -225,7 +225,7 @@ def run_faults(target_dir: Path, draft_dir: Path, keepalive_timeout_s: float, sc
 
 COLUMNS = (
     "| scenario | completed | failed | hung | identical | tokens wrong | resumed | longest stall | detected | held "
-    "| exits | drafts again | signalled orchestrator |"
+    "| exits | drafts again | signalled service |"
 )
 
 
@@ -241,7 +241,7 @@ def row(r: FaultRecord) -> str:
 
 
 def signalled(r: FaultRecord) -> str:
-    """The signalled orchestrator's exit code, when it served again, and when it refused new requests."""
+    """The signalled service's exit code, when it served again, and after a SIGTERM when it refused new requests."""
     if r.back_s is None:
         return "-"
     refused = "" if r.refused_s is None else f", refused new requests after {r.refused_s:.2f} s"
