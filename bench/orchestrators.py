@@ -45,7 +45,9 @@ def load(addresses: list[str], streams: int, tokens: int) -> tuple[float, list[l
     """`streams` greedy requests at once, the i-th to addresses[i % len]; tokens per second and each one's tokens."""
 
     def one(index: int) -> list[int]:
-        answer = completion(addresses[index % len(addresses)], input_ids=PROMPTS[index], max_new_tokens=tokens)
+        answer = completion(
+            addresses[index % len(addresses)], input_ids=PROMPTS[index], max_new_tokens=tokens, ignore_eos=True
+        )
         return list(answer.token_ids)
 
     began = time.perf_counter()

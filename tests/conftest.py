@@ -49,6 +49,7 @@ LONGEST_FIRST = (
     f"{INTEGRATION}/test_greedy_equivalence.py",  # 57
     f"{INTEGRATION}/test_startup_errors.py",  # 58
     f"{INTEGRATION}/test_adaptive_k.py",  # 45
+    f"{INTEGRATION}/test_two_orchestrators.py",  # 40 (one test: started late, it would end the run alone)
 )
 
 
