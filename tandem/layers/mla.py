@@ -7,7 +7,9 @@ Attention is computed from the latent itself, with the up-projections absorbed i
     query_h . key_h = (query_nope_h @ key_up_h) . latent + query_rope_h . key_rope
     sum_j p_j value_hj = (sum_j p_j latent_j) @ value_up_h^T
 so the cached row is both the key (all of it) and the value (its first kv_lora_rank columns) of a single shared KV
-head, and nothing of size context is up-projected per step. This is the formulation DeepSeek uses for decoding; it
+head, and nothing of size context is up-projected per step. Tensor parallel: each rank computes its share of the
+heads (q_b_proj and kv_b_proj column parallel, o_proj row parallel) from the same latent, which every rank caches
+whole; the down projections are replicated. This is the formulation DeepSeek uses for decoding; it
 costs more FLOPs than up-projecting the keys and values for a long fresh prefill (the score dot products run over
 kv_lora_rank + rope instead of nope + rope dims), but verification steps, a few queries over a long context, are
 what this target runs most, and one path for both keeps prefill and decode numerically alike.
@@ -26,6 +28,8 @@ from tandem.layers.linear import PackedLinear
 from tandem.layers.matmul import Linear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
+from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
+from tandem.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 # The q and kv latent norms are built without the config's rms_norm_eps in DeepSeek's code and in transformers.
 LATENT_NORM_EPS = 1e-6
@@ -64,11 +68,13 @@ class MultiHeadLatentAttention(nn.Module):
         rotary: RotaryEmbedding,
         input_size: int | None = None,  # None: config.hidden_size
         fused_a_projection: bool = False,
+        group: ParallelGroup = SINGLE_PROCESS,
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.config = config
         self.rotary = rotary
+        self.heads = group.split(config.num_heads, "num_attention_heads")  # this rank's
         input_size = input_size or config.hidden_size
         query_size = config.num_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
         kv_a_size = config.kv_lora_rank + config.qk_rope_head_dim
@@ -81,7 +87,7 @@ class MultiHeadLatentAttention(nn.Module):
         if config.q_lora_rank is None:
             if fused_a_projection:
                 raise ValueError("a fused q/kv down projection needs q_lora_rank")
-            self.q_proj = Linear(input_size, query_size, bias=False)
+            self.q_proj = ColumnParallelLinear(input_size, query_size, False, group, "num_attention_heads")
         else:
             if fused_a_projection:
                 parts = {"q_a": config.q_lora_rank, "kv_a": kv_a_size}
@@ -89,14 +95,14 @@ class MultiHeadLatentAttention(nn.Module):
             else:
                 self.q_a_proj = Linear(input_size, config.q_lora_rank, bias=config.attention_bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(config.q_lora_rank, query_size, bias=False)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, query_size, False, group, "num_attention_heads")
         if not fused_a_projection:
             self.kv_a_proj_with_mqa = Linear(input_size, kv_a_size, bias=config.attention_bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(
-            config.kv_lora_rank, config.num_heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
-        )
-        self.o_proj = Linear(config.num_heads * config.v_head_dim, config.hidden_size, bias=config.attention_bias)
+        up_size = config.num_heads * (config.qk_nope_head_dim + config.v_head_dim)
+        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, up_size, False, group, "num_attention_heads")
+        value_size = config.num_heads * config.v_head_dim
+        self.o_proj = RowParallelLinear(value_size, config.hidden_size, config.attention_bias, group)
 
     def forward(
         self,
@@ -107,14 +113,14 @@ class MultiHeadLatentAttention(nn.Module):
         config = self.config
         num_tokens = hidden.shape[0]
         query, kv = self._project(hidden)
-        query = query.view(num_tokens, config.num_heads, -1)
+        query = query.view(num_tokens, self.heads, -1)
         query_nope, query_rope = query.split([config.qk_nope_head_dim, config.qk_rope_head_dim], dim=-1)
         latent, key_rope = kv.split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [num_tokens, kv_lora_rank]
         # key_rope is one head shared by all query heads: [num_tokens, 1, qk_rope_head_dim].
         query_rope, key_rope = self.rotary(metadata.positions, query_rope, key_rope[:, None, :])
         # kv_b_proj's rows are, head by head, qk_nope_head_dim key rows then v_head_dim value rows.
-        up_projection = self.kv_b_proj.float_weight().view(config.num_heads, -1, config.kv_lora_rank)
+        up_projection = self.kv_b_proj.float_weight().view(self.heads, -1, config.kv_lora_rank)
         key_up, value_up = up_projection.split([config.qk_nope_head_dim, config.v_head_dim], dim=1)
         query_latent = torch.einsum("thn,hnc->thc", query_nope, key_up)  # [num_tokens, heads, kv_lora_rank]
         rows = torch.cat((latent[:, None, :], key_rope), dim=-1)  # [num_tokens, 1, kv_lora_rank + rope]
@@ -126,7 +132,7 @@ class MultiHeadLatentAttention(nn.Module):
             config.softmax_scale,
         )  # [num_tokens, heads, kv_lora_rank]
         output = torch.einsum("thc,hvc->thv", attended, value_up)  # [num_tokens, heads, v_head_dim]
-        return self.o_proj(output.reshape(num_tokens, config.num_heads * config.v_head_dim))
+        return self.o_proj(output.reshape(num_tokens, self.heads * config.v_head_dim))
 
     def _project(
         self,

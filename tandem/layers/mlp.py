@@ -35,12 +35,14 @@ class GatedMLP(nn.Module):
         activation: str = "silu",
         group: ParallelGroup = SINGLE_PROCESS,
         limit: float | None = None,  # the clamp above; None: none
+        reduce: bool = True,  # False: each rank returns its partial sum (RowParallelLinear's reduce)
+        what: str = "intermediate_size",  # the config field of the units, named when tp does not divide them
     ) -> None:
         super().__init__()
-        group.split(intermediate_size, "intermediate_size")  # refuses an uneven split, naming the config field
+        group.split(intermediate_size, what)  # refuses an uneven split, naming the config field
         parts = {"gate": intermediate_size, "up": intermediate_size}
         self.gate_up_proj = PackedLinear(hidden_size, parts, bias=False, group=group)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, group=group)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, group=group, reduce=reduce)
         self.activation = ACTIVATIONS[activation]
         self.limit = limit
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.layers.mlp import GatedMLP
+from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup, all_reduce
 
 
 @dataclass(frozen=True)
@@ -73,15 +74,22 @@ class GroupedTopKRouter(nn.Module):
 
 
 class MixtureOfExperts(nn.Module):
-    """Module names are the checkpoint's: mlp.gate, mlp.experts.{e}.{gate,up,down}_proj, mlp.shared_experts.*."""
+    """Module names are the checkpoint's: mlp.gate, mlp.experts.{e}.{gate,up,down}_proj, mlp.shared_experts.*.
 
-    def __init__(self, config: MoEConfig) -> None:
+    Tensor parallel: the router is replicated, so every rank chooses the same experts; each expert's and the shared
+    experts' units are split across ranks like a GatedMLP's, and the ranks' partial sums of the whole layer meet in
+    one all-reduce."""
+
+    def __init__(self, config: MoEConfig, group: ParallelGroup = SINGLE_PROCESS) -> None:
         super().__init__()
+        self.group = group
         self.gate = GroupedTopKRouter(config)
-        self.experts = nn.ModuleList(
-            GatedMLP(config.hidden_size, config.expert_intermediate_size) for _ in range(config.num_experts)
-        )
-        self.shared_experts = GatedMLP(config.hidden_size, config.expert_intermediate_size * config.num_shared_experts)
+
+        def expert(units: int) -> GatedMLP:
+            return GatedMLP(config.hidden_size, units, group=group, reduce=False, what="moe_intermediate_size")
+
+        self.experts = nn.ModuleList(expert(config.expert_intermediate_size) for _ in range(config.num_experts))
+        self.shared_experts = expert(config.expert_intermediate_size * config.num_shared_experts)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
         routing = self.gate(hidden)
@@ -91,4 +99,4 @@ class MixtureOfExperts(nn.Module):
             tokens, slots = (routing.experts == expert).nonzero(as_tuple=True)
             expert_output = self.experts[expert](hidden[tokens]) * routing.weights[tokens, slots, None]
             routed.index_add_(0, tokens, expert_output.to(hidden.dtype))
-        return routed + self.shared_experts(hidden)
+        return all_reduce(routed + self.shared_experts(hidden), self.group)

@@ -22,8 +22,10 @@ EAGLE3 drafts on this target name their layers by the generic rule of tandem.mod
 "auto", a first id of 1 means output-of-layer ids (capture index = id + 1), otherwise input-to-layer ids; that is the
 rule SGLang applies to DeepSeek-V2/V3 drafts (`ids[0] == 1`). With no ids the default set (2, L // 2, L - 3) is used.
 
-Tensor parallelism is not supported yet: MLA's latent projections and the MoE experts are not sharded, so a group of
-more than one rank is refused at construction (ParallelismError naming the tp).
+Tensor parallel: MLA's heads (tandem.layers.mla), the dense MLP's units and each routed and shared expert's units
+(tandem.layers.moe) are split across ranks, the embedding and head by the vocab-parallel rule; the latent down
+projections, the router and the norms are replicated. A tp that does not divide num_attention_heads, intermediate_size
+or moe_intermediate_size is refused naming the field, and one that would cut an fp8 block or INT4 group naming both.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from typing import Any, Protocol
 from torch import nn
 
 from tandem.layers.kv_cache import CacheLayout
-from tandem.layers.matmul import Linear
 from tandem.layers.mla import MLAConfig, MultiHeadLatentAttention
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import MixtureOfExperts, MoEConfig
@@ -49,7 +50,8 @@ from tandem.models.config import (
     require_int,
 )
 from tandem.models.stack import Backbone, CausalLM, DecoderLayer
-from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup, ParallelismError
+from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
+from tandem.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from tandem.weights.loader import PACKED_PARTS, NameMap
 from tandem.weights.quantized import QuantizationError, quantization_of
 
@@ -317,37 +319,39 @@ class DeepseekV3DecoderLayer(DecoderLayer):
         rotary: RotaryEmbedding,
         attention_input_size: int | None = None,
         fused_a_projection: bool = False,
+        group: ParallelGroup = SINGLE_PROCESS,
     ) -> None:
         attention = MultiHeadLatentAttention(
-            layer_index, config.attention, rotary, attention_input_size, fused_a_projection
+            layer_index, config.attention, rotary, attention_input_size, fused_a_projection, group
         )
         experts = config.experts(layer_index)
         mlp: MixtureOfExperts | GatedMLP = (
-            MixtureOfExperts(experts) if experts is not None else GatedMLP(config.hidden_size, config.intermediate_size)
+            MixtureOfExperts(experts, group)
+            if experts is not None
+            else GatedMLP(config.hidden_size, config.intermediate_size, group=group)
         )
         super().__init__(attention, mlp, config.hidden_size, config.rms_norm_eps)
 
 
 class DeepseekV3Backbone(Backbone):
-    def __init__(self, config: DeepseekV3Config) -> None:
+    def __init__(self, config: DeepseekV3Config, group: ParallelGroup) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(config.attention.qk_rope_head_dim, config.rope, config.rope_interleave)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(config, index, self.rotary) for index in range(config.num_layers)
+            DeepseekV3DecoderLayer(config, index, self.rotary, group=group) for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DeepseekV3ForCausalLM(CausalLM[DeepseekV3Config]):
-    """One rank holds the whole KV cache (`cache_layout` is config.cache_layout)."""
+    """Tensor parallel: heads, MLP units and each expert's units are split across ranks, the vocabulary too; every
+    rank caches the whole latent of each token (`cache_layout` is config.cache_layout)."""
 
     def __init__(self, config: DeepseekV3Config, group: ParallelGroup = SINGLE_PROCESS) -> None:
-        if group.world_size > 1:
-            raise ParallelismError(
-                f"tp {group.world_size}: {config.architecture} runs on one rank only for now (its MLA and MoE layers "
-                "are not sharded); serve it with tp 1"
-            )
-        super().__init__(
-            config, group, DeepseekV3Backbone(config), Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        head = ParallelLMHead(config.vocab_size, config.hidden_size, group)
+        super().__init__(config, group, DeepseekV3Backbone(config, group), head)
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        return self.config.cache_layout

@@ -44,24 +44,44 @@ class ShardedModule(Protocol):
         ...
 
 
+class ColumnParallelLinear(Linear):
+    """y = x W^T + b with W's output rows (and the bias) split across ranks: rank r computes rows [r * out / tp,
+    (r + 1) * out / tp) of y, with no communication. A one-part PackedLinear under the checkpoint's own name (MLA's
+    q_b_proj and kv_b_proj, whose rows are heads)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, group: ParallelGroup, what: str) -> None:
+        local_output_size = group.split(output_size, what)
+        super().__init__(input_size, local_output_size, bias=bias)
+        self.group = group
+        self.output_size = output_size
+
+    def shard_spec(self, parameter_name: str, part: str | None) -> ShardSpec:
+        full_shape = (self.output_size,) if parameter_name == "bias" else (self.output_size, self.in_features)
+        return ShardSpec(full_shape, dim=0, start=self.group.rank * self.out_features, size=self.out_features)
+
+
 class RowParallelLinear(Linear):
     """y = x W^T + b with W's input columns split across ranks; the partial products are summed by an all-reduce.
 
     Rank r holds columns [r * in / tp, (r + 1) * in / tp) of W, which is what its column-parallel input provides.
     The bias is replicated and added by rank 0 alone, before the sum, so that it counts once; at tp 1 this is
-    exactly nn.Linear.
+    exactly nn.Linear. Without `reduce` the rank's partial product is returned, for a caller that sums several
+    (a mixture of experts: one all-reduce for every expert of a layer).
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, group: ParallelGroup) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, group: ParallelGroup, reduce: bool = True
+    ) -> None:
         local_input_size = group.split(input_size, "the row-parallel input width")
         super().__init__(local_input_size, output_size, bias=bias)
         self.group = group
         self.input_size = input_size
         self.local_input_size = local_input_size
+        self.reduce = reduce
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., input / tp] -> [..., output]
         partial = self.product(hidden, self.bias if self.group.is_first else None)
-        return all_reduce(partial, self.group)
+        return all_reduce(partial, self.group) if self.reduce else partial
 
     def shard_spec(self, parameter_name: str, part: str | None) -> ShardSpec:
         if parameter_name == "bias":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import struct
 from collections.abc import Callable
@@ -375,6 +376,17 @@ def test_deepseek_v3_plans_from_headers_alone(
     assert f"weights as stored: {target_bytes / 2**30:.2f} GiB ({target_bytes} bytes) (planned)" in out
     shortfall = target_bytes + BLOCK_SIZE * token_bytes - H200_BYTES
     assert f"does not fit: rank 0 is short by {shortfall / 2**30:.2f} GiB ({shortfall} bytes)" in out
-    # Eight H200s: the code serves DeepSeek-V3 on one rank only for now, and the plan follows the code.
-    assert main([*arguments, "--tp", "8"]) == 2
-    assert "tp 8: DeepseekV3ForCausalLM runs on one rank only for now" in capsys.readouterr().err
+    # Eight H200s: it fits. By hand, a rank holds the replicated weights whole (norms, the latent down projections,
+    # the routers) and an eighth of every other one: heads, units, experts' units (whole fp8 blocks: 8 divides every
+    # split into blocks) and the vocabulary.
+    assert main([*arguments, "--tp", "8"]) == 0
+    out = capsys.readouterr().out
+    replicated = ("norm", "q_a_proj", "kv_a_proj_with_mqa", "mlp.gate.")
+    by_hand = sum(
+        math.prod(shape) * {"BF16": 2, "F32": 4, "F8_E4M3": 1}[dtype] / (1 if any(r in name for r in replicated) else 8)
+        for name, (dtype, shape) in tensors.items()
+        if not name.startswith("model.layers.61.")
+    )
+    [rank_0] = re.findall(r"rank 0\n(?:.*\n){2}  weights as stored: [\d.]+ GiB \((\d+) bytes\)", out)
+    assert abs(int(rank_0) / by_hand - 1) < 0.01, (rank_0, by_hand)
+    assert out.splitlines()[-1].startswith("fits: ")

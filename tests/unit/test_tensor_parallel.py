@@ -3,7 +3,8 @@
 The tp-2 runs are real: rank 0 runs in a spawned process through the same start-up as `tandem target --tp 2`
 (target_server.main.start_target), which starts rank 1 as `python -m target_server.rank`; they talk over gloo. Every
 vocabulary here is not a multiple of 64, so the last rank's shard ends in padding rows. The Qwen3 checkpoint is fp8,
-kept as stored on each rank (tandem.layers.stored), its pulled LM head served as floats.
+kept as stored on each rank (tandem.layers.stored), its pulled LM head served as floats; the DeepSeek-V3 one too, the
+Kimi-K2.5 one keeps its experts in INT4.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ from target_server.runner import TargetRunner
 from target_server.settings import TargetSettings
 from target_server.step import ForwardStep
 from tests.helpers.checkpoints import TinyTargetSpec, read_target_tensor, write_tiny_target
+from tests.helpers.deepseek_checkpoints import TinyDeepseekSpec, write_tiny_deepseek
 from tests.helpers.gemma3_checkpoints import TinyGemma3Spec, write_tiny_gemma3
-from tests.helpers.quantized_checkpoints import write_fp8
+from tests.helpers.kimi_checkpoints import write_tiny_kimi_k25
+from tests.helpers.quantized_checkpoints import write_fp8, write_int4_experts
 
 TOLERANCE = 1e-4  # fp32, as the parity tests against transformers
 CACHE = KVCacheSettings(num_blocks=64, block_size=4)
@@ -124,17 +127,19 @@ def test_tp_that_does_not_divide_the_heads_is_refused(tmp_path: Path, tp: int, m
         check_tensor_parallel(target, tp)
 
 
-def test_deepseek_v3_refuses_tensor_parallelism(tmp_path: Path) -> None:
+def test_deepseek_v3_refuses_a_tp_that_cuts_its_heads_or_units(tmp_path: Path) -> None:
     config = DeepseekV3Config(
-        vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=34, num_hidden_layers=2,
         num_attention_heads=4, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
-        kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-        architectures=["DeepseekV3ForCausalLM"],
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, architectures=["DeepseekV3ForCausalLM"],
     )  # fmt: skip
     config.save_pretrained(tmp_path)
-    check_tensor_parallel(tmp_path, 1)
-    with pytest.raises(ParallelismError, match="tp 2: DeepseekV3ForCausalLM runs on one rank only"):
-        check_tensor_parallel(tmp_path, 2)
+    check_tensor_parallel(tmp_path, 2)
+    with pytest.raises(ParallelismError, match="tp 3 does not divide num_attention_heads 4"):
+        check_tensor_parallel(tmp_path, 3)
+    with pytest.raises(ParallelismError, match="tp 4 does not divide moe_intermediate_size 34"):
+        check_tensor_parallel(tmp_path, 4)
 
 
 # tp 2 against tp 1 through the real models.
@@ -160,10 +165,28 @@ def write_gemma3(directory: Path) -> Path:
     return directory
 
 
+def write_deepseek_fp8(directory: Path) -> Path:
+    # MLA (heads split, the latent cached whole on each rank) and MoE (each expert's units split, one all-reduce a
+    # layer) in DeepSeek-V3's fp8 layout, 16 x 16 blocks kept as stored: tp 2 cuts every split on a block boundary.
+    source = write_tiny_deepseek(directory / "float", TinyDeepseekSpec(num_layers=3))
+    write_fp8(source, directory / "fp8", directory / "reference", (16, 16))
+    return directory / "fp8"
+
+
+def write_kimi_k25_int4(directory: Path) -> Path:
+    # Kimi-K2.5's routed experts in compressed-tensors INT4, groups of 16 columns: tp 2 gives each rank one group of
+    # every expert's down_proj.
+    source = write_tiny_kimi_k25(directory / "float", TinyDeepseekSpec(num_layers=3))
+    write_int4_experts(source, directory / "int4", directory / "reference", 16)
+    return directory / "int4"
+
+
 CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
     "qwen2-tied": write_qwen2_tied,
     "qwen3-fp8": write_qwen3_fp8,
     "gemma3-tied": write_gemma3,
+    "deepseek-fp8": write_deepseek_fp8,
+    "kimi-k25-int4": write_kimi_k25_int4,
 }
 
 
@@ -303,8 +326,10 @@ def checkpoint_table(checkpoint: Path, name: str) -> torch.Tensor:  # -> [vocab,
     checkpoint = reference if reference.is_dir() else checkpoint
     with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as handle:
         stored = set(handle.keys())
-    untied_head = name == "lm_head" and "lm_head.weight" in stored
-    return read_target_tensor(checkpoint, "lm_head.weight" if untied_head else "model.embed_tokens.weight")
+    untied_head = name == "lm_head" and any(key.endswith("lm_head.weight") for key in stored)
+    wanted = "lm_head.weight" if untied_head else "model.embed_tokens.weight"
+    [key] = [key for key in stored if key.endswith(wanted)]  # a multimodal checkpoint's are its language model's
+    return read_target_tensor(checkpoint, key)
 
 
 def test_an_fp8_qwen3_kept_as_stored_at_tp_2_decodes_as_transformers(
