@@ -151,11 +151,14 @@ def stored_linear(
     stored: StoredWeight,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # -> [..., out]
-    """linear(x, W, bias) for a weight kept as stored: W expanded a run of rows at a time (StoredWeight.chunks), each
-    run multiplied by `linear` while it is in the cache, so that no [out, in] float weight is ever allocated."""
-    y = x.new_empty((*x.shape[:-1], stored.shape[0]))
-    for rows, weight in stored.chunks():
-        y[..., rows] = linear(x, weight)
+    """linear(x, W, bias) for a weight kept as stored: by a kernel that takes it as stored where one applies
+    (StoredWeight.kernel_product), else W expanded a run of rows at a time (StoredWeight.chunks), each run multiplied
+    by `linear` while it is in the cache, so that no [out, in] float weight is ever allocated."""
+    y = stored.kernel_product(x)
+    if y is None:
+        y = x.new_empty((*x.shape[:-1], stored.shape[0]))
+        for rows, weight in stored.chunks():
+            y[..., rows] = linear(x, weight)
     return y if bias is None else y + bias
 
 

@@ -24,9 +24,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from tandem.layers.fp8_products import applies, scaled_block_mm
+
 # Values a run of expanded rows holds (`StoredWeight.chunks`): 4 MiB in float32, which the cache keeps between its
 # expansion and its product.
 CHUNK_VALUES = 2**20
+FP8_PARTS = ("weight", "weight_scale_inv")  # block-wise fp8's kept parts, in the order scaled_block_mm takes them
 
 
 class StoredFormat(Protocol):
@@ -68,6 +71,7 @@ class StoredWeight(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.experts = experts
+        self._kernel: bool | None = None  # whether kernel_product applies, once asked
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -85,6 +89,23 @@ class StoredWeight(nn.Module):
                 raise ValueError(f"{name}: expected shape {shape} on this rank, got {tuple(tensor.shape)}")
             # A copy the process owns, as a float weight's: a tensor read from the checkpoint may map its file.
             self.register_buffer(_buffer_name(segment, name), tensor.to(self.device, copy=True))
+
+    def kernel_product(self, x: torch.Tensor) -> torch.Tensor | None:  # [..., in] -> [..., out], or None
+        """x @ W^T by a kernel that takes the weight as stored: block-wise fp8 on fp8 tensor cores
+        (tandem.layers.fp8_products), segment by segment; None where none applies, and the weight is expanded."""
+        if self._kernel is None:
+            block = getattr(self.format, "block", None)
+            self._kernel = (
+                block is not None
+                and self.experts == 1
+                and tuple(self.format.kept) == FP8_PARTS
+                and all(applies(self.device, block, (rows, self.columns)) for rows in self.segments.values())
+            )
+        if not self._kernel:
+            return None
+        tokens = x.reshape(-1, self.columns)
+        products = [scaled_block_mm(tokens, *self._parts(segment, 0).values()) for segment in self.segments]
+        return torch.cat(products, dim=-1).view(*x.shape[:-1], -1)
 
     def expanded(self) -> torch.Tensor:  # -> [out, in] in the serving dtype
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
