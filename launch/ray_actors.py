@@ -1,7 +1,8 @@
 """The Ray actors of `tandem serve --launcher ray` (launch.ray_cluster): a service, or a target rank other than 0.
 
 Each runs on a thread of its actor what its `tandem` subcommand runs in a process, and reports how it ended as the
-process's exit code would (ServiceExit). They import torch and the services only in the actor.
+process's exit code would (ServiceExit). They import torch and the services only in the actor; the orchestrator's
+actor, as its process (launch.service_commands.hide_torch), none.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ray
 
 from draft_server.settings import DraftSettings
 from launch.actor_security import ActorSecurity, ServiceSettings
+from launch.service_commands import hide_torch
 from tandem.errors import StartupError
 from tandem.grpc_util import set_keepalive_timeout
 from tandem.serving import ListenSettings, configure_logging
@@ -45,6 +47,7 @@ async def run_service(settings: ServiceSettings, listen: ListenSettings) -> None
 
         await serve_draft(settings, listen)
     else:
+        hide_torch()  # an actor's process runs this service alone
         from orchestrator.main import serve_orchestrator
 
         await serve_orchestrator(settings, listen)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -157,11 +159,31 @@ def run_service(args: argparse.Namespace) -> None:
         draft = _checked(draft_settings_of, args)
         asyncio.run(serve_draft(draft, _listen(args, internal_security_of(args))))
     elif args.command == "orchestrator":
-        from orchestrator.main import serve_orchestrator
-
         orchestrator = _checked(orchestrator_settings_of, args)
         public = Insecure() if args.public_plaintext else public_security_of(args)
+        hide_torch()
+        from orchestrator.main import serve_orchestrator
+
         asyncio.run(serve_orchestrator(orchestrator, _listen(args, public)))
+
+
+def hide_torch() -> None:
+    """Makes torch absent from this process, before anything imports transformers. The orchestrator computes nothing
+    and uses transformers for its tokenizer only, whose class and behaviour do not depend on torch; but where torch is
+    installed transformers imports it on the way to AutoTokenizer (configuration_utils): more than half the CPU of an
+    orchestrator's start. None in sys.modules is Python's mark of a module that is absent: importing it raises
+    ModuleNotFoundError, and importlib.util.find_spec, which transformers asks, returns None.
+    tests/unit/test_tokenizer.py checks that AutoTokenizer chooses alike with and without torch. A process that has
+    already loaded either (a test calling main) keeps what it has: hiding torch there would break what loaded it."""
+    if "torch" in sys.modules or "transformers" in sys.modules:
+        return
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    logging.getLogger("transformers").addFilter(_without_torch_advice)
+
+
+def _without_torch_advice(record: logging.LogRecord) -> bool:
+    """False for transformers' advice that PyTorch was not found: in the orchestrator, that is the intent."""
+    return not record.getMessage().startswith("PyTorch was not found")
 
 
 def _checked(settings_of: Callable[[argparse.Namespace], T], args: argparse.Namespace) -> T:

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from orchestrator.api.tool_formats import ARGUMENTS, INDEX, NAME, NAME_JSON, ToolFormat
 from orchestrator.loop.structured import JSON_DEFAULTS
 from orchestrator.loop.text import special_token_ids
-from tandem.sampling.grammar import grammar_error
+from tandem.sampling.grammar_check import grammar_error
 
 
 def special_marker_ids(tokenizer: PreTrainedTokenizerBase, tool_format: ToolFormat) -> dict[str, int]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 
-from tandem.sampling.grammar import grammar_error
+from tandem.sampling.grammar_check import grammar_error
 from tandem.wire import orchestrator_pb2
 
 if TYPE_CHECKING:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +25,6 @@ import torch
 from tandem.sampling.draft_tree import DraftTree
 
 COMPILED = 64  # compiled grammars kept per process, the most recently used
-
-
-@lru_cache(maxsize=256)
-def grammar_error(grammar: str) -> str:
-    """What is wrong with a grammar text ("" if nothing), without a tokenizer."""
-    return str(llguidance.LLMatcher.validate_grammar(grammar))
 
 
 class Grammars:
