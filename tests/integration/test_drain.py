@@ -16,7 +16,7 @@ import openai
 
 from tests.integration.stack import generate, serve
 
-TOKENS = 40
+TOKENS = 96
 DRAINED = re.compile(r"drained: (\d+) streams finished, 0 ended by the shutdown")
 GREEDY = [dict(prompt=f"def function_{index}(value):\n    return", max_new_tokens=TOKENS) for index in range(8)]
 SEEDED = [dict(prompt=f"class Item{index}:", max_new_tokens=TOKENS, temperature=0.8, seed=index) for index in (1, 2)]
