@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from orchestrator.loop.output import Output, RequestOutput, request_output
+from orchestrator.loop.output import RequestOutput, request_output
 from orchestrator.loop.validation import InvalidRequest, Limits, validate_request
 from tandem.wire import orchestrator_pb2
 from tests.helpers.tokenizer import write_tokenizer
+from tests.unit.test_request_output import messages
 
 EOS = 2
 ENDS = frozenset({EOS})
@@ -31,15 +32,6 @@ def validated(tokenizer: PreTrainedTokenizerBase, **fields: object) -> orchestra
 
 def output_of(tokenizer: PreTrainedTokenizerBase, **fields: object) -> RequestOutput:
     return request_output(validated(tokenizer, **fields), tokenizer, ENDS)
-
-
-def messages(output: RequestOutput) -> list[Output]:
-    queued = []
-    while not output.messages.empty():
-        message = output.messages.get_nowait()
-        assert isinstance(message, Output)
-        queued.append(message)
-    return queued
 
 
 def streamed(output: RequestOutput, tokens: list[int], size: int) -> tuple[list[int], str, str]:
