@@ -10,10 +10,13 @@ The parts are buffers named `{segment}_{part}` (`weight` and `weight_scale_inv` 
 `gate_weight_packed` ... for a packed INT4 one), registered as the loader hands them over (`load`): the float weight
 they stand for is never allocated, and a model's memory is the stored bytes plus its float parts.
 
-`chunks` expands the weight a run of rows at a time, each run multiplied while it is in the cache
-(tandem.layers.matmul.stored_linear, what Linear.forward runs); `expanded` builds the whole float weight (MLA's
+A product takes the stored form directly where a kernel does (`kernel_product`: fp8 tensor cores and tinygemm's INT4
+on the GPU, an INT4 weight then repacked at load for it; a fused CPU kernel for a few rows). Elsewhere `chunks`
+expands the weight a run of rows at a time, each run multiplied while it is in the cache
+(tandem.layers.matmul.stored_linear, what Linear.forward runs). `expanded` builds the whole float weight (MLA's
 absorbed kv_b_proj, a head drafts pull) and `expert` one expert's rows of one part. Expansion happens only in a
-layer's forward, so a mixture of experts expands only the experts a step routes to (tandem.layers.moe runs only those).
+layer's forward, so a mixture of experts expands only the experts a step routes to (tandem.layers.moe runs only
+those).
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from tandem.layers import int4_products
 from tandem.layers.fp8_products import applies, scaled_block_mm
 
 # Values a run of expanded rows holds (`StoredWeight.chunks`): 4 MiB in float32, which the cache keeps between its
 # expansion and its product.
 CHUNK_VALUES = 2**20
 FP8_PARTS = ("weight", "weight_scale_inv")  # block-wise fp8's kept parts, in the order scaled_block_mm takes them
+INT4_PARTS = ("weight_packed", "weight_scale")  # compressed-tensors INT4's, in the order int4_products.pack takes them
 
 
 class StoredFormat(Protocol):
@@ -49,6 +54,11 @@ class StoredFormat(Protocol):
 
     def expand_into(self, parts: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
         """Writes the float32 values of one stored [rows, cols] weight into `out` ([rows, cols] float32)."""
+        ...
+
+    def fused_product(self, parts: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
+        """x [tokens, cols] @ W^T for one stored [rows, cols] weight without expanding it, or None where no kernel
+        takes x (tandem.layers.cpu_products)."""
         ...
 
 
@@ -89,25 +99,61 @@ class StoredWeight(nn.Module):
                 raise ValueError(f"{name}: expected shape {shape} on this rank, got {tuple(tensor.shape)}")
             # A copy the process owns, as a float weight's: a tensor read from the checkpoint may map its file.
             self.register_buffer(_buffer_name(segment, name), tensor.to(self.device, copy=True))
+        if self._tinygemm() is not None:  # repacked for the kernel: the words and scales give way to its parts
+            packed = int4_products.pack(*(self.get_buffer(_buffer_name(segment, name)) for name in INT4_PARTS))
+            for name in INT4_PARTS:
+                delattr(self, _buffer_name(segment, name))
+            for name, tensor in packed.items():
+                self.register_buffer(_buffer_name(segment, name), tensor)
 
     def kernel_product(self, x: torch.Tensor) -> torch.Tensor | None:  # [..., in] -> [..., out], or None
-        """x @ W^T by a kernel that takes the weight as stored: block-wise fp8 on fp8 tensor cores
-        (tandem.layers.fp8_products), segment by segment; None where none applies, and the weight is expanded."""
+        """x @ W^T by a kernel that takes the weight as stored, segment by segment: block-wise fp8 on fp8 tensor cores
+        (tandem.layers.fp8_products), INT4 by tinygemm (tandem.layers.int4_products), or a format's fused CPU product
+        for a few rows (tandem.layers.cpu_products); None where none applies, and the weight is expanded."""
+        if self.experts > 1:
+            return None
+        tokens = x.reshape(-1, self.columns)
+        if self._tensor_cores():
+            products = [scaled_block_mm(tokens, *self._parts(segment, 0).values()) for segment in self.segments]
+        elif group := self._tinygemm():
+            products = [int4_products.product(tokens, *self._packed(segment), group) for segment in self.segments]
+        else:
+            fused = [self.format.fused_product(self._parts(segment, 0), tokens) for segment in self.segments]
+            if any(product is None for product in fused):
+                return None
+            products = [product.to(x.dtype) for product in fused if product is not None]
+        return torch.cat(products, dim=-1).view(*x.shape[:-1], -1)
+
+    def _tensor_cores(self) -> bool:
+        """Whether scaled_block_mm multiplies this weight (asked once)."""
         if self._kernel is None:
             block = getattr(self.format, "block", None)
             self._kernel = (
                 block is not None
-                and self.experts == 1
                 and tuple(self.format.kept) == FP8_PARTS
                 and all(applies(self.device, block, (rows, self.columns)) for rows in self.segments.values())
             )
-        if not self._kernel:
+        return self._kernel
+
+    def _tinygemm(self) -> int | None:
+        """This INT4 weight's group size where it is repacked for tinygemm and multiplied by it
+        (tandem.layers.int4_products), else None."""
+        group = getattr(self.format, "group_size", None)
+        if group is None or self.experts > 1 or tuple(self.format.kept) != INT4_PARTS:
             return None
-        tokens = x.reshape(-1, self.columns)
-        products = [scaled_block_mm(tokens, *self._parts(segment, 0).values()) for segment in self.segments]
-        return torch.cat(products, dim=-1).view(*x.shape[:-1], -1)
+        shapes = [(rows, self.columns) for rows in self.segments.values()]
+        return group if all(int4_products.applies(self.device, self.dtype, group, shape) for shape in shapes) else None
+
+    def _packed(self, segment: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        tiled, table = (self.get_buffer(_buffer_name(segment, name)) for name in int4_products.PACKED_PARTS)
+        return tiled, table
 
     def expanded(self) -> torch.Tensor:  # -> [out, in] in the serving dtype
+        if self._tinygemm() is not None:  # the words are gone: the kernel's product with the identity is W^T
+            identity = torch.eye(self.columns, dtype=self.dtype, device=self.device)
+            product = self.kernel_product(identity)
+            assert product is not None
+            return product.t().contiguous()
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         for rows, weight in self.chunks():
             out[rows] = weight

@@ -17,6 +17,7 @@ the serving dtype instead.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -28,6 +29,7 @@ from torch import nn
 
 from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.kv_cache import CacheLayout, PagedKVCache
+from tandem.layers.stored import StoredWeight
 from tandem.models import aux_layers, gemma3
 from tandem.models.config import (
     TARGET_FAMILIES,
@@ -287,6 +289,7 @@ def load_target(
         if not dequantize:
             assert isinstance(meta, nn.Module)
             keep_stored(meta, tensors, architecture.name_map, dtype, device)
+            _warm_cpu_products(meta, dtype, device)
         model = _materialized(architecture, meta, dtype, device)
         assert isinstance(model, nn.Module)
         unused = load_weights(model, iter(tensors), architecture.name_map, source=str(model_dir))
@@ -296,6 +299,16 @@ def load_target(
         LOG.warning("%s: %d checkpoint tensors not used, e.g. %s", model_dir, len(unexpected), unexpected[:3])
     model.eval()
     return model
+
+
+def _warm_cpu_products(model: nn.Module, dtype: torch.dtype, device: str) -> None:
+    """Readies the fused CPU products of weights kept as stored (tandem.layers.cpu_products) before any request."""
+    if device == "cpu" and dtype == torch.float32 and any(isinstance(m, StoredWeight) for m in model.modules()):
+        from tandem.layers import cpu_products  # Numba: imported where a product needs it
+
+        started = time.monotonic()
+        cpu_products.warm()
+        LOG.info("fused CPU products of the stored weights ready in %.1f s", time.monotonic() - started)
 
 
 def _architecture(hf: dict[str, Any]) -> TargetArchitecture:

@@ -161,6 +161,14 @@ class BlockFp8:
     def expand_into(self, parts: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
         block_fp8_into(parts["weight"], parts["weight_scale_inv"], self.block, out)
 
+    def fused_product(self, parts: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
+        """x [rows, cols] @ W^T by tandem.layers.cpu_products where it takes x, else None."""
+        from tandem.layers import cpu_products  # Numba: imported where a product needs it
+
+        if not cpu_products.applies(x):
+            return None
+        return cpu_products.fp8_product(x, parts["weight"], parts["weight_scale_inv"], self.block)
+
     def weight(self, prefix: str, parts: dict[str, Stored], dtype: torch.dtype) -> QuantizedTensor:
         weight, scale = parts["weight"], parts["weight_scale_inv"]
         if len(weight.shape) != 2 or weight.dtype != self.stored_dtypes()["weight"]:
@@ -217,6 +225,14 @@ class PackedInt4:
 
     def expand_into(self, parts: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
         packed_int4_into(parts["weight_packed"], parts["weight_scale"], self.group_size, out)
+
+    def fused_product(self, parts: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
+        """x [rows, cols] @ W^T by tandem.layers.cpu_products where it takes x and these groups, else None."""
+        from tandem.layers import cpu_products  # Numba: imported where a product needs it
+
+        if not (cpu_products.applies(x) and cpu_products.int4_applies(self.group_size)):
+            return None
+        return cpu_products.int4_product(x, parts["weight_packed"], parts["weight_scale"], self.group_size)
 
     def weight(self, prefix: str, parts: dict[str, Stored], dtype: torch.dtype) -> QuantizedTensor:
         packed, scale = parts["weight_packed"], parts["weight_scale"]
