@@ -138,3 +138,49 @@ def _mlp(prefix: str, hf: dict[str, Any], dense: bool) -> Tensors:
     for expert in range(experts):
         tensors |= _gated(f"{prefix}experts.{expert}.", hidden, units, hf)
     return tensors | _gated(prefix + "shared_experts.", hidden, units * hf["n_shared_experts"], hf)
+
+
+def int4_experts_config(group: int) -> dict[str, Any]:
+    """quantization_config as Kimi-K2.5's text_config has it (there with groups of 32): compressed-tensors'
+    pack-quantized symmetric INT4 for the routed experts, everything else left float."""
+    weights: dict[str, Any] = {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": group,
+        "num_bits": 4,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "strategy": "group",
+        "symmetric": True,
+        "type": "int",
+    }
+    group_0 = {"input_activations": None, "output_activations": None, "targets": ["Linear"], "weights": weights}
+    return {
+        "config_groups": {"group_0": group_0},
+        "format": "pack-quantized",
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }
+
+
+def int4_experts_tensors(fp8_tensors: Tensors, group: int) -> Tensors:
+    """Kimi-K2.5's layout from DeepSeek-V3's tensor list: the routed experts' projections INT4 (weight_packed int32
+    words, bfloat16 weight_scale per group, weight_shape), every other fp8 weight bfloat16 with no scales."""
+    tensors: Tensors = {}
+    for name, (dtype, shape) in fp8_tensors.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        if dtype != "F8_E4M3":
+            tensors[name] = (dtype, shape)
+        elif ".mlp.experts." in name:
+            prefix = name.removesuffix("weight")
+            rows, columns = shape
+            tensors[prefix + "weight_packed"] = ("I32", (rows, math.ceil(columns / 8)))
+            tensors[prefix + "weight_scale"] = ("BF16", (rows, math.ceil(columns / group)))
+            tensors[prefix + "weight_shape"] = ("I64", (2,))
+        else:
+            tensors[name] = ("BF16", shape)
+    return tensors

@@ -3,7 +3,9 @@ checkpoint of a few hundred MB in the release's layout (bench.deepseek_layout: e
 float32 scales, the rest bfloat16; random values) is served by `tandem target` (a pool of 16 KV blocks) each way. Once
 it serves, its resident size over an idle interpreter that imported torch is set beside what `tandem plan` counts for
 that way (weights as held, with oneDNN's copies of float linear weights on the CPU). Two sizes show what the process
-holds besides its weights (gRPC, tokenizer, a small KV pool): the same tens of MiB at each.
+holds besides its weights (gRPC, tokenizer, a small KV pool): the same tens of MiB at each. The stored form's target
+also holds the fused CPU products (Numba and its LLVM, tandem.layers.cpu_products), measured apart in an interpreter
+that only readies them.
 
     python -m bench.quantized_memory [--layers 6 10] [--out bench/results/quantized-memory]
 """
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from bench.deepseek_layout import deepseek_v3_config, deepseek_v3_tensors
+from bench.deepseek_layout import deepseek_v3_config, deepseek_v3_tensors, int4_experts_config, int4_experts_tensors
 from bench.fault_stack import Service, free_port, tandem
 from tandem.models.config import read_hf_config
 from tandem.models.memory_plan import plan_memory
@@ -53,22 +55,38 @@ SHAPE = {
     "max_position_embeddings": 4096,
 }
 DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
-IDLE = "import torch, re; print(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read())[1])"
+INT4_GROUP = 32  # Kimi-K2.5's
+RESIDENT = "import re; print(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read())[1])"
+IDLE = "import torch; " + RESIDENT
+# The same with the fused CPU products ready (Numba and its LLVM): what the stored form's target adds at load.
+KERNELS = "import torch; from tandem.layers import cpu_products; cpu_products.warm(); " + RESIDENT
 
 
-def write_checkpoint(directory: Path, layers: int, seed: int = 0) -> Path:
-    """The checkpoint, with the demo's tokenizer; fp8 codes drawn uniformly but NaN's, scales near 1e-3."""
+def write_checkpoint(directory: Path, layers: int, seed: int = 0, layout: str = "fp8") -> Path:
+    """The checkpoint, with the demo's tokenizer, in DeepSeek-V3's layout (`layout` "fp8") or Kimi-K2.5's ("int4":
+    routed experts INT4 in groups of 32, the rest bfloat16): fp8 codes and INT4 words drawn uniformly (but fp8's NaN
+    codes), fp8 scales near 1e-3, INT4 scales near 1e-2."""
     generator = torch.Generator().manual_seed(seed)
     config = deepseek_v3_config() | SHAPE | {"num_hidden_layers": layers, "bos_token_id": 1, "eos_token_id": 2}
     config.pop("rope_scaling")
+    layout_tensors = float_shapes = deepseek_v3_tensors(config)
+    if layout == "int4":
+        config["quantization_config"] = int4_experts_config(INT4_GROUP)
+        layout_tensors = int4_experts_tensors(float_shapes, INT4_GROUP)
     tensors = {}
-    for name, (dtype, shape) in deepseek_v3_tensors(config).items():
+    for name, (dtype, shape) in layout_tensors.items():
         if dtype == "F8_E4M3":
             codes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
             codes[(codes & 0x7F) == 0x7F] = 0x7E  # e4m3fn's NaN codes
             tensors[name] = codes.view(torch.float8_e4m3fn)
         elif name.endswith("weight_scale_inv"):
             tensors[name] = torch.rand(shape, generator=generator) * 1e-3 + 5e-4
+        elif name.endswith("weight_packed"):
+            tensors[name] = torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, generator=generator)
+        elif name.endswith("weight_scale"):
+            tensors[name] = (torch.rand(shape, generator=generator) * 1e-2 + 5e-3).to(torch.bfloat16)
+        elif name.endswith("weight_shape"):
+            tensors[name] = torch.tensor(float_shapes[name.removesuffix("_shape")][1], dtype=torch.int64)
         else:
             tensors[name] = (torch.randn(shape, generator=generator) * 0.02).to(DTYPES[dtype])
     directory.mkdir(parents=True, exist_ok=True)
@@ -102,8 +120,8 @@ def run(layers: int) -> dict[str, Any]:
         checkpoint = write_checkpoint(workdir / "deepseek-fp8", layers)
         stored = sum(path.stat().st_size for path in checkpoint.glob("*.safetensors"))
         plan = plan_memory(read_hf_config(checkpoint), checkpoint_headers(checkpoint), 1, "float32", "cpu", "bench")
-        idle = int(subprocess.run([sys.executable, "-c", IDLE], capture_output=True, text=True, check=True).stdout)
-        idle *= 1024
+        idle = resident_of(IDLE)
+        kernels = resident_of(KERNELS) - idle
         rank = plan.ranks[0]
         ways = {
             "as stored": (False, rank.quantized_bytes + rank.float_bytes + rank.float_copy_bytes),
@@ -115,22 +133,38 @@ def run(layers: int) -> dict[str, Any]:
             over_idle = memory["VmRSS"] - idle
             rows[name] = {"planned_bytes": planned, "rss_over_idle_bytes": over_idle, "ratio": over_idle / planned}
             rows[name] |= {"rss_bytes": memory["VmRSS"], "hwm_bytes": memory["VmHWM"]}
-    return {"layers": layers, "checkpoint_bytes": stored, "idle_rss_bytes": idle, "ways": rows}
+            rows[name]["ratio_without_kernels"] = (over_idle - (0 if dequantize else kernels)) / planned
+    return {
+        "layers": layers,
+        "checkpoint_bytes": stored,
+        "idle_rss_bytes": idle,
+        "kernels_bytes": kernels,
+        "ways": rows,
+    }
+
+
+def resident_of(program: str) -> int:
+    """The resident bytes of a Python running `program`, which prints its VmRSS in kB."""
+    found = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout
+    return int(found) * 1024
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
-        f"- idle interpreter with torch: {results[0]['idle_rss_bytes'] / MIB:.0f} MiB resident",
+        f"- idle interpreter with torch: {results[0]['idle_rss_bytes'] / MIB:.0f} MiB resident; the fused CPU "
+        f"products ready (Numba, LLVM) add {results[0]['kernels_bytes'] / MIB:.0f} MiB, which the stored form's "
+        "target loads",
         "",
-        "| layers | checkpoint | way | planned weights (tandem plan) | resident over idle | ratio | peak resident |",
-        "|---|---|---|---|---|---|---|",
+        "| layers | checkpoint | way | planned weights (tandem plan) | resident over idle | ratio "
+        "| ratio less the kernels' | peak resident |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         for name, row in result["ways"].items():
             lines.append(
                 f"| {result['layers']} | {result['checkpoint_bytes'] / MIB:.0f} MiB | {name} "
                 f"| {row['planned_bytes'] / MIB:.0f} MiB | {row['rss_over_idle_bytes'] / MIB:.0f} MiB "
-                f"| {row['ratio']:.2f} | {row['hwm_bytes'] / MIB:.0f} MiB |"
+                f"| {row['ratio']:.2f} | {row['ratio_without_kernels']:.2f} | {row['hwm_bytes'] / MIB:.0f} MiB |"
             )
     return "\n".join(lines) + "\n"
 

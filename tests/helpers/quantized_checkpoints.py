@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench.deepseek_layout import int4_experts_config
+
 FP8_MAX = 448.0  # largest float8 e4m3 value
 
 
@@ -82,33 +84,7 @@ def fp8_config(block: tuple[int, int]) -> dict[str, Any]:
 
 def int4_config(group: int) -> dict[str, Any]:
     """quantization_config as Kimi-K2.5's text_config has it (there with groups of 32)."""
-    weights: dict[str, Any] = {
-        "actorder": None,
-        "block_structure": None,
-        "dynamic": False,
-        "group_size": group,
-        "num_bits": 4,
-        "observer": "minmax",
-        "observer_kwargs": {},
-        "strategy": "group",
-        "symmetric": True,
-        "type": "int",
-    }
-    return {
-        "config_groups": {
-            "group_0": {
-                "input_activations": None,
-                "output_activations": None,
-                "targets": ["Linear"],
-                "weights": weights,
-            }
-        },
-        "format": "pack-quantized",
-        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
-        "kv_cache_scheme": None,
-        "quant_method": "compressed-tensors",
-        "quantization_status": "compressed",
-    }
+    return int4_experts_config(group)
 
 
 def write_fp8(
