@@ -9,6 +9,7 @@ Kimi-K2.5 one keeps its experts in INT4.
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 import os
@@ -44,6 +45,7 @@ from tests.helpers.deepseek_checkpoints import TinyDeepseekSpec, write_tiny_deep
 from tests.helpers.gemma3_checkpoints import TinyGemma3Spec, write_tiny_gemma3
 from tests.helpers.kimi_checkpoints import write_tiny_kimi_k25
 from tests.helpers.quantized_checkpoints import write_fp8, write_int4_experts
+from tests.unit.test_deepseek_v3 import kimi_k2_config
 
 TOLERANCE = 1e-4  # fp32, as the parity tests against transformers
 CACHE = KVCacheSettings(num_blocks=64, block_size=4)
@@ -173,6 +175,14 @@ def write_deepseek_fp8(directory: Path) -> Path:
     return directory / "fp8"
 
 
+def write_kimi_k2_fp8(directory: Path) -> Path:
+    # The same fp8 layout under Kimi-K2's config.json (model_type kimi_k2, rope in the older form).
+    checkpoint = write_deepseek_fp8(directory)
+    config = checkpoint / "config.json"
+    config.write_text(json.dumps(kimi_k2_config(json.loads(config.read_text()))))
+    return checkpoint
+
+
 def write_kimi_k25_int4(directory: Path) -> Path:
     # Kimi-K2.5's routed experts in compressed-tensors INT4, groups of 16 columns: tp 2 gives each rank one group of
     # every expert's down_proj.
@@ -186,6 +196,7 @@ CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
     "qwen3-fp8": write_qwen3_fp8,
     "gemma3-tied": write_gemma3,
     "deepseek-fp8": write_deepseek_fp8,
+    "kimi-k2-fp8": write_kimi_k2_fp8,
     "kimi-k25-int4": write_kimi_k25_int4,
 }
 
