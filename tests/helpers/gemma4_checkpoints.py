@@ -174,8 +174,11 @@ def write_tiny_gemma4_multimodal(directory: Path, spec: TinyGemma4Spec) -> Path:
     return directory
 
 
-def write_tiny_gemma3_multimodal(directory: Path, seed: int = 0) -> Path:
-    """A random Gemma3ForConditionalGeneration (a small SigLIP tower) saved by transformers, plus the tokenizer.
+def write_tiny_gemma3_multimodal(
+    directory: Path, seed: int = 0, vision: dict[str, Any] | None = None, tokens_per_image: int = 4
+) -> Path:
+    """A random Gemma3ForConditionalGeneration (a small SigLIP tower, `vision` overriding its config) saved by
+    transformers, plus the tokenizer.
 
     Its text model is the Gemma 3 test one (tests.helpers.gemma3_checkpoints): local, local, global, local layers,
     a window of 8, both rope bases changed and the global one linearly scaled, an untied head with a softcap.
@@ -210,8 +213,9 @@ def write_tiny_gemma3_multimodal(directory: Path, seed: int = 0) -> Path:
             "num_attention_heads": 2,
             "image_size": 28,
             "patch_size": 14,
+            **(vision or {}),
         },
-        mm_tokens_per_image=4,
+        mm_tokens_per_image=tokens_per_image,
         tie_word_embeddings=False,
     )
     with torch.random.fork_rng(devices=[]):
