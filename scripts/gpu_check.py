@@ -44,8 +44,9 @@ IMAGE = frozenset(
     | {"pytest", "packaging", "ninja", "einops", "click", "requests", "tabulate", "nvidia-ml-py", "matplotlib"}
 )
 # Brought although the image has them: the generated stubs need grpcio >= 1.85.1 and protobuf >= 7.35.
-# Not brought: grpcio-tools (it only regenerates the stubs).
-NOT_NEEDED = frozenset({"grpcio-tools"})
+# Not brought: grpcio-tools (it only regenerates the stubs); numba (the CPU's fused products of weights kept as stored,
+# imported only where one runs: tandem.layers.cpu_products; its llvmlite alone is about 42 MB).
+NOT_NEEDED = frozenset({"grpcio-tools", "numba"})
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from typing import Any
 import numba
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 MAX_ROWS = 8  # activation rows up to which the fused kernels beat expanding the weight and multiplying by oneDNN
 RAISE = np.float32(2.0**60)  # on the scaled activations; the products come out 2 ** -60 of the true ones
@@ -78,6 +79,9 @@ def int4_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
     padded[:, : x.shape[1]] = x
     out = torch.empty((x.shape[0], packed.shape[0]), dtype=torch.float32)
     even, odd = _array(padded[:, 0::2]), _array(padded[:, 1::2])
+    # Scales for the padding's groups too (zeros), so that every byte's group is there to read.
+    groups = -(-padded.shape[1] // group)
+    scale = F.pad(scale.float(), (0, groups - scale.shape[1]))
     shift = (group // 2).bit_length() - 1  # a byte's group: byte >> shift
     _kernel(_int4_rows)(even, odd, _array(stored_bytes), _array(scale.float()), shift, out.numpy())
     return out
