@@ -13,7 +13,15 @@ from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
 from tandem.sampling.grammar import Grammars, GrammarState
 from tandem.sampling.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling.verify import VerifyOutcome, make_generator
-from target_server.items import MAX_DRAFT_TOKENS, TARGET_ONLY, RequestError, RowStream, StepItem, TargetRequest
+from target_server.items import (
+    MAX_DRAFT_TOKENS,
+    TARGET_ONLY,
+    ImageInput,
+    RequestError,
+    RowStream,
+    StepItem,
+    TargetRequest,
+)
 
 # Forced tokens a constrained request's chain may get beyond its drafts (tandem.sampling.grammar.GrammarState.shaped).
 MAX_FORCED = 8
@@ -53,12 +61,14 @@ class Admission:
         max_context: int,
         vocab_size: int,
         grammars: Grammars | None = None,  # None: structured output is refused
+        hidden_size: int | None = None,  # the width image features must have; None: unchecked
     ) -> None:
         self.cache = cache
         self.requests = requests  # the runner's: an item that opens a request adds it
         self.max_context = max_context
         self.vocab_size = vocab_size
         self.grammars = grammars
+        self.hidden_size = hidden_size
 
     def admit(self, item: StepItem) -> AdmittedItem:
         """Checks an item and reserves its KV blocks; raises RequestError or OutOfKVBlocks (changing nothing) when it
@@ -67,6 +77,7 @@ class Admission:
         request = self._opened(item) if opened else self._running(item.request_id)
         self._check_item(item, request)
         item = self._shaped(item, request, request.kv.length)
+        _check_whole_images(request.kv.length + item.num_tokens, request)
         reused = self._reuse(item, request)
         item = replace(item, num_tokens=item.num_tokens - reused)
         start = request.kv.length
@@ -154,6 +165,8 @@ class Admission:
                 grammar.commit(generated)
             except RuntimeError as error:
                 raise RequestError(f"generated: {error}") from None
+        images = item.open.images
+        _check_images(images, len(prompt), self.hidden_size)
         return TargetRequest(
             item.request_id,
             prompt + generated,
@@ -163,7 +176,9 @@ class Admission:
             prompt_length=len(prompt),
             end_token_ids=item.open.end_token_ids,
             grammar=grammar,
-            cache_salt=item.open.cache_salt,
+            # An image's tokens are its placeholder's: its blocks are named by its content too.
+            cache_salt="".join([item.open.cache_salt, *(f"|image {image.digest}" for image in images)]),
+            images=images,
         )
 
     def _grammar(self, grammar: str) -> GrammarState | None:
@@ -208,3 +223,28 @@ class Admission:
         for index, token in enumerate(tokens):
             if not 0 <= token < self.vocab_size:
                 raise RequestError(f"{name}[{index}]: {token} is outside the vocabulary [0, {self.vocab_size})")
+
+
+def _check_images(images: Sequence[ImageInput], prompt_length: int, hidden_size: int | None) -> None:
+    """Raises RequestError naming an image outside the prompt, out of order, or of features the model cannot take."""
+    end = 0
+    for index, image in enumerate(images):
+        if image.start < end or image.end > prompt_length or image.features.dim() != 2:
+            raise RequestError(
+                f"images[{index}]: tokens {image.start}..{image.end - 1} are not inside the {prompt_length}-token "
+                f"prompt after the image before it (or its features are not [tokens, hidden])"
+            )
+        if hidden_size is not None and image.features.shape[1] != hidden_size:
+            raise RequestError(f"images[{index}]: features {image.features.shape[1]} wide, the model's {hidden_size}")
+        end = image.end
+
+
+def _check_whole_images(end: int, request: TargetRequest) -> None:
+    """Raises RequestError when an item's chunk of the prompt ends (at token `end`) inside an image: its tokens see
+    each other both ways, so an image is computed in one chunk."""
+    for image in request.images:
+        if image.start < end < image.end:
+            raise RequestError(
+                f"num_tokens: the chunk ends at prompt token {end}, inside the image of tokens {image.start}.."
+                f"{image.end - 1}, which is computed whole"
+            )

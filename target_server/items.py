@@ -66,6 +66,7 @@ class TargetRequest:
     end_token_ids: frozenset[int] = frozenset()  # a multi-token decode stops after one of these
     grammar: GrammarState | None = None  # structured output: the matcher at the committed tokens
     cache_salt: str = ""  # requests share prefix-cache blocks only with requests of the same salt
+    images: tuple[ImageInput, ...] = ()  # in prompt order, apart (OpenRequest.images)
 
     def processed(self, logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:  # [1 + len(tree), vocab] both
         """An item's scored rows as the request's options make them, each row with its own path (bias, penalties,
@@ -93,6 +94,21 @@ class CapturedRows:
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """An image of a prompt as the target takes it: its tokens' embeddings (the image encoder's features, one row per
+    placeholder token) from prompt token `start` on. In prefill the image's tokens see each other both ways
+    (Gemma 3), so a chunk of the prompt never ends inside one (tandem's admission refuses it)."""
+
+    start: int
+    features: torch.Tensor  # [tokens, hidden], on the target's device
+    digest: str  # the image's content hash: its KV blocks are named by it (a request's cache salt)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.features.shape[0]
+
+
+@dataclass(frozen=True)
 class OpenRequest:
     """What a request's first item carries: its prompt and how to sample."""
 
@@ -101,6 +117,7 @@ class OpenRequest:
     end_token_ids: frozenset[int] = frozenset()  # tokens that end the request (EOS, stop ids)
     generated: Sequence[int] = ()  # tokens it generated before: a request resumed on a restarted target
     cache_salt: str = ""  # mixed into the names of its KV blocks (tandem.layers.block_pool)
+    images: tuple[ImageInput, ...] = ()  # in prompt order, apart
 
 
 @dataclass(frozen=True)

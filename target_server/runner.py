@@ -48,6 +48,7 @@ from tandem.sampling.verify import verify
 from tandem.settings import KVCacheSettings
 from target_server.admission import Admission, AdmittedItem
 from target_server.commit import captured_rows, joined, tree_of, verify_batched
+from target_server.images import StepImages
 from target_server.items import (
     ItemStatus,
     OpenRequest,
@@ -82,7 +83,10 @@ class TargetRunner:
         self.ranks = ranks if ranks is not None else RankDriver(SINGLE_PROCESS)
         self.cache = build_cache(model, cache)
         self.requests: dict[str, TargetRequest] = {}
-        self.admission = Admission(self.cache, self.requests, max_context, model.config.vocab_size, grammars)
+        config = model.config
+        self.admission = Admission(
+            self.cache, self.requests, max_context, config.vocab_size, grammars, config.hidden_size
+        )
         self.batched_verify = self.device.type == "cuda" if batched_verify is None else batched_verify
         self.graphs: GraphedForward | None = None
         if cache.cuda_graphs:
@@ -205,6 +209,7 @@ class TargetRunner:
         """One packed forward over every admitted item (replays as spans of their own); fills in the row slices."""
         sequences: list[tuple[SequenceKV, int]] = []
         trees: list[list[int] | None] = []
+        images = StepImages()
         inputs: list[int] = []
         logit_rows: list[int] = []
         for entry in planned:
@@ -213,26 +218,33 @@ class TargetRunner:
                 entry.scratch_rows = slice(len(inputs), len(inputs) + start)
                 sequences.append((entry.scratch, start))
                 trees.append(None)
+                images.add(request.images, 0, start, len(inputs))
                 inputs += request.tokens[:start]
             new = [*request.tokens[start : start + item.num_tokens], *item.drafts.tokens]
             entry.rows = slice(len(inputs), len(inputs) + len(new))
             sequences.append((request.kv, len(new)))
             trees.append(None if item.drafts.is_chain else tree_of(item))
+            images.add(request.images, start, start + item.num_tokens, len(inputs))
             inputs += new
             if entry.reaches_end:
                 # The last committed token's row and every draft's row are scored.
                 entry.logit_start = len(logit_rows)
                 logit_rows += range(entry.rows.stop - 1 - len(item.drafts), entry.rows.stop)
-        table = self.cache.plan_table(sequences, parents=trees)
+        table = self.cache.plan_table(sequences, parents=trees, spans=images.spans)
         capture = tuple(sorted({index for entry in planned for index in entry.request.stream.capture}))
         input_ids = torch.tensor(inputs, dtype=torch.long, device=self.device)
-        graphed = self._graphed(table, input_ids, capture) if len(logit_rows) == len(inputs) else None
+        graphed = (
+            self._graphed(table, input_ids, capture)
+            if len(logit_rows) == len(inputs) and not any(images.spans)
+            else None
+        )
         if graphed is not None:
             output, logits = graphed
         else:
             metadata = AttentionMetadata.planned(table, self.cache.backend)
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-            output, logits = self.ranks.forward(self.model, self.cache, ForwardStep(input_ids, metadata, capture, rows))
+            step = ForwardStep(input_ids, metadata, capture, rows, images.embeddings(self.device))
+            output, logits = self.ranks.forward(self.model, self.cache, step)
         for entry in planned:  # release the replays' scratch sequences: their rows are in `output`
             if entry.scratch is not None:
                 self.cache.release(entry.scratch)

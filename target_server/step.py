@@ -25,7 +25,7 @@ from tandem.layers.attention_backend import AttentionMetadata
 from tandem.layers.kv_cache import PagedKVCache
 from tandem.layers.page_table import HOST, PageTable
 from tandem.models.registry import TargetModel
-from tandem.models.stack import TargetOutput
+from tandem.models.stack import Embeddings, TargetOutput
 
 HEADER = 6
 
@@ -38,6 +38,7 @@ class ForwardStep:
     metadata: AttentionMetadata
     capture: tuple[int, ...]  # capture indices, the union over the batch's requests
     logit_rows: torch.Tensor  # [num_rows] rows of the packed batch whose logits are wanted; empty: no LM head
+    embeddings: Embeddings | None = None  # rows embedded as given (an image's tokens), on one rank only
 
 
 @torch.inference_mode()
@@ -45,13 +46,15 @@ def run_step(
     model: TargetModel, cache: PagedKVCache, step: ForwardStep
 ) -> tuple[TargetOutput, torch.Tensor]:  # -> output, logits [num_rows, vocab] float32
     """The forward pass and LM head of one step; every rank runs it, so the model's collectives line up."""
-    output = model(step.input_ids, step.metadata, cache, step.capture)
+    output = model(step.input_ids, step.metadata, cache, step.capture, step.embeddings)
     if step.logit_rows.numel() == 0:
         return output, output.normed.new_empty((0, model.config.vocab_size), dtype=torch.float32)
     return output, model.compute_logits(output.normed[step.logit_rows])
 
 
 def encode_step(step: ForwardStep) -> torch.Tensor:  # -> [payload] int64 on the CPU
+    if step.embeddings is not None:
+        raise ValueError("embeddings: image features are not sent to other ranks yet (tp 1 only)")
     table = step.metadata.page_table
     masks = [mask for mask in table.custom_masks if mask is not None]
     header = [len(step.input_ids), table.batch_size, len(step.capture), len(step.logit_rows)]

@@ -190,15 +190,18 @@ class PagedKVCache:
         sequences: Sequence[tuple[SequenceKV, int]],
         parents: Sequence[Sequence[int] | None] | None = None,
         bidirectional: bool = False,
+        spans: Sequence[Sequence[tuple[int, int]]] | None = None,  # per chain: its new tokens' two-way runs
     ) -> PageTable:
         """The page table of one packed forward: each (sequence, num_new) appends num_new tokens at sequence.length.
 
         A sequence with parents gets a tree of new tokens (tandem.layers.page_table.tree_mask: parents[i] is -1 or
         an earlier index); each token sees the context and its ancestors. `bidirectional` (no parents): each new token
-        sees the context and every new token of its sequence (tandem.layers.page_table). Reserves blocks for all
-        sequences first (all or nothing, after the trees are checked), then advances their lengths.
+        sees the context and every new token of its sequence (tandem.layers.page_table). `spans` (chains only): runs
+        of a sequence's new tokens that see each other both ways (tandem.layers.page_table.chain_mask). Reserves
+        blocks for all sequences first (all or nothing, after the trees are checked), then advances their lengths.
         """
         trees = list(parents) if parents is not None else [None] * len(sequences)
+        runs = list(spans) if spans is not None else [()] * len(sequences)
         if len(trees) != len(sequences):
             raise ValueError(f"parents: {len(trees)} entries for {len(sequences)} sequences")
         if bidirectional and parents is not None:
@@ -210,9 +213,9 @@ class PagedKVCache:
         if total_needed > self.num_free_blocks:
             raise OutOfKVBlocks(f"KV cache: need {total_needed} more blocks, {self.num_free_blocks} free")
         entries = []
-        for (sequence, num_new), tree in zip(sequences, trees, strict=True):
+        for (sequence, num_new), tree, two_way in zip(sequences, trees, runs, strict=True):
             self.reserve(sequence, sequence.length + num_new)
-            entries.append(PlanEntry(sequence.block_ids, sequence.length, num_new, tree, bidirectional))
+            entries.append(PlanEntry(sequence.block_ids, sequence.length, num_new, tree, bidirectional, two_way))
         page_table = build_page_table(entries, self.block_size, self.device)
         for sequence, num_new in sequences:
             sequence.length += num_new

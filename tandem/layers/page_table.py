@@ -19,7 +19,8 @@ Worked example (page_size 4), three sequences:
     write_slots      [9, 10, 20, 21, 22, 24, 25, 26, 27]   KV row r of a sequence: page r // 4, offset r % 4
     custom_masks     (None, None, C's [4, 4] mask)  None: causal
 A bidirectional entry (a block drafter's block: every new token sees every other) is a chain's positions with an
-all-ones mask, so both backends run it as they run a tree.
+all-ones mask, so both backends run it as they run a tree; a chain with spans (an image's tokens, which see each other
+both ways) is the causal triangle with those blocks filled.
 C's mask, row i over its new tokens j (i sees j when j is i or an ancestor of i):
     [[1, 0, 0, 0],
      [1, 1, 0, 0],
@@ -50,6 +51,9 @@ class PlanEntry:
     num_new: int  # new tokens, written at KV rows [start, start + num_new)
     parents: Sequence[int] | None = None  # per new token, the index of its parent among them, -1: the context
     bidirectional: bool = False  # the new tokens see each other both ways (a block drafter's block); no parents
+    # Runs [begin, end) of the new tokens that see each other both ways in a chain (an image's tokens): causal plus
+    # those blocks; no parents
+    spans: Sequence[tuple[int, int]] = ()
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,24 @@ def tree_mask(parents: Sequence[int]) -> torch.Tensor:  # -> [n, n] bool on the 
     return mask
 
 
+def chain_mask(
+    num_new: int, bidirectional: bool, spans: Sequence[tuple[int, int]]
+) -> torch.Tensor | None:  # -> [n, n] bool on the host; None: causal
+    """A chain's mask: all ones when bidirectional, else the causal triangle with each span's block seen both ways
+    (an image's tokens, Gemma 3: row i sees j when j <= i or both lie in one span), None when that is causal."""
+    if bidirectional:
+        return torch.ones((num_new, num_new), dtype=torch.bool, device=HOST)
+    spans = [(begin, end) for begin, end in spans if end - begin > 1]
+    if not spans:
+        return None
+    mask = torch.ones((num_new, num_new), dtype=torch.bool, device=HOST).tril()
+    for begin, end in spans:
+        if not 0 <= begin < end <= num_new:
+            raise ValueError(f"a span [{begin}, {end}) outside the {num_new} new tokens")
+        mask[begin:end, begin:end] = True
+    return mask
+
+
 def build_page_table(
     entries: Sequence[PlanEntry], page_size: int, device: torch.device
 ) -> PageTable:  # every entry's blocks reserved
@@ -122,9 +144,7 @@ def build_page_table(
         write_slots += [pages[row // page_size] * page_size + row % page_size for row in range(entry.start, end)]
         if entry.parents is None:
             positions += range(entry.start, end)
-            masks.append(
-                torch.ones((entry.num_new,) * 2, dtype=torch.bool, device=HOST) if entry.bidirectional else None
-            )
+            masks.append(chain_mask(entry.num_new, entry.bidirectional, entry.spans))
             continue
         check_parents(entry.parents, entry.num_new)
         mask = tree_mask(entry.parents)

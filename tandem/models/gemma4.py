@@ -40,7 +40,7 @@ from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.gemma4_config import Gemma4Config, kv_row_layout
 from tandem.models.gemma4_layers import Gemma4Attention, Gemma4Experts, Gemma4Router, ProducedKV
-from tandem.models.stack import Backbone, CausalLM, TargetOutput, run_layers
+from tandem.models.stack import Backbone, CausalLM, Embeddings, TargetOutput, run_layers
 from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
 
 
@@ -156,7 +156,10 @@ class Gemma4ForCausalLM(CausalLM[Gemma4Config]):
         metadata: AttentionMetadata,
         cache: PagedKVCache,  # laid out as cache_layout
         capture: Sequence[int] = (),  # capture indices in [0, num_layers + 1] (tandem.models.stack.run_layers)
+        embeddings: Embeddings | None = None,
     ) -> TargetOutput:
+        if embeddings is not None:
+            raise ValueError("embeddings: Gemma 4 takes no image features yet")
         embedded = scaled(self.model.embed_tokens(input_ids), self.config.hidden_size**0.5)  # [num_tokens, hidden]
         per_layer = self.model.per_layer_inputs(input_ids, embedded)
         produced: ProducedKV = {}  # filled by the K/V-keeping layers, read by the KV-shared ones

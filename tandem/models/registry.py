@@ -51,7 +51,7 @@ from tandem.models.gemma3 import MULTIMODAL_NAMES, MULTIMODAL_TOWERS, Gemma3Conf
 from tandem.models.gemma4 import Gemma4ForCausalLM
 from tandem.models.gemma4_config import Gemma4Config
 from tandem.models.llama import LlamaForCausalLM
-from tandem.models.stack import TargetOutput
+from tandem.models.stack import Embeddings, TargetOutput
 from tandem.models.step3p5 import CHECKPOINT_NAMES as STEP3P5_NAMES
 from tandem.models.step3p5 import Step3p5ForCausalLM
 from tandem.models.step3p5_config import Step3p5Config
@@ -104,6 +104,7 @@ class TargetModel(Protocol):
         metadata: AttentionMetadata,
         cache: PagedKVCache,
         capture: Sequence[int] = (),  # capture indices in [0, num_layers + 1] (tandem.models.stack.run_layers)
+        embeddings: Embeddings | None = None,  # rows embedded as given (tandem.models.stack.CausalLM)
     ) -> TargetOutput: ...
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor: ...  # [n, hidden] -> [n, vocab] float32
     def modules(self) -> Iterator[nn.Module]: ...

@@ -125,6 +125,9 @@ class CausalLMConfig(Protocol):
 
 
 ConfigT = TypeVar("ConfigT", bound=CausalLMConfig)
+# Rows of a step's tokens [n] int64 and the embeddings they take instead of their token's [n, hidden]: an image's
+# features at its placeholder tokens.
+Embeddings = tuple[torch.Tensor, torch.Tensor]
 
 
 class CausalLM(nn.Module, Generic[ConfigT]):
@@ -160,6 +163,7 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         metadata: AttentionMetadata,
         cache: PagedKVCache,  # laid out as cache_layout
         capture: Sequence[int] = (),  # capture indices in [0, num_layers + 1] (run_layers)
+        embeddings: Embeddings | None = None,  # rows whose embedding is given (an image's tokens), after the scale
     ) -> TargetOutput:
         hidden = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         if self.embedding_scale is not None:
@@ -167,6 +171,9 @@ class CausalLM(nn.Module, Generic[ConfigT]):
             # in bfloat16), so that bf16 streams match the reference bit for bit.
             scale = torch.tensor(self.embedding_scale, dtype=torch.float32, device=hidden.device)
             hidden = hidden * scale.to(hidden.dtype)
+        if embeddings is not None:
+            rows, values = embeddings
+            hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
         return run_layers(hidden, self.model.layers, self.model.norm, metadata, cache, capture)
 
     @property

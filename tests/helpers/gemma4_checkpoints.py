@@ -216,6 +216,10 @@ def write_tiny_gemma3_multimodal(
             **(vision or {}),
         },
         mm_tokens_per_image=tokens_per_image,
+        # The image tokens at the top of the small vocabulary (the released ones lie past it: 255999, 256000, 262144).
+        boi_token_index=VOCAB - 3,
+        eoi_token_index=VOCAB - 2,
+        image_token_index=VOCAB - 1,
         tie_word_embeddings=False,
     )
     with torch.random.fork_rng(devices=[]):
