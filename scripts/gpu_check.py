@@ -42,6 +42,7 @@ PARKED = tuple(
 IMAGE = frozenset(
     {"torch", "transformers", "tokenizers", "safetensors", "tqdm", "aiohttp", "prometheus-client", "psutil", "numpy"}
     | {"pytest", "packaging", "ninja", "einops", "click", "requests", "tabulate", "nvidia-ml-py", "matplotlib"}
+    | {"pillow"}  # matplotlib's own requirement
 )
 # Brought although the image has them: the generated stubs need grpcio >= 1.85.1 and protobuf >= 7.35.
 # Not brought: grpcio-tools (it only regenerates the stubs); numba (the CPU's fused products of weights kept as stored,

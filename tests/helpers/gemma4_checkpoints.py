@@ -24,6 +24,7 @@ from transformers import (
     Gemma4TextConfig,
     PreTrainedModel,
 )
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
 from tests.helpers.checkpoints import redraw_parameters
 from tests.helpers.gemma3_checkpoints import GLOBAL, LOCAL, WINDOW
@@ -228,4 +229,7 @@ def write_tiny_gemma3_multimodal(
     redraw_parameters(model, torch.Generator().manual_seed(seed), norm_center=0.0)
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer(directory, VOCAB)
+    # The checkpoint's image processor, as Gemma 3's releases ship it (there 896 x 896, no pan-and-scan).
+    size = config.vision_config.image_size
+    Gemma3ImageProcessorPil(size={"height": size, "width": size}).save_pretrained(directory)
     return directory

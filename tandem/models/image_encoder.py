@@ -1,0 +1,72 @@
+"""Images to the features a target's prompt takes at their placeholder tokens: the seam where the image tower runs.
+
+`ImageEncoder` is what the target asks: an image's bytes (PNG, JPEG, WebP: whatever the request carried) -> its
+content digest and its features [tokens, text hidden]. `LocalImageEncoder` runs it in the target's process, beside
+the text model: the checkpoint's own image processor (transformers' AutoImageProcessor from its
+preprocessor_config.json, with the PIL backend on every machine: the same resize and normalization on a CPU without
+torchvision and on a GPU machine with it), then the family's image encoder (Gemma 3: tandem.models.gemma3_vision).
+Features are kept by digest (sha256 of the bytes) for the last CACHED_IMAGES images, so that an image sent again (a
+chat's next turn, the same picture in many agent calls) is not encoded again. Another placement (a service of its own
+that the orchestrator calls, as vLLM's and SGLang's encoder disaggregation) would implement the same protocol.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections import OrderedDict
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from PIL import Image, UnidentifiedImageError
+from transformers import AutoImageProcessor
+
+from tandem.models.gemma3_vision import Gemma3ImageEncoder, load_gemma3_image_encoder
+
+CACHED_IMAGES = 64  # images whose features a LocalImageEncoder keeps
+
+
+class ImageError(ValueError):
+    """Bytes that are not an image this encoder can read; the message says what is wrong."""
+
+
+class ImageEncoder(Protocol):
+    @property
+    def tokens_per_image(self) -> int: ...  # the placeholder tokens the processor writes for one image
+
+    def features(self, data: bytes) -> tuple[str, torch.Tensor]: ...  # -> digest, [tokens, hidden]
+
+
+class LocalImageEncoder:
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        self.processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+        self.encoder: Gemma3ImageEncoder = load_gemma3_image_encoder(model_dir, dtype, device)
+        self.device = device
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.encoder.config.tokens_per_image
+
+    def features(self, data: bytes) -> tuple[str, torch.Tensor]:
+        digest = hashlib.sha256(data).hexdigest()
+        found = self._cache.get(digest)
+        if found is None:
+            found = self._encoded(data)
+            self._cache[digest] = found
+            if len(self._cache) > CACHED_IMAGES:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(digest)
+        return digest, found
+
+    def _encoded(self, data: bytes) -> torch.Tensor:
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                image.load()
+                pixels = self.processor(images=[image], return_tensors="pt")["pixel_values"]
+        except (UnidentifiedImageError, OSError) as error:
+            raise ImageError(f"{len(data)} bytes that are not an image Pillow reads ({error})") from None
+        with torch.inference_mode():
+            features: torch.Tensor = self.encoder(pixels.to(self.device))[0]
+        return features
