@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,3 +172,21 @@ class TreeShape:
     def max_drafts(self) -> int:
         """Draft tokens a round may carry (once resolved): num_draft_tokens - 1."""
         return self.num_draft_tokens - 1
+
+
+def image_limit(text: str) -> int:
+    """--limit-mm-per-prompt's JSON, e.g. '{"image": 2}' -> 2: the images one prompt may hold (0: none, and no image
+    tower loaded). Other modalities are refused by name: only images are served. The count alone ("2") is taken too:
+    it is how a target's settings are passed on to its other ranks."""
+    if text.isdigit():
+        return int(text)
+    try:
+        limits = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"{text!r}: not JSON; e.g. '{{\"image\": 2}}'") from None
+    if not isinstance(limits, dict) or set(limits) - {"image"}:
+        raise ValueError(f'{text!r}: an object of per-modality counts; only "image" is served')
+    count = limits.get("image", 0)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f'{text!r}: "image" takes a count, 0 or more')
+    return count

@@ -10,12 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from tandem.layers.kv_cache import OutOfKVBlocks, PagedKVCache, SequenceKV
+from tandem.models.image_encoder import ImageEncoder, ImageError
 from tandem.sampling.grammar import Grammars, GrammarState
 from tandem.sampling.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling.verify import VerifyOutcome, make_generator
 from target_server.items import (
     MAX_DRAFT_TOKENS,
     TARGET_ONLY,
+    ImageBytes,
     ImageInput,
     RequestError,
     RowStream,
@@ -62,6 +64,8 @@ class Admission:
         vocab_size: int,
         grammars: Grammars | None = None,  # None: structured output is refused
         hidden_size: int | None = None,  # the width image features must have; None: unchecked
+        images: ImageEncoder | None = None,  # encodes the images requests bring as bytes; None: refused
+        image_limit: int = 0,  # images one prompt may hold as bytes
     ) -> None:
         self.cache = cache
         self.requests = requests  # the runner's: an item that opens a request adds it
@@ -69,6 +73,8 @@ class Admission:
         self.vocab_size = vocab_size
         self.grammars = grammars
         self.hidden_size = hidden_size
+        self.images = images
+        self.image_limit = image_limit
 
     def admit(self, item: StepItem) -> AdmittedItem:
         """Checks an item and reserves its KV blocks; raises RequestError or OutOfKVBlocks (changing nothing) when it
@@ -165,7 +171,7 @@ class Admission:
                 grammar.commit(generated)
             except RuntimeError as error:
                 raise RequestError(f"generated: {error}") from None
-        images = item.open.images
+        images = self._encoded(item.open.images)
         _check_images(images, len(prompt), self.hidden_size)
         return TargetRequest(
             item.request_id,
@@ -180,6 +186,25 @@ class Admission:
             cache_salt="".join([item.open.cache_salt, *(f"|image {image.digest}" for image in images)]),
             images=images,
         )
+
+    def _encoded(self, images: Sequence[ImageInput | ImageBytes]) -> tuple[ImageInput, ...]:
+        """A request's images with their features: those that came as bytes encoded (or found by digest)."""
+        brought = sum(isinstance(image, ImageBytes) for image in images)
+        if brought and self.images is None:
+            raise RequestError("images: this target serves no images (no image encoder for its checkpoint, or tp > 1)")
+        if brought > self.image_limit:
+            raise RequestError(f"images: {brought} in one prompt, at most {self.image_limit} (--limit-mm-per-prompt)")
+        encoded = []
+        for index, image in enumerate(images):
+            if isinstance(image, ImageBytes):
+                assert self.images is not None
+                try:
+                    digest, features = self.images.features(image.data)
+                except ImageError as error:
+                    raise RequestError(f"images[{index}]: {error}") from None
+                image = ImageInput(image.start, features, digest)
+            encoded.append(image)
+        return tuple(encoded)
 
     def _grammar(self, grammar: str) -> GrammarState | None:
         if not grammar:

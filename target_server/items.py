@@ -109,6 +109,15 @@ class ImageInput:
 
 
 @dataclass(frozen=True)
+class ImageBytes:
+    """An image of a prompt as the wire brings it: its encoded bytes, and the prompt token where its placeholder
+    tokens start; the target's image encoder makes it an ImageInput when the request opens."""
+
+    start: int
+    data: bytes
+
+
+@dataclass(frozen=True)
 class OpenRequest:
     """What a request's first item carries: its prompt and how to sample."""
 
@@ -117,7 +126,7 @@ class OpenRequest:
     end_token_ids: frozenset[int] = frozenset()  # tokens that end the request (EOS, stop ids)
     generated: Sequence[int] = ()  # tokens it generated before: a request resumed on a restarted target
     cache_salt: str = ""  # mixed into the names of its KV blocks (tandem.layers.block_pool)
-    images: tuple[ImageInput, ...] = ()  # in prompt order, apart
+    images: tuple[ImageInput | ImageBytes, ...] = ()  # in prompt order, apart
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from tandem.layers.matmul import prepackable_linears
 from tandem.layers.stored import StoredWeight
 from tandem.leases import sweep_interval
 from tandem.model_thread import ModelThread
+from tandem.models.image_encoder import ImageEncoder, image_encoder_for
 from tandem.models.registry import TargetModel, check_tensor_parallel, load_target
 from tandem.models.tokenizer_digest import tokenizer_digest
 from tandem.sampling.grammar import Grammars
@@ -84,9 +85,29 @@ def start_target(settings: TargetSettings) -> TargetRunner:
         time.perf_counter() - started,
     )
     grammars = Grammars(settings.model_dir, config.vocab_size)  # its tokenizer is read when a grammar first comes
-    runner = TargetRunner(model, settings.cache, max_context, ranks, grammars=grammars)
+    images = image_encoder(settings, dtype, device)
+    runner = TargetRunner(
+        model, settings.cache, max_context, ranks, grammars=grammars, images=images, image_limit=settings.images
+    )
     LOG.info("%s; %s", weights_line(runner.model), kv_line(runner.cache))
     return runner
+
+
+def image_encoder(settings: TargetSettings, dtype: torch.dtype, device: str) -> ImageEncoder | None:
+    """The checkpoint's image encoder on rank 0 (tandem.models.image_encoder), unless no image is allowed; None."""
+    if settings.images == 0:
+        return None
+    encoder = image_encoder_for(settings.model_dir, dtype, device)
+    if encoder is not None and settings.tp > 1:
+        LOG.warning("images are not served at tp %d (the step's features do not go to other ranks yet)", settings.tp)
+        return None
+    if encoder is not None:
+        LOG.info(
+            "image encoder loaded: %d tokens an image, at most %d images a prompt",
+            encoder.tokens_per_image,
+            settings.images,
+        )
+    return encoder
 
 
 def weights_line(model: TargetModel) -> str:

@@ -36,6 +36,7 @@ from tandem.layers.cuda_graphs import GraphedForward, GraphsFactory, Tensors, re
 from tandem.layers.kv_cache import OutOfKVBlocks, SequenceKV
 from tandem.layers.matmul import prepack
 from tandem.layers.page_table import PageTable
+from tandem.models.image_encoder import ImageEncoder
 from tandem.models.registry import TargetModel
 from tandem.models.stack import TargetOutput
 from tandem.parallel.group import SINGLE_PROCESS
@@ -76,6 +77,8 @@ class TargetRunner:
         # How decode-shaped steps are replayed when `cache.cuda_graphs` asks for it.
         graphs: GraphsFactory = recorded_graphs,
         grammars: Grammars | None = None,  # structured output's matchers; None: refused
+        images: ImageEncoder | None = None,  # encodes the images requests bring; None: refused
+        image_limit: int = 0,  # images one prompt may hold
     ) -> None:
         self.model = model
         prepack(model)
@@ -85,7 +88,7 @@ class TargetRunner:
         self.requests: dict[str, TargetRequest] = {}
         config = model.config
         self.admission = Admission(
-            self.cache, self.requests, max_context, config.vocab_size, grammars, config.hidden_size
+            self.cache, self.requests, max_context, config.vocab_size, grammars, config.hidden_size, images, image_limit
         )
         self.batched_verify = self.device.type == "cuda" if batched_verify is None else batched_verify
         self.graphs: GraphedForward | None = None

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.flags import flag, nested, thread_count
-from tandem.settings import KVCacheSettings, metrics_port_field
+from tandem.flags import checked, flag, nested, thread_count
+from tandem.settings import KVCacheSettings, image_limit, metrics_port_field
+
+# Images one prompt may hold unless --limit-mm-per-prompt says otherwise: none, so that a multimodal checkpoint's
+# target loads no image tower unless asked (the orchestrator's API does not send images yet).
+IMAGES_PER_PROMPT = 0
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,16 @@ class TargetSettings:
     # ranks 1..tp-1 itself as child processes; given: someone else (the Ray launcher) starts them.
     rendezvous: str | None = None
     metrics_port: int | None = metrics_port_field()
+    images: int = field(
+        default=IMAGES_PER_PROMPT,
+        metadata=flag(
+            "--limit-mm-per-prompt",
+            "JSON of the images one prompt may hold, e.g. '{\"image\": 2}', for a checkpoint whose image tower "
+            "Tandem runs (Gemma 3); 0 (the default) serves its text model alone, with no tower loaded",
+            parse=checked(image_limit),
+            metavar="JSON",
+        ),
+    )
     dequantize: bool = field(
         default=False,
         metadata=flag(

@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 from collections import OrderedDict
 from pathlib import Path
 from typing import Protocol
 
 import torch
-from PIL import Image, UnidentifiedImageError
-from transformers import AutoImageProcessor
 
 from tandem.models.gemma3_vision import Gemma3ImageEncoder, load_gemma3_image_encoder
 
 CACHED_IMAGES = 64  # images whose features a LocalImageEncoder keeps
+IMAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)  # checkpoints whose image tower Tandem runs
 
 
 class ImageError(ValueError):
@@ -40,6 +40,8 @@ class ImageEncoder(Protocol):
 
 class LocalImageEncoder:
     def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        from transformers import AutoImageProcessor  # imported by a target that serves images only
+
         self.processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
         self.encoder: Gemma3ImageEncoder = load_gemma3_image_encoder(model_dir, dtype, device)
         self.device = device
@@ -61,6 +63,8 @@ class LocalImageEncoder:
         return digest, found
 
     def _encoded(self, data: bytes) -> torch.Tensor:
+        from PIL import Image, UnidentifiedImageError
+
         try:
             with Image.open(io.BytesIO(data)) as image:
                 image.load()
@@ -70,3 +74,11 @@ class LocalImageEncoder:
         with torch.inference_mode():
             features: torch.Tensor = self.encoder(pixels.to(self.device))[0]
         return features
+
+
+def image_encoder_for(model_dir: Path, dtype: torch.dtype, device: str) -> LocalImageEncoder | None:
+    """The image encoder of a checkpoint whose tower Tandem runs (IMAGE_ARCHITECTURES), else None."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if not set(config.get("architectures") or ()) & set(IMAGE_ARCHITECTURES) or "vision_config" not in config:
+        return None
+    return LocalImageEncoder(model_dir, dtype, device)

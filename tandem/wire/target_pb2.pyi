@@ -46,18 +46,28 @@ class TargetInfo(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "end_token_ids", "generated", "cache_salt")
+    __slots__ = ("prompt", "sampling", "end_token_ids", "generated", "cache_salt", "images")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     prompt: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     end_token_ids: _containers.RepeatedScalarFieldContainer[int]
     generated: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
-    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[PromptImage]
+    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[PromptImage, _Mapping]]] = ...) -> None: ...
+
+class PromptImage(_message.Message):
+    __slots__ = ("data", "start")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    start: int
+    def __init__(self, data: _Optional[bytes] = ..., start: _Optional[int] = ...) -> None: ...
 
 class StepItem(_message.Message):
     __slots__ = ("request_id", "round", "open", "num_tokens", "drafts", "draft_replica", "set_replica", "replay", "logprobs", "top_logprobs", "decode_steps", "draft_ahead")

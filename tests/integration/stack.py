@@ -159,9 +159,9 @@ class TargetProcess:
 
 
 @contextmanager
-def target_process(model: Path, tp: int, ready_file: Path) -> Iterator[TargetProcess]:
-    """`tandem target` alone, on a free port; yields its address and process once it serves."""
-    command = tandem_command("target", "--model", str(model), "--tp", str(tp), "--port", "0")
+def target_process(model: Path, tp: int, ready_file: Path, *flags: str) -> Iterator[TargetProcess]:
+    """`tandem target` alone (with `flags`), on a free port; yields its address and process once it serves."""
+    command = tandem_command("target", "--model", str(model), "--tp", str(tp), "--port", "0", *flags)
     process = subprocess.Popen(
         [*command, "--ready-file", str(ready_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

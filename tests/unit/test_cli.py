@@ -220,3 +220,24 @@ def test_the_log_level_comes_from_the_environment_and_a_wrong_one_stops_serve_na
     # A service started by hand refuses it too, before it loads anything.
     assert main(["draft", "--target-address", "a", "--model", "m"]) == 2
     assert "draft cannot start: TANDEM_LOG_LEVEL='chatty'" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{image: 2}", "not JSON"),
+        ('{"video": 1}', 'only "image" is served'),
+        ('{"image": -1}', '"image" takes a count, 0 or more'),
+        ('{"image": true}', '"image" takes a count, 0 or more'),
+    ],
+)
+def test_image_limits_are_read_from_json_or_refused_naming_the_fault(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = build_parser()
+    three = parser.parse_args(["target", "--model", "m", "--limit-mm-per-prompt", '{"image": 3}'])
+    assert three.limit_mm_per_prompt == 3
+    assert parser.parse_args(["target", "--model", "m"]).limit_mm_per_prompt == 0  # no tower unless asked
+    with pytest.raises(SystemExit):
+        parser.parse_args(["target", "--model", "m", "--limit-mm-per-prompt", value])
+    assert message in capsys.readouterr().err
