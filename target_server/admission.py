@@ -191,7 +191,9 @@ class Admission:
         """A request's images with their features: those that came as bytes encoded (or found by digest)."""
         brought = sum(isinstance(image, ImageBytes) for image in images)
         if brought and self.images is None:
-            raise RequestError("images: this target serves no images (no image encoder for its checkpoint, or tp > 1)")
+            raise RequestError(
+                "images: this target serves no images (--limit-mm-per-prompt, or no tower for its checkpoint)"
+            )
         if brought > self.image_limit:
             raise RequestError(f"images: {brought} in one prompt, at most {self.image_limit} (--limit-mm-per-prompt)")
         encoded = []

@@ -98,9 +98,6 @@ def image_encoder(settings: TargetSettings, dtype: torch.dtype, device: str) -> 
     if settings.images == 0:
         return None
     encoder = image_encoder_for(settings.model_dir, dtype, device)
-    if encoder is not None and settings.tp > 1:
-        LOG.warning("images are not served at tp %d (the step's features do not go to other ranks yet)", settings.tp)
-        return None
     if encoder is not None:
         LOG.info(
             "image encoder loaded: %d tokens an image, at most %d images a prompt",

@@ -5,6 +5,8 @@ group's command channel (gloo, CPU tensors): a header [command, payload length],
     FORWARD        payload: the step (target_server.step: input ids, positions, write slots, spans with their context
                    slots, capture indices, logit rows); every rank then runs the model on its own KV-cache shard,
                    and the LM head's all-gather brings the logits to rank 0, which decides acceptance alone.
+    EMBEDDINGS     payload: the rows of the next FORWARD embedded as given (an image's tokens), then a second
+                   broadcast of their float32 values [rows, hidden]: rank 0 alone encodes images.
     WEIGHT_SHARDS  payload: [index of the table in SHARED_TABLES]; every rank sends its padded shard to rank 0.
     STOP           no payload; the other ranks leave the group and exit.
 A rank that follows waits for the next command for as long as the target sits idle (ParallelGroup's timeout), and
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -59,6 +62,7 @@ class Command(enum.IntEnum):
     FORWARD = 1
     WEIGHT_SHARDS = 2
     STOP = 3
+    EMBEDDINGS = 4  # the next FORWARD's embedded rows (payload), then their float32 values [rows, hidden]
 
 
 class RankFailed(RuntimeError):
@@ -97,6 +101,10 @@ class RankDriver:
     ) -> tuple[TargetOutput, torch.Tensor]:  # -> output, logits [num_rows, vocab] float32
         with self._lock:
             if self.group.world_size > 1:  # encoding the step is per-forward work a single rank does not need
+                if step.embeddings is not None:  # an image's features, computed on this rank only
+                    rows, values = step.embeddings
+                    self._send(Command.EMBEDDINGS, rows.cpu())
+                    broadcast_from_first(values.float().cpu().contiguous(), self.group)
                 self._send(Command.FORWARD, encode_step(step))
             return run_step(model, cache, step)
 
@@ -165,14 +173,19 @@ class RankDriver:
 
 def follow(model: TargetModel, cache: PagedKVCache, group: ParallelGroup) -> None:
     """A rank other than 0: runs rank 0's commands until STOP (see the module docstring)."""
+    embeddings = None  # EMBEDDINGS' rows and values, for the FORWARD that follows
     while True:
         command, length = broadcast_from_first(torch.zeros(2, dtype=torch.long), group).tolist()
         payload = broadcast_from_first(torch.zeros(length, dtype=torch.long), group) if length else None
         if command == Command.STOP:
             return
         assert payload is not None
-        if command == Command.FORWARD:
-            run_step(model, cache, decode_step(payload, cache))
+        if command == Command.EMBEDDINGS:
+            values = broadcast_from_first(torch.zeros((length, model.config.hidden_size)), group)
+            embeddings = (payload.to(cache.device), values.to(cache.device))
+        elif command == Command.FORWARD:
+            run_step(model, cache, replace(decode_step(payload, cache), embeddings=embeddings))
+            embeddings = None
         elif command == Command.WEIGHT_SHARDS:
             module = shared_table(model, SHARED_TABLES[int(payload[0])])
             assert isinstance(module, (VocabParallelEmbedding, ParallelLMHead))

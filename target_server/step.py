@@ -38,7 +38,7 @@ class ForwardStep:
     metadata: AttentionMetadata
     capture: tuple[int, ...]  # capture indices, the union over the batch's requests
     logit_rows: torch.Tensor  # [num_rows] rows of the packed batch whose logits are wanted; empty: no LM head
-    embeddings: Embeddings | None = None  # rows embedded as given (an image's tokens), on one rank only
+    embeddings: Embeddings | None = None  # rows embedded as given (an image's tokens; sent apart to other ranks)
 
 
 @torch.inference_mode()
@@ -52,9 +52,7 @@ def run_step(
     return output, model.compute_logits(output.normed[step.logit_rows])
 
 
-def encode_step(step: ForwardStep) -> torch.Tensor:  # -> [payload] int64 on the CPU
-    if step.embeddings is not None:
-        raise ValueError("embeddings: image features are not sent to other ranks yet (tp 1 only)")
+def encode_step(step: ForwardStep) -> torch.Tensor:  # -> [payload] int64 on the CPU; embeddings go apart (ranks)
     table = step.metadata.page_table
     masks = [mask for mask in table.custom_masks if mask is not None]
     header = [len(step.input_ids), table.batch_size, len(step.capture), len(step.logit_rows)]

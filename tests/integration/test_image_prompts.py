@@ -63,14 +63,14 @@ def expected(checkpoint: Path, prompt: list[int], images: list[bytes]) -> list[i
 
 @contextmanager
 def served(
-    checkpoint: Path, ready: Path, images: int
+    checkpoint: Path, ready: Path, images: int, tp: int = 1
 ) -> Iterator[tuple[Callable[[target_pb2.StepItem], Any], list[str]]]:
-    """A `tandem target` allowing `images` images a prompt: a function calling its Step with one item, and the
-    process's log lines once it has stopped."""
+    """A `tandem target` of `tp` ranks allowing `images` images a prompt: a function calling its Step with one item,
+    and the process's log lines once it has stopped."""
     log: list[str] = []
     limit = f'{{"image": {images}}}'
     with (
-        target_process(checkpoint, 1, ready, "--limit-mm-per-prompt", limit) as target,
+        target_process(checkpoint, tp, ready, "--limit-mm-per-prompt", limit) as target,
         grpc.insecure_channel(target.address, options=channel_options()) as channel,
     ):
         stub = target_pb2_grpc.TargetStub(channel)
@@ -87,8 +87,10 @@ def opening(request_id: str, prompt: list[int], images: list[bytes]) -> target_p
     return target_pb2.StepItem(request_id=request_id, num_tokens=len(prompt), open=open_request)
 
 
-def test_a_target_serves_image_prompts_as_transformers(checkpoint: Path, tmp_path: Path) -> None:
-    with served(checkpoint, tmp_path / "ready", 2) as (step, log):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_target_serves_image_prompts_as_transformers(checkpoint: Path, tmp_path: Path, tp: int) -> None:
+    # At tp 2 rank 0 encodes the images and sends the features to rank 1 with the step.
+    with served(checkpoint, tmp_path / "ready", 2, tp) as (step, log):
         for count in (1, 2):
             prompt, images = prompt_with(count), [png(seed) for seed in range(count)]
             first = step(opening(f"r{count}", prompt, images))
