@@ -5,6 +5,7 @@ transformers' greedy tokens for one and two images, in one chunk or several, and
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +15,16 @@ from PIL import Image
 from transformers import Gemma3ForConditionalGeneration
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
+from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from tandem.layers.page_table import chain_mask
+from tandem.models.eagle3 import load_eagle3
 from tandem.models.gemma3_vision import load_gemma3_image_encoder
 from tandem.models.registry import load_target
 from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
-from target_server.items import ImageInput, OpenRequest, RequestError, StepItem
+from target_server.items import ImageInput, OpenRequest, RequestError, RowStream, StepItem
 from target_server.runner import TargetRunner
+from tests.helpers.checkpoints import TinyEagle3Spec, write_tiny_eagle3
 from tests.helpers.gemma4_checkpoints import VOCAB, write_tiny_gemma3_multimodal
 
 BOI, EOI, IMAGE = VOCAB - 3, VOCAB - 2, VOCAB - 1
@@ -143,3 +147,31 @@ def test_an_image_run_is_seen_both_ways_inside_the_causal_triangle() -> None:
     mask = chain_mask(5, False, [(1, 4)])
     assert mask is not None
     assert mask.int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+def test_an_eagle3_draft_takes_the_rows_of_an_image_prompt(checkpoint: Path, tmp_path: Path) -> None:
+    # The target streams the hidden rows of every position, the image's included; the head embeds the placeholder
+    # token there (vLLM's convention). Its drafts (a random head's) are verified: the output is the target's.
+    text_config = json.loads((checkpoint / "config.json").read_text())["text_config"]
+    shape = tmp_path / "target-shape"
+    shape.mkdir()
+    (shape / "config.json").write_text(json.dumps(text_config))
+    spec = TinyEagle3Spec(hidden_size=32, include_embedding=True, layer_ids=[0, 1, 2])
+    draft, _ = load_eagle3(write_tiny_eagle3(tmp_path / "draft", shape, spec))
+    drafter = DraftRunner(draft, KVCacheSettings(num_blocks=64, block_size=4))
+    pixels = pixel_values(2)
+    prompt = prompt_with(2)
+    runner = TargetRunner(load_target(checkpoint), CACHE, max_context=128)
+    request = OpenRequest(prompt, SamplingParams(), images=images_of(checkpoint, prompt, pixels))
+    (result,) = runner.step([StepItem("r", len(prompt), open=request, stream=RowStream((1, 2, 3)))])
+    tokens, rounds = list(result.new_tokens), 0
+    while len(tokens) < NEW_TOKENS:
+        captured = result.captured
+        assert captured is not None
+        rows = TargetRows(captured.start_position, captured.next_tokens, captured.features)
+        (proposal,) = drafter.propose([ProposeInput("r", rows, num_steps=3)])
+        result = runner.verify("r", proposal)
+        tokens += result.new_tokens
+        rounds += 1
+    assert tokens[:NEW_TOKENS] == reference(checkpoint, prompt, pixels) and rounds >= 2
+    assert drafter.requests["r"].kv.length >= len(prompt)  # every prompt row went in, the image's too
