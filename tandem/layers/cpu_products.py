@@ -83,7 +83,7 @@ def int4_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
     groups = -(-padded.shape[1] // group)
     scale = F.pad(scale.float(), (0, groups - scale.shape[1]))
     shift = (group // 2).bit_length() - 1  # a byte's group: byte >> shift
-    _kernel(_int4_rows)(even, odd, _array(stored_bytes), _array(scale.float()), shift, out.numpy())
+    _kernel(_int4_rows)(even, odd, _array(stored_bytes), _array(scale), shift, out.numpy())
     return out
 
 

@@ -82,6 +82,7 @@ class StoredWeight(nn.Module):
         self.device = torch.device(device)
         self.experts = experts
         self._kernel: bool | None = None  # whether kernel_product applies, once asked
+        self._tinygemm_group = self._tinygemm()  # fixed by the format, shapes, device and dtype
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -99,7 +100,7 @@ class StoredWeight(nn.Module):
                 raise ValueError(f"{name}: expected shape {shape} on this rank, got {tuple(tensor.shape)}")
             # A copy the process owns, as a float weight's: a tensor read from the checkpoint may map its file.
             self.register_buffer(_buffer_name(segment, name), tensor.to(self.device, copy=True))
-        if self._tinygemm() is not None:  # repacked for the kernel: the words and scales give way to its parts
+        if self._tinygemm_group is not None:  # repacked for the kernel: the words and scales give way to its parts
             packed = int4_products.pack(*(self.get_buffer(_buffer_name(segment, name)) for name in INT4_PARTS))
             for name in INT4_PARTS:
                 delattr(self, _buffer_name(segment, name))
@@ -115,7 +116,7 @@ class StoredWeight(nn.Module):
         tokens = x.reshape(-1, self.columns)
         if self._tensor_cores():
             products = [scaled_block_mm(tokens, *self._parts(segment, 0).values()) for segment in self.segments]
-        elif group := self._tinygemm():
+        elif group := self._tinygemm_group:
             products = [int4_products.product(tokens, *self._packed(segment), group) for segment in self.segments]
         else:
             fused = [self.format.fused_product(self._parts(segment, 0), tokens) for segment in self.segments]
@@ -137,7 +138,7 @@ class StoredWeight(nn.Module):
 
     def _tinygemm(self) -> int | None:
         """This INT4 weight's group size where it is repacked for tinygemm and multiplied by it
-        (tandem.layers.int4_products), else None."""
+        (tandem.layers.int4_products), else None; asked once, at construction."""
         group = getattr(self.format, "group_size", None)
         if group is None or self.experts > 1 or tuple(self.format.kept) != INT4_PARTS:
             return None
@@ -149,7 +150,7 @@ class StoredWeight(nn.Module):
         return tiled, table
 
     def expanded(self) -> torch.Tensor:  # -> [out, in] in the serving dtype
-        if self._tinygemm() is not None:  # the words are gone: the kernel's product with the identity is W^T
+        if self._tinygemm_group is not None:  # the words are gone: the kernel's product with the identity is W^T
             identity = torch.eye(self.columns, dtype=self.dtype, device=self.device)
             product = self.kernel_product(identity)
             assert product is not None
