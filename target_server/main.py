@@ -38,8 +38,20 @@ RANK_POLL_S = 0.5
 
 
 def target_info(runner: TargetRunner, dtype: str) -> target_pb2.TargetInfo:
-    """The static part of TargetInfo: what drafts check themselves against."""
+    """The static part of TargetInfo: what drafts check themselves against, and how prompts hold images."""
     config = runner.model.config
+    encoder = runner.admission.images
+    images = None
+    if encoder is not None and runner.admission.image_limit > 0:
+        p = encoder.placeholders
+        limit = runner.admission.image_limit
+        images = target_pb2.ImageLayout(
+            limit=limit,
+            tokens_per_image=p.tokens_per_image,
+            begin_token_id=p.begin_token_id,
+            image_token_id=p.image_token_id,
+            end_token_id=p.end_token_id,
+        )
     return target_pb2.TargetInfo(
         architecture=config.architecture,
         hidden_size=config.hidden_size,
@@ -50,6 +62,7 @@ def target_info(runner: TargetRunner, dtype: str) -> target_pb2.TargetInfo:
         eos_token_ids=list(config.eos_token_ids),
         tp_size=runner.ranks.group.world_size,
         instance=uuid.uuid4().hex,
+        images=images,
     )
 
 
@@ -101,7 +114,7 @@ def image_encoder(settings: TargetSettings, dtype: torch.dtype, device: str) -> 
     if encoder is not None:
         LOG.info(
             "image encoder loaded: %d tokens an image, at most %d images a prompt",
-            encoder.tokens_per_image,
+            encoder.placeholders.tokens_per_image,
             settings.images,
         )
     return encoder

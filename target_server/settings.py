@@ -9,7 +9,7 @@ from tandem.flags import checked, flag, nested, thread_count
 from tandem.settings import KVCacheSettings, image_limit, metrics_port_field
 
 # Images one prompt may hold unless --limit-mm-per-prompt says otherwise: none, so that a multimodal checkpoint's
-# target loads no image tower unless asked (the orchestrator's API does not send images yet).
+# target loads no image tower unless asked.
 IMAGES_PER_PROMPT = 0
 
 

@@ -18,6 +18,7 @@ from orchestrator.loop.hybrid import with_hybrid
 from orchestrator.loop.metrics import Metrics
 from orchestrator.loop.ngram import add_ngram_replica, check_one_draft_kind
 from orchestrator.loop.output import Output, RequestFailed
+from orchestrator.loop.prompt_images import ImageLayout
 from orchestrator.loop.scheduler import QueueFull, Scheduler, TargetFacts
 from orchestrator.loop.validation import InvalidRequest, Limits, client_request_id
 from orchestrator.peers.backends import DraftBackend, FailureKind
@@ -153,7 +154,9 @@ async def start_orchestrator(
     facts = TargetFacts(info.vocab_size, KVPool(info.kv_blocks_total, info.kv_block_size), info.max_draft_tokens)
     target = GrpcTarget(target_stub, settings.scheduler.target_timeout_s, session, info.instance)
     scheduler = Scheduler(target, replicas, tokenizer, eos_ids, settings.scheduler, facts)
-    limits = Limits(info.vocab_size, info.max_context, settings.default_max_new_tokens)
+    limits = Limits(
+        info.vocab_size, info.max_context, settings.default_max_new_tokens, images=ImageLayout.announced(info)
+    )
     metrics = Metrics(scheduler, settings.model_name)
     background = [
         asyncio.create_task(scheduler.run(), name="scheduler loop"),

@@ -293,16 +293,30 @@ def _chunk(request: ActiveRequest, budget: _Budget) -> int:
     """The request's next prompt chunk within the step's tokens left: the rest of its prompt, or, when that does not
     fit, a chunk ending at a block boundary, so that its next chunk starts where the target's prefix cache can go on
     reusing whole blocks (target_server.admission). 0 (it waits for the next step) when no boundary fits and its KV
-    ends at one now, unless a step's whole budget is less than a block."""
+    ends at one now, unless a step's whole budget is less than a block. Never a chunk ending inside an image."""
     block_size = budget.pool.block_size
     chunk = min(request.uncomputed, budget.tokens)
     aligned = chunk - (request.kv_length + chunk) % block_size
     if chunk == request.uncomputed:
         return chunk
     if aligned > 0:
-        return aligned
+        return _whole_images(request, aligned, budget)
     waits = request.kv_length % block_size == 0 and budget.step_tokens >= block_size
-    return 0 if waits else chunk
+    return 0 if waits else _whole_images(request, chunk, budget)
+
+
+def _whole_images(request: ActiveRequest, chunk: int, budget: _Budget) -> int:
+    """`chunk`, or less, so that it does not end inside an image (an image's tokens see each other both ways: the
+    target computes one in a single chunk). An image at the chunk's start that the tokens left do not hold waits for
+    the next step, or, when no step's budget would hold it, is taken whole beyond the budget."""
+    begin, end = request.kv_length, request.kv_length + chunk
+    for image in request.params.images:
+        if not image.start < end < image.end:
+            continue
+        if image.start > begin:
+            return image.start - begin
+        return 0 if budget.step_tokens >= image.end - begin else image.end - begin
+    return chunk
 
 
 def draft_rows(max_drafts: int, settings: SchedulerSettings) -> int:

@@ -299,8 +299,8 @@ class Scheduler:
         )
 
     def _opening(self, request: ActiveRequest) -> OpenRequest:
-        params, generated = request.params, tuple(request.output.generated)
-        return OpenRequest(params.input_ids, params.sampling, self._end_tokens(params), generated, params.cache_salt)
+        params, generated, ends = request.params, tuple(request.output.generated), self._end_tokens(request.params)
+        return OpenRequest(params.input_ids, params.sampling, ends, generated, params.cache_salt, params.images)
 
     def _draft_ahead(self, entry: PlannedItem, rows_to: str | None) -> int:
         """Steps the request's replica may draft for its next round once this step's rows reach it: the k the next

@@ -13,7 +13,9 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
+from orchestrator.loop.prompt_images import ImageLayout, prompt_images
 from orchestrator.loop.structured import grammar_of, refused_resume
+from orchestrator.peers.backends import PromptImage
 from tandem.sampling.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling.params import SamplingParams
 from tandem.wire import orchestrator_pb2
@@ -45,6 +47,7 @@ class Limits:
     # Characters a prompt may have before it is tokenized: tokenizing costs time, so a prompt that could not fit the
     # context even at this many characters per token is refused unread.
     max_chars_per_token: int = 64
+    images: ImageLayout | None = None  # how the target's prompts hold images; None: it serves none
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class ValidatedRequest:
     top_logprobs: int | None = None  # with logprobs: how many best tokens per position; None: no logprobs
     cache_salt: str = ""  # prefix-cache blocks are shared only between requests of the same salt
     resumed: tuple[int, ...] = ()  # tokens a broken stream of the request sent already (resume_token_ids)
+    images: tuple[PromptImage, ...] = ()  # in prompt order; their digests end cache_salt
 
 
 def check_bounds(request: orchestrator_pb2.GenerateRequest, limits: Limits) -> None:
@@ -68,6 +72,10 @@ def check_bounds(request: orchestrator_pb2.GenerateRequest, limits: Limits) -> N
     for index, stop_string in enumerate(request.stop):
         if len(stop_string) > limits.max_stop_length:
             raise InvalidRequest(f"stop[{index}]: {len(stop_string)} characters, at most {limits.max_stop_length}")
+    limit = limits.images.limit if limits.images is not None else 0
+    if len(request.images) > limit:
+        served = f"at most {limit} in one prompt" if limit else "the target serves no images"
+        raise InvalidRequest(f"images: {len(request.images)} sent, {served} (--limit-mm-per-prompt)")
     max_chars = limits.max_context * limits.max_chars_per_token
     if len(request.prompt) > max_chars:
         raise InvalidRequest(
@@ -123,6 +131,10 @@ def validate_request(
     refused = refused_resume(sampling.grammar, resumed, tokenizer)
     if refused:
         raise InvalidRequest(f"resume_token_ids{refused}")
+    try:
+        images = prompt_images(input_ids, request.images, limits.images)
+    except ValueError as error:
+        raise InvalidRequest(str(error)) from None
     return ValidatedRequest(
         input_ids=input_ids,
         max_new_tokens=max_new_tokens,
@@ -132,8 +144,9 @@ def validate_request(
         disable_speculation=request.disable_speculation,
         stop_token_ids=frozenset(request.stop_token_ids),
         top_logprobs=_top_logprobs(request),
-        cache_salt=request.cache_salt,
+        cache_salt="".join([request.cache_salt, *(image.salt for image in images)]),
         resumed=resumed,
+        images=images,
     )
 
 

@@ -31,6 +31,21 @@ class BackendError(Exception):
 
 
 @dataclass(frozen=True)
+class PromptImage:
+    """An image of a request's prompt: its placeholder tokens are prompt tokens [start, end)."""
+
+    start: int
+    end: int
+    data: bytes  # as encoded (PNG, JPEG, WebP)
+    digest: str  # sha256 of data, hex
+
+    @property
+    def salt(self) -> str:
+        """What the image adds to its request's cache salt."""
+        return f"|image {self.digest}"
+
+
+@dataclass(frozen=True)
 class OpenRequest:
     """What a request's first step item carries to the target."""
 
@@ -39,6 +54,7 @@ class OpenRequest:
     end_token_ids: frozenset[int] = frozenset()  # a multi-token decode stops after one of these
     generated: Sequence[int] = ()  # tokens generated before: a request resumed on a restarted target
     cache_salt: str = ""  # mixed into the names of its prefix-cache blocks
+    images: Sequence[PromptImage] = ()
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ import hashlib
 import io
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -31,9 +32,30 @@ class ImageError(ValueError):
     """Bytes that are not an image this encoder can read; the message says what is wrong."""
 
 
+@dataclass(frozen=True)
+class ImagePlaceholders:
+    """How the checkpoint's processor writes an image into a prompt: begin, tokens_per_image placeholders, end (the
+    image's features replace the placeholders' embeddings)."""
+
+    tokens_per_image: int
+    begin_token_id: int
+    image_token_id: int
+    end_token_id: int
+
+    @staticmethod
+    def gemma3(hf: dict[str, Any]) -> ImagePlaceholders:
+        """A Gemma 3 config.json's ids (transformers' Gemma3Config defaults where it leaves them out)."""
+        return ImagePlaceholders(
+            hf.get("mm_tokens_per_image", 256),
+            hf.get("boi_token_index", 255_999),
+            hf.get("image_token_index", 262_144),
+            hf.get("eoi_token_index", 256_000),
+        )
+
+
 class ImageEncoder(Protocol):
     @property
-    def tokens_per_image(self) -> int: ...  # the placeholder tokens the processor writes for one image
+    def placeholders(self) -> ImagePlaceholders: ...
 
     def features(self, data: bytes) -> tuple[str, torch.Tensor]: ...  # -> digest, [tokens, hidden]
 
@@ -44,12 +66,9 @@ class LocalImageEncoder:
 
         self.processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
         self.encoder: Gemma3ImageEncoder = load_gemma3_image_encoder(model_dir, dtype, device)
+        self.placeholders = ImagePlaceholders.gemma3(json.loads((model_dir / "config.json").read_text()))
         self.device = device
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-
-    @property
-    def tokens_per_image(self) -> int:
-        return self.encoder.config.tokens_per_image
 
     def features(self, data: bytes) -> tuple[str, torch.Tensor]:
         digest = hashlib.sha256(data).hexdigest()

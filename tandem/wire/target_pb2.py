@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.wire import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/target.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x13\n\x11TargetInfoRequest\"\xd3\x02\n\nTargetInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\x12\x18\n\x10running_requests\x18\t \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x0b \x01(\x05\x12\x15\n\rkv_block_size\x18\x0c \x01(\x05\x12\x18\n\x10max_draft_tokens\x18\r \x01(\x05\x12\x18\n\x10tokenizer_digest\x18\x0e \x01(\t\x12\x10\n\x08instance\x18\x0f \x01(\t\"\xb0\x01\n\x0bOpenRequest\x12\x0e\n\x06prompt\x18\x01 \x03(\x05\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rend_token_ids\x18\x03 \x03(\x05\x12\x11\n\tgenerated\x18\x04 \x03(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12&\n\x06images\x18\x06 \x03(\x0b\x32\x16.tandem.v1.PromptImage\"*\n\x0bPromptImage\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05start\x18\x02 \x01(\x05\"\x9c\x02\n\x08StepItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12$\n\x04open\x18\x03 \x01(\x0b\x32\x16.tandem.v1.OpenRequest\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12$\n\x06\x64rafts\x18\x0e \x01(\x0b\x32\x14.tandem.v1.DraftTree\x12\x15\n\rdraft_replica\x18\x06 \x01(\t\x12\x13\n\x0bset_replica\x18\x07 \x01(\x08\x12\x0e\n\x06replay\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x0c \x01(\x05\x12\x13\n\x0b\x64raft_ahead\x18\r \x01(\x05\"[\n\x0bStepRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.tandem.v1.StepItem\x12\x0f\n\x07preempt\x18\x02 \x03(\t\x12\x17\n\x0ftarget_instance\x18\x03 \x01(\t\"\xc0\x01\n\nStepResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.tandem.v1.CallError\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\x12\n\nnew_tokens\x18\x04 \x03(\x05\x12\x11\n\tstreaming\x18\x05 \x01(\x08\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\"\x8c\x01\n\x0cStepResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.tandem.v1.StepResult\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x16\n\x0ekv_blocks_free\x18\x03 \x01(\x05\x12#\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.tandem.v1.CallError\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x11\n\x0fReleaseResponse\"\x82\x01\n\x10SubscribeRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x61pture_indices\x18\x02 \x03(\x05\x12\x13\n\x0btokens_only\x18\x03 \x01(\x08\x12\x16\n\x0eprefix_caching\x18\x04 \x01(\x08\x12\x14\n\x0cprefix_shift\x18\x05 \x01(\x05\"\x91\x02\n\x0cHiddenStates\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x16\n\x0estart_position\x18\x03 \x01(\x03\x12\x13\n\x0bnext_tokens\x18\x04 \x03(\x05\x12#\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12\x13\n\x0b\x64raft_ahead\x18\x06 \x01(\x05\x12\x10\n\x08step_end\x18\x07 \x01(\x08\x12\x10\n\x08released\x18\t \x01(\x08\x12(\n\x07shaping\x18\n \x01(\x0b\x32\x17.tandem.v1.DraftShaping\x12\x15\n\rprefix_tokens\x18\x0b \x03(\x05\x12\x12\n\ncache_salt\x18\x0c \x01(\t\"g\n\x0c\x44raftShaping\x12+\n\x08sampling\x18\x01 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rprompt_length\x18\x02 \x01(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\"4\n\x0bHiddenBatch\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.tandem.v1.HiddenStates\"4\n\x0eWeightsRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\"\xb8\x01\n\x0bWeightChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12\x12\n\nshard_rank\x18\x08 \x01(\x05\x12\x12\n\nnum_shards\x18\t \x01(\x05\x12\x12\n\nvocab_size\x18\n \x01(\x03\x32\x93\x03\n\x06Target\x12>\n\x07GetInfo\x12\x1c.tandem.v1.TargetInfoRequest\x1a\x15.tandem.v1.TargetInfo\x12\x37\n\x04Step\x12\x16.tandem.v1.StepRequest\x1a\x17.tandem.v1.StepResponse\x12\x41\n\nStepStream\x12\x16.tandem.v1.StepRequest\x1a\x17.tandem.v1.StepResponse(\x01\x30\x01\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12H\n\x0fSubscribeHidden\x12\x1b.tandem.v1.SubscribeRequest\x1a\x16.tandem.v1.HiddenBatch0\x01\x12\x41\n\nGetWeights\x12\x19.tandem.v1.WeightsRequest\x1a\x16.tandem.v1.WeightChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/target.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x13\n\x11TargetInfoRequest\"\xfb\x02\n\nTargetInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x13\n\x0bhidden_size\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\x12\x18\n\x10running_requests\x18\t \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x0b \x01(\x05\x12\x15\n\rkv_block_size\x18\x0c \x01(\x05\x12\x18\n\x10max_draft_tokens\x18\r \x01(\x05\x12\x18\n\x10tokenizer_digest\x18\x0e \x01(\t\x12\x10\n\x08instance\x18\x0f \x01(\t\x12&\n\x06images\x18\x10 \x01(\x0b\x32\x16.tandem.v1.ImageLayout\"|\n\x0bImageLayout\x12\r\n\x05limit\x18\x01 \x01(\x05\x12\x18\n\x10tokens_per_image\x18\x02 \x01(\x05\x12\x16\n\x0e\x62\x65gin_token_id\x18\x03 \x01(\x05\x12\x16\n\x0eimage_token_id\x18\x04 \x01(\x05\x12\x14\n\x0c\x65nd_token_id\x18\x05 \x01(\x05\"\xb0\x01\n\x0bOpenRequest\x12\x0e\n\x06prompt\x18\x01 \x03(\x05\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rend_token_ids\x18\x03 \x03(\x05\x12\x11\n\tgenerated\x18\x04 \x03(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12&\n\x06images\x18\x06 \x03(\x0b\x32\x16.tandem.v1.PromptImage\"*\n\x0bPromptImage\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05start\x18\x02 \x01(\x05\"\x9c\x02\n\x08StepItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12$\n\x04open\x18\x03 \x01(\x0b\x32\x16.tandem.v1.OpenRequest\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12$\n\x06\x64rafts\x18\x0e \x01(\x0b\x32\x14.tandem.v1.DraftTree\x12\x15\n\rdraft_replica\x18\x06 \x01(\t\x12\x13\n\x0bset_replica\x18\x07 \x01(\x08\x12\x0e\n\x06replay\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x0c \x01(\x05\x12\x13\n\x0b\x64raft_ahead\x18\r \x01(\x05\"[\n\x0bStepRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.tandem.v1.StepItem\x12\x0f\n\x07preempt\x18\x02 \x03(\t\x12\x17\n\x0ftarget_instance\x18\x03 \x01(\t\"\xc0\x01\n\nStepResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x14.tandem.v1.CallError\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\x12\n\nnew_tokens\x18\x04 \x03(\x05\x12\x11\n\tstreaming\x18\x05 \x01(\x08\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\"\x8c\x01\n\x0cStepResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.tandem.v1.StepResult\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x16\n\x0ekv_blocks_free\x18\x03 \x01(\x05\x12#\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.tandem.v1.CallError\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x11\n\x0fReleaseResponse\"\x82\x01\n\x10SubscribeRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x61pture_indices\x18\x02 \x03(\x05\x12\x13\n\x0btokens_only\x18\x03 \x01(\x08\x12\x16\n\x0eprefix_caching\x18\x04 \x01(\x08\x12\x14\n\x0cprefix_shift\x18\x05 \x01(\x05\"\x91\x02\n\x0cHiddenStates\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x16\n\x0estart_position\x18\x03 \x01(\x03\x12\x13\n\x0bnext_tokens\x18\x04 \x03(\x05\x12#\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x11.tandem.v1.Tensor\x12\x13\n\x0b\x64raft_ahead\x18\x06 \x01(\x05\x12\x10\n\x08step_end\x18\x07 \x01(\x08\x12\x10\n\x08released\x18\t \x01(\x08\x12(\n\x07shaping\x18\n \x01(\x0b\x32\x17.tandem.v1.DraftShaping\x12\x15\n\rprefix_tokens\x18\x0b \x03(\x05\x12\x12\n\ncache_salt\x18\x0c \x01(\t\"g\n\x0c\x44raftShaping\x12+\n\x08sampling\x18\x01 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rprompt_length\x18\x02 \x01(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\"4\n\x0bHiddenBatch\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.tandem.v1.HiddenStates\"4\n\x0eWeightsRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\"\xb8\x01\n\x0bWeightChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12\x12\n\nshard_rank\x18\x08 \x01(\x05\x12\x12\n\nnum_shards\x18\t \x01(\x05\x12\x12\n\nvocab_size\x18\n \x01(\x03\x32\x93\x03\n\x06Target\x12>\n\x07GetInfo\x12\x1c.tandem.v1.TargetInfoRequest\x1a\x15.tandem.v1.TargetInfo\x12\x37\n\x04Step\x12\x16.tandem.v1.StepRequest\x1a\x17.tandem.v1.StepResponse\x12\x41\n\nStepStream\x12\x16.tandem.v1.StepRequest\x1a\x17.tandem.v1.StepResponse(\x01\x30\x01\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12H\n\x0fSubscribeHidden\x12\x1b.tandem.v1.SubscribeRequest\x1a\x16.tandem.v1.HiddenBatch0\x01\x12\x41\n\nGetWeights\x12\x19.tandem.v1.WeightsRequest\x1a\x16.tandem.v1.WeightChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,35 +35,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TARGETINFOREQUEST']._serialized_start=61
   _globals['_TARGETINFOREQUEST']._serialized_end=80
   _globals['_TARGETINFO']._serialized_start=83
-  _globals['_TARGETINFO']._serialized_end=422
-  _globals['_OPENREQUEST']._serialized_start=425
-  _globals['_OPENREQUEST']._serialized_end=601
-  _globals['_PROMPTIMAGE']._serialized_start=603
-  _globals['_PROMPTIMAGE']._serialized_end=645
-  _globals['_STEPITEM']._serialized_start=648
-  _globals['_STEPITEM']._serialized_end=932
-  _globals['_STEPREQUEST']._serialized_start=934
-  _globals['_STEPREQUEST']._serialized_end=1025
-  _globals['_STEPRESULT']._serialized_start=1028
-  _globals['_STEPRESULT']._serialized_end=1220
-  _globals['_STEPRESPONSE']._serialized_start=1223
-  _globals['_STEPRESPONSE']._serialized_end=1363
-  _globals['_RELEASEREQUEST']._serialized_start=1365
-  _globals['_RELEASEREQUEST']._serialized_end=1402
-  _globals['_RELEASERESPONSE']._serialized_start=1404
-  _globals['_RELEASERESPONSE']._serialized_end=1421
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1424
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1554
-  _globals['_HIDDENSTATES']._serialized_start=1557
-  _globals['_HIDDENSTATES']._serialized_end=1830
-  _globals['_DRAFTSHAPING']._serialized_start=1832
-  _globals['_DRAFTSHAPING']._serialized_end=1935
-  _globals['_HIDDENBATCH']._serialized_start=1937
-  _globals['_HIDDENBATCH']._serialized_end=1989
-  _globals['_WEIGHTSREQUEST']._serialized_start=1991
-  _globals['_WEIGHTSREQUEST']._serialized_end=2043
-  _globals['_WEIGHTCHUNK']._serialized_start=2046
-  _globals['_WEIGHTCHUNK']._serialized_end=2230
-  _globals['_TARGET']._serialized_start=2233
-  _globals['_TARGET']._serialized_end=2636
+  _globals['_TARGETINFO']._serialized_end=462
+  _globals['_IMAGELAYOUT']._serialized_start=464
+  _globals['_IMAGELAYOUT']._serialized_end=588
+  _globals['_OPENREQUEST']._serialized_start=591
+  _globals['_OPENREQUEST']._serialized_end=767
+  _globals['_PROMPTIMAGE']._serialized_start=769
+  _globals['_PROMPTIMAGE']._serialized_end=811
+  _globals['_STEPITEM']._serialized_start=814
+  _globals['_STEPITEM']._serialized_end=1098
+  _globals['_STEPREQUEST']._serialized_start=1100
+  _globals['_STEPREQUEST']._serialized_end=1191
+  _globals['_STEPRESULT']._serialized_start=1194
+  _globals['_STEPRESULT']._serialized_end=1386
+  _globals['_STEPRESPONSE']._serialized_start=1389
+  _globals['_STEPRESPONSE']._serialized_end=1529
+  _globals['_RELEASEREQUEST']._serialized_start=1531
+  _globals['_RELEASEREQUEST']._serialized_end=1568
+  _globals['_RELEASERESPONSE']._serialized_start=1570
+  _globals['_RELEASERESPONSE']._serialized_end=1587
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1590
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1720
+  _globals['_HIDDENSTATES']._serialized_start=1723
+  _globals['_HIDDENSTATES']._serialized_end=1996
+  _globals['_DRAFTSHAPING']._serialized_start=1998
+  _globals['_DRAFTSHAPING']._serialized_end=2101
+  _globals['_HIDDENBATCH']._serialized_start=2103
+  _globals['_HIDDENBATCH']._serialized_end=2155
+  _globals['_WEIGHTSREQUEST']._serialized_start=2157
+  _globals['_WEIGHTSREQUEST']._serialized_end=2209
+  _globals['_WEIGHTCHUNK']._serialized_start=2212
+  _globals['_WEIGHTCHUNK']._serialized_end=2396
+  _globals['_TARGET']._serialized_start=2399
+  _globals['_TARGET']._serialized_end=2802
 # @@protoc_insertion_point(module_scope)

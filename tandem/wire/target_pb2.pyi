@@ -12,7 +12,7 @@ class TargetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "max_context", "dtype", "eos_token_ids", "tp_size", "running_requests", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "max_draft_tokens", "tokenizer_digest", "instance")
+    __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "max_context", "dtype", "eos_token_ids", "tp_size", "running_requests", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "max_draft_tokens", "tokenizer_digest", "instance", "images")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class TargetInfo(_message.Message):
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     hidden_size: int
     vocab_size: int
@@ -43,7 +44,22 @@ class TargetInfo(_message.Message):
     max_draft_tokens: int
     tokenizer_digest: str
     instance: str
-    def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
+    images: ImageLayout
+    def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., instance: _Optional[str] = ..., images: _Optional[_Union[ImageLayout, _Mapping]] = ...) -> None: ...
+
+class ImageLayout(_message.Message):
+    __slots__ = ("limit", "tokens_per_image", "begin_token_id", "image_token_id", "end_token_id")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    tokens_per_image: int
+    begin_token_id: int
+    image_token_id: int
+    end_token_id: int
+    def __init__(self, limit: _Optional[int] = ..., tokens_per_image: _Optional[int] = ..., begin_token_id: _Optional[int] = ..., image_token_id: _Optional[int] = ..., end_token_id: _Optional[int] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
     __slots__ = ("prompt", "sampling", "end_token_ids", "generated", "cache_salt", "images")

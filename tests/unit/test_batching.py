@@ -4,6 +4,7 @@ request preempted when the pool is short, prompt chunks under the token budget, 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from orchestrator.loop.batching import ActiveRequest, KVPool, OnTarget, StepPlan
 from orchestrator.loop.output import RequestOutput
 from orchestrator.loop.text import IncrementalDetokenizer, StopStringMatcher
 from orchestrator.loop.validation import ValidatedRequest
+from orchestrator.peers.backends import PromptImage
 from orchestrator.settings import SchedulerSettings
 from tandem.sampling.params import SamplingParams
 from tandem.settings import TreeShape
@@ -191,3 +193,29 @@ def test_a_prompt_chunk_cut_by_the_budget_ends_at_a_block_boundary(tokenizer: Pr
     assert (plan.admitted, [entry.request.request_id for entry in plan.decode]) == ([], ["A"])
     tiny = plan_step([], deque([request(tokenizer, "C", prompt=12)]), pool, SchedulerSettings(max_num_batched_tokens=3))
     assert [entry.num_tokens for entry in tiny.chunks] == [3]
+
+
+def test_a_prompt_chunk_never_ends_inside_an_image(tokenizer: PreTrainedTokenizerBase) -> None:
+    # Blocks of 4, a 30-token prompt with an image at tokens 6..15 (its tokens see each other both ways: the target
+    # computes an image in one chunk). A budget of 8 would end at 8: the chunk stops at the image (0..5); the image
+    # (10 tokens) is then taken whole, above the budget, as no step's budget holds it; then block-aligned chunks.
+    settings = SchedulerSettings(num_steps=3, max_num_seqs=4, max_num_batched_tokens=8)
+    pool = KVPool(num_blocks=16, block_size=4)
+    prompt = request(tokenizer, "A", prompt=30)
+    image = PromptImage(6, 16, b"png", "digest")
+    prompt.params = replace(prompt.params, images=(image,))
+    chunks = []
+    plan = plan_step([], deque([prompt]), pool, settings)
+    while plan.chunks:
+        chunks.append(plan.chunks[0].num_tokens)
+        prompt.kv_length += plan.chunks[0].num_tokens
+        plan = plan_step([prompt], deque(), pool, settings) if prompt.uncomputed > 0 else StepPlan()
+    assert chunks == [6, 10, 8, 6]
+    # A step's budget holds the image, but not what a decoding request leaves of it: the image waits for the next.
+    roomy = SchedulerSettings(num_steps=3, max_num_seqs=4, max_num_batched_tokens=12)
+    prompt.kv_length = 6
+    decoding = request(tokenizer, "B", prompt=8, generated=2)
+    plan = plan_step([decoding, prompt], deque(), KVPool(num_blocks=32, block_size=4), roomy)
+    assert [entry.request.request_id for entry in plan.chunks] == []
+    plan = plan_step([prompt], deque(), KVPool(num_blocks=32, block_size=4), roomy)
+    assert [entry.num_tokens for entry in plan.chunks] == [10]

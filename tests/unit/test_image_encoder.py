@@ -43,7 +43,7 @@ def test_an_images_bytes_give_transformers_features(checkpoint: Path, kind: str)
         expected = model.model.get_image_features(pixel_values=pixels).pooler_output[0]
     encoder = LocalImageEncoder(checkpoint)
     digest, features = encoder.features(data)
-    assert digest == hashlib.sha256(data).hexdigest() and encoder.tokens_per_image == 4
+    assert digest == hashlib.sha256(data).hexdigest() and encoder.placeholders.tokens_per_image == 4
     assert features.shape == (4, 64) and (features - expected).abs().max().item() <= 1e-5
     assert encoder.features(data)[1] is features  # kept: not encoded again
 

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from orchestrator.loop.prompt_images import ImageLayout
 from orchestrator.loop.validation import (
     InvalidRequest,
     Limits,
     ValidatedRequest,
+    check_bounds,
     client_request_id,
     validate_request,
     with_stop_masking,
 )
+from orchestrator.peers.backends import PromptImage
 from tandem.sampling.params import SamplingParams
 from tandem.wire.orchestrator_pb2 import GenerateRequest
 from tests.helpers.tokenizer import write_tokenizer
@@ -236,3 +241,28 @@ def test_penalties_and_biases_out_of_range_are_refused(
     tokenizer: PreTrainedTokenizerBase, fields: dict[str, Any], message: str
 ) -> None:
     assert_refused(tokenizer, GenerateRequest(input_ids=[5], **fields), message)
+
+
+def test_images_fill_their_placeholder_runs_in_order_and_salt_the_cache(tokenizer: PreTrainedTokenizerBase) -> None:
+    # A target announcing begin 300, two placeholders of id 302, end 301, at most 2 images a prompt.
+    limits = replace(LIMITS, images=ImageLayout(2, 2, 300, 302, 301))
+    prompt = [5, 300, 302, 302, 301, 6, 300, 302, 302, 301, 7]
+    request = GenerateRequest(input_ids=prompt, images=[b"one", b"two"], cache_salt="s")
+    validated = validate_request(request, tokenizer, limits)
+    digests = [hashlib.sha256(data).hexdigest() for data in (b"one", b"two")]
+    assert validated.images == (PromptImage(2, 4, b"one", digests[0]), PromptImage(7, 9, b"two", digests[1]))
+    assert validated.cache_salt == f"s|image {digests[0]}|image {digests[1]}"
+    for images, message in [
+        ([b"one"], "images: 1 sent for a prompt holding 2 image placeholders"),
+        ([b"1", b"2", b"3"], "images: 3 in one prompt, at most 2 (--limit-mm-per-prompt)"),
+    ]:
+        with pytest.raises(InvalidRequest, match=f"^{re.escape(message)}"):
+            validate_request(GenerateRequest(input_ids=prompt, images=images), tokenizer, limits)
+    short = GenerateRequest(input_ids=[5, 300, 302, 301], images=[b"one"])
+    with pytest.raises(InvalidRequest, match=r"^prompt: a run of 1 image placeholder tokens \(id 302\) at token 2"):
+        validate_request(short, tokenizer, limits)
+    # A target serving no images refuses them before anything is read.
+    with pytest.raises(InvalidRequest, match=r"^images: 1 sent, the target serves no images"):
+        check_bounds(GenerateRequest(input_ids=[5], images=[b"one"]), LIMITS)
+    with pytest.raises(InvalidRequest, match=r"^images: 3 sent, at most 2 in one prompt"):
+        check_bounds(GenerateRequest(input_ids=[5], images=[b"1", b"2", b"3"]), limits)
