@@ -60,6 +60,13 @@ class ServeSettings:
         default=TargetSettings.tp, metadata=flag_of(TargetSettings, "tp")
     )  # the target's tensor-parallel ranks
     dequantize: bool = field(default=TargetSettings.dequantize, metadata=flag_of(TargetSettings, "dequantize"))
+    images: int = field(default=TargetSettings.images, metadata=flag_of(TargetSettings, "images"))
+    allowed_media_domains: tuple[str, ...] = field(
+        default=HttpSettings.allowed_media_domains, metadata=flag_of(HttpSettings, "allowed_media_domains")
+    )
+    allowed_local_media_path: Path | None = field(
+        default=HttpSettings.allowed_local_media_path, metadata=flag_of(HttpSettings, "allowed_local_media_path")
+    )
     target_threads: int = field(
         default=TargetSettings.threads,
         metadata=flag(
@@ -135,6 +142,7 @@ class ServeSettings:
             cache=self.cache,
             tp=self.tp,
             dequantize=self.dequantize,
+            images=self.images,
             threads=self.target_threads,
             rendezvous=rendezvous,
         )
@@ -183,7 +191,11 @@ class ServeSettings:
             api_key=self.security.api_key,
             admin=admin,
             http=HttpSettings(
-                self.http_port, http_ready_file if self.http_port is not None else None, self.chat_template
+                self.http_port,
+                http_ready_file if self.http_port is not None else None,
+                self.chat_template,
+                allowed_media_domains=self.allowed_media_domains,
+                allowed_local_media_path=self.allowed_local_media_path,
             ),
             served_model_name=self.served_model_name,
             ngram=self.ngram,

@@ -264,6 +264,16 @@ class HttpSettings:
             choices=("auto", *TOOL_CALL_FORMATS),
         ),
     )
+    # Hosts whose http(s) image URLs chat requests may name (public addresses only: orchestrator/api/media.py).
+    allowed_media_domains: tuple[str, ...] = field(
+        default=(),
+        metadata=flag("--allowed-media-domains", "hosts whose http(s) image URLs are fetched", count="+"),
+    )
+    # The directory file:// image URLs may name; None: file:// refused.
+    allowed_local_media_path: Path | None = field(
+        default=None,
+        metadata=flag("--allowed-local-media-path", "directory whose files file:// image URLs may name", parse=Path),
+    )
 
 
 @dataclass(frozen=True)

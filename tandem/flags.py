@@ -333,7 +333,7 @@ def _option_arguments(option: Flag, value: Any, default: Any) -> list[str]:
     if option.repeat:
         return [text for item in value for text in (option.name, str(item))]
     if option.count is not None:
-        return [option.name, *(str(item) for item in value)]
+        return [option.name, *(str(item) for item in value)] if len(value) else []
     return [option.name, str(value)]
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from orchestrator.api.openai_protocol import ApiError, bad_field
+from orchestrator.loop.prompt_images import ImageLayout
 from tandem.errors import StartupError
 
 
@@ -37,10 +38,13 @@ def chat_prompt_ids(
     max_characters: int,
     tools: Sequence[Mapping[str, Any]] | None = None,
     arguments_as_text: bool = False,
+    images: tuple[ImageLayout, int] | None = None,
 ) -> list[int]:
     """Renders the messages with a generation prompt for the assistant and tokenizes them.
 
     A chat longer than max_characters is refused before rendering (as check_bounds refuses a long prompt unread).
+    `images`: the target's image layout and how many images the messages hold, each written where the template
+    marks it (expand_images).
     """
     if template is None:
         raise bad_field(
@@ -48,7 +52,9 @@ def chat_prompt_ids(
             "the served model's tokenizer has no chat template; start the orchestrator with --chat-template FILE "
             "(a Jinja template), or use /v1/completions",
         )
-    characters = sum(len(message["content"]) + len(json.dumps(message.get("tool_calls", ""))) for message in messages)
+    characters = sum(
+        _characters(message["content"]) + len(json.dumps(message.get("tool_calls", ""))) for message in messages
+    )
     characters += len(json.dumps(tools)) if tools else 0
     if characters > max_characters:
         raise bad_field("messages", f"{characters} characters cannot fit the context (refused above {max_characters})")
@@ -64,10 +70,29 @@ def chat_prompt_ids(
     except Exception as error:  # a template may raise anything (raise_exception(), undefined names, ...)
         raise ApiError(400, f"messages: the chat template cannot render them: {error}", "messages") from error
     assert isinstance(text, str)
+    if images is not None:
+        text = expand_images(text, tokenizer, *images)
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise bad_field("messages", "the chat template renders them to no tokens")
     return list(ids)
+
+
+def expand_images(text: str, tokenizer: PreTrainedTokenizerBase, layout: ImageLayout, count: int) -> str:
+    """The rendered chat with each image's mark (the begin token, which Gemma 3's template writes for an image part)
+    replaced by the image's placeholders as the checkpoint's processor writes them: a blank line, begin,
+    tokens_per_image placeholder tokens, end, a blank line."""
+    ids = [layout.begin_token_id, layout.image_token_id, layout.end_token_id]
+    begin, image, end = (str(token) for token in tokenizer.convert_ids_to_tokens(ids))
+    marks = text.count(begin)
+    if marks != count:
+        raise bad_field("messages", f"the chat template marks {marks} images ({begin!r}) for the {count} sent")
+    return text.replace(begin, f"\n\n{begin}{image * layout.tokens_per_image}{end}\n\n")
+
+
+def _characters(content: str | Sequence[Mapping[str, str]]) -> int:
+    """A message content's characters: its text's, or its text parts' (an image part counts none)."""
+    return len(content) if isinstance(content, str) else sum(len(part.get("text", "")) for part in content)
 
 
 def _for_template(message: Mapping[str, Any], arguments_as_text: bool) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from orchestrator.api.chat import chat_prompt_ids, resolve_chat_template
+from orchestrator.api.media import NO_MEDIA, MediaPolicy, read_images
 from orchestrator.api.openai_logprobs import LogprobShaper
 from orchestrator.api.openai_protocol import ApiError, ParsedRequest, from_invalid, parse_chat, parse_completion
 from orchestrator.api.openai_responses import DONE, ResponseShape, server_sent_event, usage_of
@@ -90,12 +91,14 @@ class HttpApi:
         chat_template: str | None,
         access_checks: Sequence[AccessCheck] = (),
         tool_call_parser: str = "auto",  # HttpSettings.tool_call_parser
+        media: MediaPolicy = NO_MEDIA,  # where images may come from (its limit: the target's)
     ) -> None:
         self.generation = generation
         self.model_name = model_name
         self.chat_template = chat_template
         self.tools = ChatTools(generation.scheduler.tokenizer, chat_template, tool_call_parser)
         self.access_checks = tuple(access_checks)
+        self.media = media
         self.started = int(time.time())
 
     def application(self) -> web.Application:
@@ -151,6 +154,7 @@ class HttpApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_chat(await _json_body(request), self.model_name)
+        parsed.generate.images.extend(await read_images(parsed.images, self.media) if parsed.images else ())
         ids = await asyncio.to_thread(self._chat_prompt, parsed)
         parsed.generate.input_ids.extend(ids)
         tools = parsed.tools
@@ -169,6 +173,7 @@ class HttpApi:
             limits.max_context * limits.max_chars_per_token,
             parsed.tools.tools if parsed.tools is not None else None,
             self.tools.arguments_as_text,
+            (limits.images, len(parsed.images)) if limits.images is not None else None,
         )
 
     async def models(self, request: web.Request) -> web.StreamResponse:
@@ -329,7 +334,13 @@ async def serve_http_api(
     if template is None:
         LOG.warning("the tokenizer has no chat template: /v1/chat/completions answers 400 (see --chat-template)")
     checks = [bearer_check(settings.api_key)] if settings.api_key is not None else []
-    api = HttpApi(generation, settings.model_name, template, checks, http.tool_call_parser)
+    images = generation.limits.images
+    media = MediaPolicy(
+        images.limit if images is not None else 0,
+        frozenset(domain.lower() for domain in http.allowed_media_domains),
+        http.allowed_local_media_path,
+    )
+    api = HttpApi(generation, settings.model_name, template, checks, http.tool_call_parser, media)
     tool_format = api.tools.format.name if api.tools.format is not None else "none (tools only with tool_choice none)"
     LOG.info("tool calls: %s format", tool_format)
     server = await start_http(api, host, http.port, security)

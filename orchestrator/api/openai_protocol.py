@@ -83,6 +83,14 @@ def from_invalid(error: InvalidRequest, prompt_field: str) -> ApiError:
 
 
 @dataclass(frozen=True)
+class ImagePart:
+    """An image_url part of a chat message: its URL, and where it stood (named in errors about it)."""
+
+    url: str
+    where: str
+
+
+@dataclass(frozen=True)
 class ParsedRequest:
     """A completion or chat request: what the scheduler runs, and how the answer is shaped."""
 
@@ -92,6 +100,7 @@ class ParsedRequest:
     chat: bool
     messages: tuple[Mapping[str, Any], ...] = ()  # chat only: role, text content (and tool calls) of each message
     tools: ToolRequest | None = None  # chat only
+    images: tuple[ImagePart, ...] = ()  # chat only: its image_url parts, in order
 
 
 def parse_completion(body: Mapping[str, Any], model_name: str) -> ParsedRequest:
@@ -135,14 +144,16 @@ def parse_chat(body: Mapping[str, Any], model_name: str) -> ParsedRequest:
         tools = parse_tools(body, next((name for name in FIELDS if getattr(generate, name)), None))
     except ValueError as error:
         raise bad_field(*str(error).split(": ", 1)) from None
-    messages = _messages(body.get("messages"))
-    return ParsedRequest(generate, *_stream_options(body), chat=True, messages=messages, tools=tools)
+    messages, images = _messages(body.get("messages"))
+    return ParsedRequest(generate, *_stream_options(body), True, messages, tools, images)
 
 
-def _messages(messages: Any) -> tuple[Mapping[str, Any], ...]:
+def _messages(messages: Any) -> tuple[tuple[Mapping[str, Any], ...], tuple[ImagePart, ...]]:
+    """The messages as the chat template takes them, and the image_url parts among them in order."""
     if not isinstance(messages, list) or not messages:
         raise bad_field("messages", "must be a non-empty list of {role, content} objects")
     parsed = []
+    images: list[ImagePart] = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if not isinstance(message, dict):
@@ -155,34 +166,46 @@ def _messages(messages: Any) -> tuple[Mapping[str, Any], ...]:
         except ValueError as error:
             raise bad_field(*str(error).split(": ", 1)) from None
         content = message.get("content")
-        text = "" if content is None and "tool_calls" in tool_fields else _content(content, f"{where}.content")
+        text = "" if content is None and "tool_calls" in tool_fields else _content(content, f"{where}.content", images)
         parsed.append({"role": role, "content": text, **tool_fields})
-    return tuple(parsed)
+    return tuple(parsed), tuple(images)
 
 
-MEDIA_PARTS = ("image_url", "input_audio", "video_url", "file")  # content part types that carry media
+MEDIA_PARTS = ("input_audio", "video_url", "file")  # content part types of media this server does not serve
 
 
-def _content(content: Any, where: str) -> str:
-    """A message's text: a string, or a list of text parts (joined)."""
+def _content(content: Any, where: str, images: list[ImagePart]) -> str | list[dict[str, str]]:
+    """A message's content as the chat template takes it: its text (a string, or text parts joined), or, where it
+    holds images, its parts in order, each image a {"type": "image"} part whose URL joins `images`."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        texts = []
-        for index, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else None
-                media = (
-                    f"{kind!r} parts are not served (of a multimodal checkpoint Tandem serves the text model); "
-                    if kind in MEDIA_PARTS
-                    else ""
-                )
-                raise bad_field(
-                    f"{where}[{index}]", f'{media}only text parts {{"type": "text", "text": ...}} are supported'
-                )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad_field(where, "must be a string or a list of text parts")
+    if not isinstance(content, list):
+        raise bad_field(where, "must be a string or a list of content parts")
+    parts: list[dict[str, str]] = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            images.append(ImagePart(_image_url(part, f"{where}[{index}]"), f"{where}[{index}]"))
+            parts.append({"type": "image"})
+        else:
+            media = f"{kind!r} parts are not served; " if kind in MEDIA_PARTS else ""
+            raise bad_field(
+                f"{where}[{index}]", f'{media}content parts are {{"type": "text", "text": ...}} or image_url parts'
+            )
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def _image_url(part: Mapping[str, Any], where: str) -> str:
+    """An image_url part's URL: {"type": "image_url", "image_url": {"url": ...}} (or the URL as a string)."""
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else image
+    if not isinstance(url, str) or not url:
+        raise bad_field(f"{where}.image_url", 'must be {"url": "data:...", "http(s)://..." or "file://..."}')
+    return url
 
 
 def _common(body: Mapping[str, Any], model_name: str, max_tokens_field: str) -> orchestrator_pb2.GenerateRequest:

@@ -9,24 +9,28 @@ applied in the wrong place shows. The sliding window (8) is shorter than the tes
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import (
+    AutoTokenizer,
     Gemma3Config,
     Gemma3ForConditionalGeneration,
+    Gemma3Processor,
     Gemma3TextConfig,
     Gemma4Config,
     Gemma4ForCausalLM,
     Gemma4ForConditionalGeneration,
     Gemma4TextConfig,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
 )
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-from tests.helpers.checkpoints import redraw_parameters
+from tests.helpers.checkpoints import TinyEagle3Spec, redraw_parameters, write_tiny_eagle3
 from tests.helpers.gemma3_checkpoints import GLOBAL, LOCAL, WINDOW
 from tests.helpers.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, write_tokenizer
 
@@ -228,8 +232,46 @@ def write_tiny_gemma3_multimodal(
     # Gemma 3's norms scale by (1 + weight): weights near 0.
     redraw_parameters(model, torch.Generator().manual_seed(seed), norm_center=0.0)
     model.save_pretrained(directory, safe_serialization=True)
-    write_tokenizer(directory, VOCAB)
-    # The checkpoint's image processor, as Gemma 3's releases ship it (there 896 x 896, no pan-and-scan).
+    # The checkpoint's processor, as Gemma 3's releases ship it (there 896 x 896, no pan-and-scan): the image
+    # processor, the tokenizer with the image tokens and a chat template writing an image part as its begin token.
     size = config.vision_config.image_size
-    Gemma3ImageProcessorPil(size={"height": size, "width": size}).save_pretrained(directory)
+    images = Gemma3ImageProcessorPil(size={"height": size, "width": size})
+    tokenizer = gemma3_image_tokenizer(directory)
+    Gemma3Processor(images, tokenizer, GEMMA3_CHAT_TEMPLATE, image_seq_length=tokens_per_image).save_pretrained(
+        directory
+    )
     return directory
+
+
+# Gemma 3's chat template, shortened (no system turn): a turn per message, an image part written as <start_of_image>.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<start_of_image>' }}{% elif item['type'] == 'text' %}{{ item['text'] | trim }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def gemma3_image_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    """The test tokenizer with Gemma 3's image tokens as its last three (VOCAB - 3: begin, end, placeholder), named
+    as Gemma 3's tokenizer names them (boi_token, eoi_token, image_token), saved in `directory` and read back."""
+    write_tokenizer(directory, VOCAB - len(IMAGE_TOKENS))
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.add_tokens(list(IMAGE_TOKENS.values()), special_tokens=True)
+    tokenizer.save_pretrained(directory)
+    config_file = directory / "tokenizer_config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"extra_special_tokens": IMAGE_TOKENS}))
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    assert tokenizer.convert_tokens_to_ids(list(IMAGE_TOKENS.values())) == [VOCAB - 3, VOCAB - 2, VOCAB - 1]
+    return tokenizer
+
+
+def write_gemma3_eagle3(directory: Path, checkpoint: Path) -> Path:
+    """A random EAGLE3 head (with its own embedding) for the text model of the Gemma 3 multimodal `checkpoint`."""
+    shape = directory / "target-shape"
+    shape.mkdir(parents=True)
+    (shape / "config.json").write_text(json.dumps(json.loads((checkpoint / "config.json").read_text())["text_config"]))
+    spec = TinyEagle3Spec(hidden_size=32, include_embedding=True, layer_ids=[0, 1, 2])
+    return write_tiny_eagle3(directory / "draft", shape, spec)

@@ -1,10 +1,14 @@
-"""Image prompts through `tandem target`'s Step RPC: a Gemma 3 multimodal checkpoint's target encodes the images a
-request brings as bytes (tandem.models.image_encoder) and decodes transformers' greedy tokens; too many images,
-bytes that are not an image, and a target started with no image allowed each refuse the item, naming why."""
+"""Image prompts: chat requests with images through the official `openai` client to `tandem serve` (tensor parallel 2,
+an EAGLE3 draft) answer transformers' greedy tokens, with the prompt its processor writes; `tandem target`'s Step RPC
+encodes the images a request brings as bytes (tandem.models.image_encoder). Too many images, bytes that are not an
+image, and a target started with no image allowed each refuse the request, naming why, and serving goes on."""
 
 from __future__ import annotations
 
+import base64
 import io
+import re
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,15 +16,16 @@ from typing import Any
 
 import grpc
 import numpy as np
+import openai
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, Gemma3ForConditionalGeneration
+from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Gemma3ForConditionalGeneration
 
 from tandem.grpc_util import channel_options
 from tandem.wire import target_pb2, target_pb2_grpc
-from tests.helpers.gemma4_checkpoints import VOCAB, write_tiny_gemma3_multimodal
-from tests.integration.stack import target_process
+from tests.helpers.gemma4_checkpoints import VOCAB, write_gemma3_eagle3, write_tiny_gemma3_multimodal
+from tests.integration.stack import serve, target_process
 
 BOI, EOI, IMAGE = VOCAB - 3, VOCAB - 2, VOCAB - 1
 NEW_TOKENS = 6
@@ -87,10 +92,8 @@ def opening(request_id: str, prompt: list[int], images: list[bytes]) -> target_p
     return target_pb2.StepItem(request_id=request_id, num_tokens=len(prompt), open=open_request)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_target_serves_image_prompts_as_transformers(checkpoint: Path, tmp_path: Path, tp: int) -> None:
-    # At tp 2 rank 0 encodes the images and sends the features to rank 1 with the step.
-    with served(checkpoint, tmp_path / "ready", 2, tp) as (step, log):
+def test_a_target_serves_image_prompts_as_transformers(checkpoint: Path, tmp_path: Path) -> None:
+    with served(checkpoint, tmp_path / "ready", 2) as (step, log):
         for count in (1, 2):
             prompt, images = prompt_with(count), [png(seed) for seed in range(count)]
             first = step(opening(f"r{count}", prompt, images))
@@ -113,3 +116,68 @@ def test_no_image_allowed_loads_no_tower(checkpoint: Path, tmp_path: Path) -> No
         plain = step(target_pb2.StepItem(request_id="t", num_tokens=3, open=target_pb2.OpenRequest(prompt=[2, 40, 41])))
         assert not plain.HasField("error") and len(plain.new_tokens) == 1
     assert log and not any("image encoder loaded" in line for line in log)
+
+
+def data_url(data: bytes) -> str:
+    return f"data:image/png;base64,{base64.b64encode(data).decode()}"
+
+
+def chat(urls: list[str]) -> list[dict[str, Any]]:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return [
+        {"role": "user", "content": [{"type": "text", "text": "Look at"}, *parts, {"type": "text", "text": "Why?"}]}
+    ]
+
+
+def processed(checkpoint: Path, images: list[bytes]) -> tuple[list[int], list[int]]:
+    """transformers' answer to chat(images): the prompt its processor writes, and the greedy tokens after it."""
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    messages = chat(["image"] * len(images))
+    content = messages[0]["content"]
+    for index, data in enumerate(images):
+        content[1 + index] = {"type": "image", "image": Image.open(io.BytesIO(data)).convert("RGB")}
+    inputs = processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    prompt = inputs["input_ids"][0].tolist()
+    model = Gemma3ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    return prompt, out[0, len(prompt) :].tolist()
+
+
+def test_chat_images_through_the_openai_client_at_tp_2_with_drafts(checkpoint: Path, tmp_path: Path) -> None:
+    # At tp 2 rank 0 encodes the images and sends the features to rank 1 with the step; the EAGLE3 head drafts over
+    # the image's rows (a random head: its drafts are verified, the output is the target's).
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "b.png").write_bytes(png(1))
+    draft = write_gemma3_eagle3(tmp_path, checkpoint)
+    limit = '{"image": 2}'
+    flags = ["--tp", "2", "--limit-mm-per-prompt", limit, "--allowed-local-media-path", str(media)]
+    with serve(checkpoint, draft, *flags) as stack:
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        for urls, images in [
+            ([data_url(png(0))], [png(0)]),
+            ([data_url(png(0)), f"file://{media}/b.png"], [png(0), png(1)]),
+        ]:
+            reply = client.chat.completions.create(
+                model=checkpoint.name, messages=chat(urls), temperature=0, max_tokens=NEW_TOKENS,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            prompt, tokens = processed(checkpoint, images)
+            assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
+            assert reply.choices[0].message.content == tokenizer.decode(tokens, skip_special_tokens=True)
+        for urls, param, says in [
+            ([data_url(png(0))] * 3, "messages[0].content[3]", "3 images in the request; at most 2 per prompt"),
+            ([data_url(b"GIF89a not really")], "messages[0].content[1]", "17 bytes that are not a PNG, JPEG or WebP"),
+            (["file:///etc/hostname"], "messages[0].content[1]", "/etc/hostname is not under"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model=checkpoint.name, messages=chat(urls), max_tokens=2)
+            error = refused.value.body
+            assert isinstance(error, dict) and error["param"] == param and says in error["message"], error
+        metrics = urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=10).read().decode()
+        [drafted] = re.findall(r"^vllm:spec_decode_num_draft_tokens_total\{.*\} ([\d.e+]+)$", metrics, re.MULTILINE)
+        assert float(drafted) > 0

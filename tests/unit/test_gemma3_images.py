@@ -5,7 +5,6 @@ transformers' greedy tokens for one and two images, in one chunk or several, and
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +23,7 @@ from tandem.sampling.params import SamplingParams
 from tandem.settings import KVCacheSettings
 from target_server.items import ImageInput, OpenRequest, RequestError, RowStream, StepItem
 from target_server.runner import TargetRunner
-from tests.helpers.checkpoints import TinyEagle3Spec, write_tiny_eagle3
-from tests.helpers.gemma4_checkpoints import VOCAB, write_tiny_gemma3_multimodal
+from tests.helpers.gemma4_checkpoints import VOCAB, write_gemma3_eagle3, write_tiny_gemma3_multimodal
 
 BOI, EOI, IMAGE = VOCAB - 3, VOCAB - 2, VOCAB - 1
 TOKENS_PER_IMAGE = 4
@@ -152,12 +150,7 @@ def test_an_image_run_is_seen_both_ways_inside_the_causal_triangle() -> None:
 def test_an_eagle3_draft_takes_the_rows_of_an_image_prompt(checkpoint: Path, tmp_path: Path) -> None:
     # The target streams the hidden rows of every position, the image's included; the head embeds the placeholder
     # token there (vLLM's convention). Its drafts (a random head's) are verified: the output is the target's.
-    text_config = json.loads((checkpoint / "config.json").read_text())["text_config"]
-    shape = tmp_path / "target-shape"
-    shape.mkdir()
-    (shape / "config.json").write_text(json.dumps(text_config))
-    spec = TinyEagle3Spec(hidden_size=32, include_embedding=True, layer_ids=[0, 1, 2])
-    draft, _ = load_eagle3(write_tiny_eagle3(tmp_path / "draft", shape, spec))
+    draft, _ = load_eagle3(write_gemma3_eagle3(tmp_path, checkpoint))
     drafter = DraftRunner(draft, KVCacheSettings(num_blocks=64, block_size=4))
     pixels = pixel_values(2)
     prompt = prompt_with(2)

@@ -112,12 +112,17 @@ def test_chat_messages_and_their_refusals() -> None:
     assert parsed.chat and parsed.generate.max_new_tokens == 3
     assert refused(parse_chat, {"messages": []}).param == "messages"
     assert refused(parse_chat, {"messages": [{"content": "x"}]}).param == "messages[0].role"
-    image = [{"type": "image_url", "image_url": {"url": "x"}}]
-    error = refused(parse_chat, {"messages": [{"role": "user", "content": image}]})
+    # An image part stays in place for the chat template; its URL is read later (orchestrator.api.media).
+    image = [{"type": "text", "text": "See "}, {"type": "image_url", "image_url": {"url": "data:x"}}]
+    parsed = parse_chat({"messages": [{"role": "user", "content": image}]}, MODEL)
+    assert parsed.messages[0]["content"] == [{"type": "text", "text": "See "}, {"type": "image"}]
+    assert [(part.url, part.where) for part in parsed.images] == [("data:x", "messages[0].content[1]")]
+    audio = [{"type": "input_audio", "input_audio": {}}]
+    error = refused(parse_chat, {"messages": [{"role": "user", "content": audio}]})
     assert error.param == "messages[0].content[0]"
-    assert error.message.startswith(
-        "messages[0].content[0]: 'image_url' parts are not served (of a multimodal checkpoint"
-    )
+    assert error.message.startswith("messages[0].content[0]: 'input_audio' parts are not served")
+    nameless = [{"type": "image_url", "image_url": {}}]
+    assert refused(parse_chat, {"messages": [{"role": "user", "content": nameless}]}).param.endswith("image_url")
     user = [{"role": "user", "content": "x"}]
     assert refused(parse_chat, {"messages": user, "logprobs": 1}).param == "logprobs"
     assert refused(parse_chat, {"messages": user, "top_logprobs": 2}).param == "top_logprobs"
