@@ -1,11 +1,11 @@
 """What a target checkpoint takes on each tensor-parallel rank, read from its config.json and safetensors headers
 alone (`tandem plan`): the rank's weights, one token's KV, and what a memory of a given size leaves for the KV pool.
 
-Each rank's model is built on the meta device by the family's own code (tandem.models.registry.built_target: shapes
-and dtypes, no memory), and each checkpoint tensor is matched to its parameter and the rank's slice of it as the
-loader matches them (tandem.weights.loader.ParameterSlots), so the numbers follow the code's sharding: column- and
-row-parallel weights split, vocab-parallel tables cut by the vocab rule, the rest replicated, and a family that
-refuses a tp refuses it here too.
+Rank 0's model is built on the meta device by the family's own code (tandem.models.registry.built_target: shapes
+and dtypes, no memory), and each checkpoint tensor is matched to its parameter as the loader matches them
+(tandem.weights.loader.ParameterSlots) and to each rank's slice of it (ShardSpec.on_rank: the ranks' models differ in
+nothing else), so the numbers follow the code's sharding: column- and row-parallel weights split, vocab-parallel
+tables cut by the vocab rule, the rest replicated, and a family that refuses a tp refuses it here too.
 
 Quantized weights are counted two ways. As stored, what the target holds by default (tandem.layers.stored): the
 rank's slice of every part it keeps, scales included (INT4's weight_shape is not kept), where a slice that starts or
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -30,8 +30,10 @@ from torch import nn
 
 from tandem.layers.kv_cache import CacheLayout
 from tandem.layers.matmul import Linear, prepackable_linears, prepacks
-from tandem.models.registry import TargetArchitecture, TargetModel, built_target, not_read
+from tandem.models.registry import TargetModel, built_target, not_read
 from tandem.parallel.group import ParallelGroup
+from tandem.parallel.layers import ParallelLMHead
+from tandem.parallel.vocab import vocab_shard
 from tandem.weights.formats import Quantization, QuantizationError, cell_span
 from tandem.weights.headers import TensorHeader
 from tandem.weights.loader import CheckpointError, ParameterSlots, Slot
@@ -136,11 +138,14 @@ def plan_memory(
     quantization = quantization_of(hf)
     read = [(header.name, header) for header in headers if header.name not in skipped_names]
     weights = grouped(read, quantization, source)
-    first = _count_rank((architecture, model), weights, quantization, 0, device, source)
-    counted = [first]
-    for rank in range(1, tp):
-        built = built_target(hf, serving_dtype, "meta", ParallelGroup(rank=rank, world_size=tp))
-        counted.append(_count_rank(built, weights, quantization, rank, device, source))
+    # Rank 0's model stands for every rank: ranks differ only in which slice of each tensor they hold
+    # (ShardSpec.on_rank), so one build (tens of seconds for DeepSeek-V3's 60 000 linear layers) counts them all.
+    assert isinstance(model, nn.Module)
+    slots = ParameterSlots(model, architecture.name_map)
+    matched = [(weight, slots.slot(weight.name)) for weight in weights]
+    groups = [ParallelGroup(rank=rank, world_size=tp) for rank in range(tp)]
+    counted = [_count_rank(model, slots, matched, quantization, group, device, source) for group in groups]
+    first = counted[0]
     unused = set(first.unused)
     return MemoryPlan(
         architecture=model.config.architecture,
@@ -168,29 +173,30 @@ class _CountedRank:
 
 
 def _count_rank(
-    built: tuple[TargetArchitecture, TargetModel],
-    weights: Sequence[Grouped[TensorHeader]],
+    model: TargetModel,
+    slots: ParameterSlots,
+    matched: Sequence[tuple[Grouped[TensorHeader], Slot | None]],
     quantization: Quantization | None,
-    rank: int,
+    group: ParallelGroup,
     device: str,
     source: str,
 ) -> _CountedRank:
-    """One rank's bytes: each weight matched to its parameter and slice as load_weights matches it."""
-    architecture, model = built
+    """One rank's bytes: each weight matched to its parameter (in rank 0's model) as load_weights matches it, and to
+    the slice this rank holds."""
     assert isinstance(model, nn.Module)
-    slots = ParameterSlots(model, architecture.name_map)
+    rank = group.rank
     filled: set[tuple[str, str | None]] = set()
     quantized: set[int] = set()  # ids of the parameters that quantized weights fill
     present_roots: set[str] = set()
     totals = {"quantized": 0, "float": 0, "dequantized": 0, "parameters": 0}
     cuts: list[CutBlock] = []
     unused: list[str] = []
-    for weight in weights:
+    for weight, found in matched:
         present_roots.add(weight.name.split(".")[0])
-        slot = slots.slot(weight.name)
-        if slot is None or slot.key in filled:
+        if found is None or found.key in filled:
             unused.append(weight.name)
             continue
+        slot = found if found.spec is None else replace(found, spec=found.spec.on_rank(rank, group.world_size))
         _check_stored(weight, slot, quantization, source)
         held = _slice_values(slot) * slots.parameters[slot.parameter_name].element_size()
         totals["parameters"] += math.prod(slot.full_shape)
@@ -208,19 +214,23 @@ def _count_rank(
     slots.check_filled(filled, frozenset(), present_roots, source)
     layout = model.cache_layout
     token_bytes = layout.token_bytes(model.config.num_layers, next(model.parameters()).dtype)
-    copies = _prepacked_copies(model, quantized, device)
+    copies = _prepacked_copies(model, quantized, device, group)
     plan = RankPlan(rank, totals["quantized"], totals["float"], totals["dequantized"], *copies, layout, token_bytes)
     return _CountedRank(plan, cuts, totals["parameters"], unused)
 
 
-def _prepacked_copies(model: nn.Module, quantized: set[int], device: str) -> tuple[int, int]:
+def _prepacked_copies(model: nn.Module, quantized: set[int], device: str, group: ParallelGroup) -> tuple[int, int]:
     """The bytes of oneDNN's copies that tandem.layers.matmul.prepack makes of this rank's linear weights: of those
     no quantized weight fills, and of all of them; (0, 0) where it makes none (off the CPU, not float32). A tied LM
-    head is a linear layer too: its table is copied, though the embedding holds it."""
+    head is a linear layer too: its table is copied, though the embedding holds it. `model` is rank 0's: a
+    vocab-parallel head's rows are this rank's."""
     float_copies = all_copies = 0
     for linear in prepackable_linears(model):
         if prepacks(device, linear.weight.dtype):
-            size = linear.weight.numel() * linear.weight.element_size()
+            values = linear.weight.numel()
+            if isinstance(linear, ParallelLMHead):
+                values = vocab_shard(linear.vocab_size, group.world_size, group.rank).real * linear.in_features
+            size = values * linear.weight.element_size()
             all_copies += size
             float_copies += 0 if id(linear.weight) in quantized else size
     return float_copies, all_copies

@@ -11,7 +11,7 @@ loader reads only that slice from the safetensors file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -31,10 +31,21 @@ class ShardSpec:
     dim: int = 0
     start: int = 0
     size: int | None = None  # None: the whole extent along dim
+    by_vocab: bool = False  # rows cut by the vocab-parallel rule (tandem.parallel.vocab), not in equal slices
 
     @classmethod
     def whole(cls, shape: tuple[int, ...]) -> ShardSpec:
         return cls(full_shape=shape)
+
+    def on_rank(self, rank: int, world_size: int) -> ShardSpec:
+        """The slice rank `rank` holds, of a spec made on rank 0: every rank holds an equal slice after the one
+        before, but by the vocab-parallel rule (a last rank may hold fewer real rows, or none)."""
+        if self.size is None:
+            return self
+        if self.by_vocab:
+            shard = vocab_shard(self.full_shape[self.dim], world_size, rank)
+            return replace(self, start=shard.start, size=shard.real)
+        return replace(self, start=rank * self.size)
 
 
 @runtime_checkable
@@ -149,4 +160,4 @@ class ParallelLMHead(Linear):
 
 
 def _vocab_spec(vocab_size: int, width: int, shard: VocabShard) -> ShardSpec:
-    return ShardSpec((vocab_size, width), dim=0, start=shard.start, size=shard.real)
+    return ShardSpec((vocab_size, width), dim=0, start=shard.start, size=shard.real, by_vocab=True)
