@@ -130,27 +130,6 @@ def test_bench_writes_the_report_with_medians_transformers_rows_and_identical_ou
     assert finished.stdout.strip().endswith(table.strip().splitlines()[-1])
 
 
-def test_bench_without_transformers_has_no_transformers_rows_or_ratios(
-    tmp_path: Path, long_context_pair: tuple[Path, Path]
-) -> None:
-    target, draft = long_context_pair
-    out = tmp_path / "results"
-    arguments = ["bench", "--target", str(target), "--draft", str(draft), "--out", str(out), "--no-transformers"]
-    arguments += ["--no-colocated", "--num-prompts", "1", "--max-new-tokens", "4", "--concurrency", "1"]
-    finished = run_to_exit(arguments, timeout_s=600)
-    assert finished.returncode == 0, finished.stdout
-
-    document = json.loads((out / "latest.json").read_text())
-    assert document["settings"]["transformers"] is False
-    assert document["transformers"] == []
-    [row] = document["summary"]
-    assert (row["setup"], row["identical_outputs"]) == ("split", "1/1")
-    assert row["vs_transformers_greedy"] is None and row["vs_transformers_prompt_lookup"] is None
-    assert row["target_only_vs_transformers_greedy"] is None
-    table = (out / "latest.md").read_text()
-    assert "transformers greedy" not in table and "| split | 1 |" in table
-
-
 def test_bench_profile_samples_each_service_by_phase(tmp_path: Path, llama_target: Path, random_draft: Path) -> None:
     out = tmp_path / "profile"
     arguments = ["bench-profile", "--target", str(llama_target), "--draft", str(random_draft), "--out", str(out)]
@@ -240,6 +219,12 @@ def test_bench_structured_puts_constrained_rows_beside_free_ones(
         assert constrained["target_only_tokens_per_second_runs"] != free["target_only_tokens_per_second_runs"]
     table = (out / "latest.md").read_text()
     assert "| split json schema | 2 |" in table and "rows named json schema" in table
+    # --no-transformers: no transformers rows, and no ratios to them.
+    assert document["settings"]["transformers"] is False and document["transformers"] == []
+    for row in rows.values():
+        assert row["vs_transformers_greedy"] is None and row["vs_transformers_prompt_lookup"] is None
+        assert row["target_only_vs_transformers_greedy"] is None
+    assert "transformers greedy" not in table
 
 
 def test_bench_mixed_measures_each_class_against_its_own_target_only(
