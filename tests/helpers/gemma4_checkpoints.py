@@ -3,8 +3,9 @@
 Gemma4ForConditionalGeneration) with small vision (and audio) towers, plus the test tokenizer.
 
 Every weight is redrawn (norm weights around 1, or around 0 for Gemma 3's (1 + w) norms), and so are the buffers
-transformers initialises to 1 (each layer's layer_scalar) and the router's scales, so that a weight or a scalar
-applied in the wrong place shows. The sliding window (8) is shorter than the test sequences.
+transformers initialises to 1 (each layer's layer_scalar), the router's scales and, where the vision config asks for
+them, the vision tower's clamp bounds (infinite at initialisation) and its standardizing bias and scale, so that a
+weight or a scalar applied in the wrong place shows. The sliding window (8) is shorter than the test sequences.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
 from tests.helpers.checkpoints import TinyEagle3Spec, redraw_parameters, write_tiny_eagle3
 from tests.helpers.gemma3_checkpoints import GLOBAL, LOCAL, WINDOW
@@ -36,6 +38,7 @@ from tests.helpers.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOK
 
 VOCAB = 320
 LAYER_TYPES = (LOCAL, LOCAL, GLOBAL, LOCAL, LOCAL, GLOBAL)
+GEMMA4_SOFT_TOKENS = 70  # the smallest budget Gemma 4's image processor takes (the releases': 280)
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,15 @@ def redraw_gemma4(model: PreTrainedModel, seed: int) -> None:
                 tensor.mul_(0.5)
             elif name.endswith(("router.scale", "router.per_expert_scale")):
                 tensor.copy_(0.5 + torch.rand(tensor.shape, generator=generator))
+            elif "vision_tower" in name and name.endswith(("input_max", "output_max", "input_min", "output_min")):
+                # Bounds of 1 to 2 in size: the tails of a linear's inputs and outputs are clamped (the audio
+                # tower's stay infinite).
+                sign = -1.0 if name.endswith("min") else 1.0
+                tensor.copy_(sign * (1.0 + torch.rand(tensor.shape, generator=generator)))
+            elif name.endswith("std_bias"):
+                tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
+            elif name.endswith("std_scale"):
+                tensor.copy_(0.5 + torch.rand(tensor.shape, generator=generator))
 
 
 def write_tiny_gemma4(directory: Path, spec: TinyGemma4Spec) -> Path:
@@ -150,8 +162,9 @@ def write_tiny_gemma4(directory: Path, spec: TinyGemma4Spec) -> Path:
     return directory
 
 
-def write_tiny_gemma4_multimodal(directory: Path, spec: TinyGemma4Spec) -> Path:
-    """A random Gemma4ForConditionalGeneration (vision and audio towers) saved by transformers, plus the tokenizer."""
+def write_tiny_gemma4_multimodal(directory: Path, spec: TinyGemma4Spec, vision: dict[str, Any] | None = None) -> Path:
+    """A random Gemma4ForConditionalGeneration (vision and audio towers, `vision` overriding the vision config) saved
+    by transformers, plus its image processor (GEMMA4_SOFT_TOKENS per image at most) and the tokenizer."""
     config = Gemma4Config(
         text_config=gemma4_text_config(spec),
         vision_config={
@@ -161,6 +174,7 @@ def write_tiny_gemma4_multimodal(directory: Path, spec: TinyGemma4Spec) -> Path:
             "num_attention_heads": 2,
             "num_key_value_heads": 2,
             "head_dim": 8,
+            **(vision or {}),
         },
         audio_config={
             "hidden_size": 16,
@@ -175,6 +189,12 @@ def write_tiny_gemma4_multimodal(directory: Path, spec: TinyGemma4Spec) -> Path:
         model = Gemma4ForConditionalGeneration(config)
     redraw_gemma4(model, spec.seed)
     model.save_pretrained(directory, safe_serialization=True)
+    vision_config = config.vision_config
+    Gemma4ImageProcessorPil(
+        patch_size=vision_config.patch_size,
+        pooling_kernel_size=vision_config.pooling_kernel_size,
+        max_soft_tokens=GEMMA4_SOFT_TOKENS,
+    ).save_pretrained(directory)
     write_tokenizer(directory, VOCAB)
     return directory
 
