@@ -134,7 +134,7 @@ class RotaryEmbedding(nn.Module):
             return torch.cat((rotated, heads[..., rotary_dim:]), dim=-1)
         cos, sin = self._cos_sin(positions)
         if self.interleaved:
-            return _rotate_interleaved(heads, cos, sin)
+            return rotate_interleaved(heads, cos, sin)
         return _rotate(heads, cos, sin)
 
     def _cos_sin(
@@ -169,7 +169,7 @@ def _rotate(
     return (wide * cos + wide.roll(half, dims=-1) * signed_sin).to(x.dtype)
 
 
-def _rotate_interleaved(
+def rotate_interleaved(
     x: torch.Tensor,  # [num_tokens, heads, head_dim], pairs (0, 1), (2, 3), ...
     cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
     sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]

@@ -6,7 +6,8 @@ the target must not read. Two layouts of the same weights:
 - "transformers": what transformers 5.24's save_pretrained writes: `language_model.model.blocks.*` (see `hub_name`),
   `language_model.lm_head.*`, towers under `vision_tower.*`, `mm_projector.*` and `model.mm_projector.*`;
 - "hub": the names Moonshot's release uses (`language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`,
-  `mm_projector.*`), config `architectures: ["KimiK25ForConditionalGeneration"]` and text model_type kimi_k2.
+  `mm_projector.*`, the towers' inner names as the release has them), config `architectures:
+  ["KimiK25ForConditionalGeneration"]` and text model_type kimi_k2.
 The head is untied, as in the release (top-level tie_word_embeddings false).
 """
 
@@ -89,10 +90,12 @@ def to_hub_layout(directory: Path) -> Path:
 def hub_name(name: str) -> str:
     """A name as transformers 5.24 saves it -> the release's. transformers writes the language model's layers as
     `language_model.model.blocks.{i}`: its load renames include `blocks` -> `layers` (meant for the vision tower), and
-    saving reverts that rename everywhere. The tower's inner names are never read, only their roots matter."""
+    saving reverts that rename everywhere. Two tower names transformers does not write back as the release has them
+    (`vision_tower.encoder.patch_embed.*` and `model.mm_projector.*`) get the release's spelling as well."""
     for saved, hub in (
         ("language_model.model.blocks.", "language_model.model.layers."),
         ("model.mm_projector.", "mm_projector."),
+        ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."),
     ):
         if name.startswith(saved):
             return hub + name[len(saved) :]
