@@ -145,6 +145,23 @@ def test_no_http_turns_the_http_api_off_and_the_orchestrator_gets_none() -> None
     assert serve_settings().http_port == ServeSettings.http_port
 
 
+def test_serve_media_flags_reach_the_orchestrator_and_the_image_limit_the_target() -> None:
+    settings = serve_settings(
+        "--limit-mm-per-prompt", '{"image": 2}', "--allowed-media-domains", "a.example", "b.example",
+        "--allowed-local-media-path", "/srv/media",
+    )  # fmt: skip
+    http = orchestrator_settings_of(build_parser().parse_args(orchestrator_of(settings))).http
+    assert (http.allowed_media_domains, http.allowed_local_media_path) == (
+        ("a.example", "b.example"),
+        Path("/srv/media"),
+    )
+    target = build_parser().parse_args([*Launcher(settings).target_arguments(), "--port", "0"])
+    assert target_settings_of(target).images == 2
+    # None given: the orchestrator fetches nothing, the target loads no tower.
+    plain = orchestrator_settings_of(build_parser().parse_args(orchestrator_of(serve_settings()))).http
+    assert (plain.allowed_media_domains, plain.allowed_local_media_path) == ((), None)
+
+
 def test_the_kv_pool_is_sized_one_way_and_the_children_get_that_way(capsys: pytest.CaptureFixture[str]) -> None:
     settings = serve_settings("--kv-cache-memory", "1MiB")
     target = target_settings_of(build_parser().parse_args([*Launcher(settings).target_arguments(), "--port", "0"]))
