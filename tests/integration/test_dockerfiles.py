@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -93,12 +94,59 @@ def test_images_copy_every_package_the_project_installs(dockerfile: Path) -> Non
     assert [package for package in packages if f"{package} ./{package}" not in copied] == []
 
 
+def build_arguments(dockerfile: Path) -> dict[str, str]:
+    """Each ARG's default ("" where it has none)."""
+    found = {}
+    for keyword, arguments in instructions(dockerfile):
+        if keyword == "ARG":
+            name, _, default = arguments.partition("=")
+            found[name] = default.strip('"')
+    return found
+
+
+def base_image(dockerfile: Path) -> str:
+    """The image FROM names when no build argument is given."""
+    [base] = [arguments for keyword, arguments in instructions(dockerfile) if keyword == "FROM"]
+    return re.sub(r"\$\{(\w+)\}", lambda match: build_arguments(dockerfile)[match.group(1)], base)
+
+
+def torch_install(dockerfile: Path, **build_args: str) -> str:
+    """The pip command the torch step runs with these build arguments (pip replaced by echo)."""
+    [step] = [
+        arguments for keyword, arguments in instructions(dockerfile) if keyword == "RUN" and "torch==" in arguments
+    ]
+    choice = step[step.index("if ") :]
+    environment = {**build_arguments(dockerfile), **build_args, "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(["sh", "-c", f'pip() {{ echo pip "$@"; }}; {choice}'], env=environment, **TEXT)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+TEXT: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 60}
+
+
+@pytest.mark.parametrize(("dockerfile", "build"), [("Dockerfile", "cu128"), ("Dockerfile.cpu", "cpu")])
+def test_the_base_image_and_torch_source_are_build_arguments(dockerfile: str, build: str) -> None:
+    # scripts/container-check.sh builds Dockerfile.cpu on a local base with torch from a local wheel directory.
+    path = DOCKER / dockerfile
+    assert set(build_arguments(path)) == {"BASE_IMAGE", "TORCH_INDEX", "TORCH_WHEELS"}
+    # BASE_IMAGE is declared before FROM (only such an ARG reaches it), the others after (only those reach RUN).
+    steps = instructions(path)
+    assert steps[0][0] == "ARG" and steps[0][1].startswith("BASE_IMAGE=") and steps[1] == ("FROM", "${BASE_IMAGE}")
+    assert (
+        torch_install(path) == f"pip install --index-url https://download.pytorch.org/whl/{build} torch==2.13.0+{build}"
+    )
+    from_wheels = torch_install(path, TORCH_WHEELS="/wheels")
+    assert from_wheels == f"pip install --find-links /wheels torch==2.13.0+{build}"
+    assert torch_install(path, TORCH_INDEX="https://mirror/whl") == (
+        f"pip install --index-url https://mirror/whl torch==2.13.0+{build}"
+    )
+
+
 def test_the_gpu_image_has_a_cuda_base_and_the_chart_ray_version() -> None:
-    steps = instructions(DOCKER / "Dockerfile")
-    [base] = [arguments for keyword, arguments in steps if keyword == "FROM"]
+    base = base_image(DOCKER / "Dockerfile")
     assert base.startswith("nvidia/cuda:") and "-runtime-" in base
-    installs = " ".join(arguments for keyword, arguments in steps if keyword == "RUN")
-    assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" in installs
+    installs = " ".join(arguments for keyword, arguments in instructions(DOCKER / "Dockerfile") if keyword == "RUN")
     # Mode ray runs this image on every Ray pod: its Ray must be the RayCluster's rayVersion.
     ray_version = yaml.safe_load(CHART_VALUES.read_text())["ray"]["version"]
     assert f'"ray[default]=={ray_version}"' in installs
@@ -106,10 +154,7 @@ def test_the_gpu_image_has_a_cuda_base_and_the_chart_ray_version() -> None:
 
 def test_the_cpu_image_serves_the_demo_by_default() -> None:
     steps = instructions(DOCKER / "Dockerfile.cpu")
-    [base] = [arguments for keyword, arguments in steps if keyword == "FROM"]
-    assert "cuda" not in base
-    installs = " ".join(arguments for keyword, arguments in steps if keyword == "RUN")
-    assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in installs
+    assert base_image(DOCKER / "Dockerfile.cpu") == "python:3.12-slim"
     [command] = [json.loads(arguments) for keyword, arguments in steps if keyword == "CMD"]
     args = build_parser().parse_args(command)
     # `tandem serve` without --target serves the bundled demo pair, which the image installs with the package.
