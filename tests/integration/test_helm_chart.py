@@ -3,8 +3,6 @@ the rendered manifests validated against Kubernetes' schemas (kubernetes-validat
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -12,6 +10,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+
+from tests.helpers.helm import find_helm
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 CHART = REPOSITORY / "deploy" / "helm" / "tandem"
@@ -36,13 +36,6 @@ VALUE_SETS: dict[str, list[str]] = {
     "ray-cpu": ["--set", "mode=ray", "--set", "target.gpu.enabled=false", "--set", "target.tp=2"],
     **{path.stem: ["-f", str(path)] for path in sorted((CHART / "ci").glob("*-values.yaml"))},
 }
-
-
-def find_helm() -> str | None:
-    for candidate in (os.environ.get("TANDEM_HELM"), str(REPOSITORY / ".cache" / "helm" / "helm")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return shutil.which("helm")
 
 
 @pytest.fixture(scope="module")
