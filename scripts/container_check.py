@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +46,7 @@ from scripts.container_tools import (  # noqa: E402
 )
 
 IMAGE = "localhost/tandem-cpu:0.1.0"  # the name the cpu-demo values give (image.repository, the chart's appVersion)
+PORTS = (8000, 50051, 50052, 50061, 50062)  # the cpu-demo values' HTTP, Generate, admin, target and draft ports
 LONG_TOKENS = 160  # long enough on the demo pair that a stream is still running when SIGTERM arrives
 # A host CA bundle mounted over the image's during the build only: where the network re-signs TLS with a CA of its
 # own, Debian's pip (which reads this file) reaches PyPI through it. Nothing of it stays in the image.
@@ -98,6 +100,7 @@ def serve_reference(report: Report) -> tuple[str, str]:
         wait_until(API.ready, "tandem serve in the image answers on :8000", timeout_s=300)
         report.check(healthy(name), "the image's health check answers for `tandem serve`")
         outputs = (API.completion(PROMPT, SHORT_TOKENS), API.completion(PROMPT, LONG_TOKENS))
+        report.check(all(outputs), "`tandem serve` in the image answers greedy completions (the reference)")
     finally:
         podman("stop", "--time", "60", name, timeout=90)
     report.check(exit_code(name) == 0, "`tandem serve` in a container exits 0 on SIGTERM")
@@ -167,6 +170,11 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=ROOT / ".cache" / "container-check")
     args = parser.parse_args()
     report = Report()
+    # Every container shares the host's network: a port already taken would make a service fail to start.
+    taken = [port for port in PORTS if not port_free(port)]
+    if not report.check(not taken, f"the chart's ports are free on this host ({', '.join(map(str, PORTS))})"):
+        report.note(f"taken: {taken}")
+        return report.summary()
     args.work.mkdir(parents=True, exist_ok=True)
     manifests = [doc for doc in yaml.safe_load_all(render_chart(args.helm, CPU_DEMO_VALUES)) if doc]
     hosts = hosts_file(manifests, args.work)
@@ -191,6 +199,15 @@ def main() -> int:
         except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as error:
             report.check(False, f"{stage}: {error}")
     return report.summary()
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def make_base_image() -> str:

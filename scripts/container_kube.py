@@ -102,6 +102,7 @@ def play_chart(report: Report, manifests: list[Manifest], reference: str, hosts:
     chart.write_text(yaml.safe_dump_all(played, sort_keys=False))
     draft = work / "draft-podman.yaml"
     draft.write_text(yaml.safe_dump_all([m for m in played if m["metadata"]["name"] == f"{RELEASE}-tandem-draft"]))
+    volumes_before = set(podman("volume", "ls", "--format", "{{.Name}}").stdout.split())
     log(f"podman kube play {chart}")
     result = kube("play", str(chart))
     if not report.check(result.returncode == 0, "podman kube play accepts the rendered cpu-demo manifests"):
@@ -113,7 +114,10 @@ def play_chart(report: Report, manifests: list[Manifest], reference: str, hosts:
     finally:
         kube("down", str(chart))
         remove_pods()
-        podman("volume", "rm", "--force", "tmp", "shm", check=False)
+        # The emptyDir volumes podman made for the pods (named after them: tmp, shm), none that was there before.
+        made = set(podman("volume", "ls", "--format", "{{.Name}}").stdout.split()) - volumes_before
+        if made:
+            podman("volume", "rm", "--force", *sorted(made), check=False)
 
 
 def played_pods(report: Report, manifests: list[Manifest]) -> None:
