@@ -2,10 +2,10 @@
 
 podman 4.3 plays Pods and Deployments. What it is given is the rendered chart, changed only where podman cannot
 follow it (`for_podman` says each change, and the check prints them): every pod on the host network with the
-Services' names in a hosts file (podman has no Services and no cluster DNS, and ignores hostAliases there), the
-target's StatefulSet played as a Deployment of the same pod template (podman plays no StatefulSet), and one
-orchestrator replica (two would share the host's ports). The other kinds go to podman as rendered; the pods it
-makes show what it played.
+Services' names in a hosts file (podman has no Services and no cluster DNS, and ignores hostAliases there) and no
+declared container ports (podman refuses port mappings on the host network), the target's StatefulSet played as a
+Deployment of the same pod template (podman plays no StatefulSet), and one orchestrator replica (two would share the
+host's ports). The other kinds go to podman as rendered; the pods it makes show what it played.
 """
 
 from __future__ import annotations
