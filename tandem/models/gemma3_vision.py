@@ -29,7 +29,7 @@ from torch import nn
 from tandem.layers.mlp import ACTIVATIONS
 from tandem.layers.norm import RMSNorm
 from tandem.models.config import ConfigError
-from tandem.weights.loader import NameMap, checkpoint_tensors, load_weights, materialized, on_meta
+from tandem.weights.loader import NameMap, loaded_module
 
 NAMES = NameMap(
     renames=(
@@ -195,10 +195,7 @@ def load_gemma3_image_encoder(
 ) -> Gemma3ImageEncoder:
     """The image encoder of a Gemma 3 multimodal checkpoint, its tensors read from `model_dir`."""
     config = VisionConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    encoder = materialized(on_meta(lambda: Gemma3ImageEncoder(config)), device, dtype)
-    with checkpoint_tensors(model_dir, _not_read, dtype) as tensors:
-        load_weights(encoder, iter(tensors), NAMES, source=str(model_dir))
-    return encoder.eval()
+    return loaded_module(model_dir, lambda: Gemma3ImageEncoder(config), NAMES, _not_read, dtype, device)
 
 
 def _not_read(name: str) -> bool:

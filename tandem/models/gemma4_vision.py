@@ -35,7 +35,7 @@ from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ConfigError, RopeConfig
 from tandem.models.gemma4_layers import rms_normalize
-from tandem.weights.loader import NameMap, checkpoint_tensors, load_weights, materialized, on_meta
+from tandem.weights.loader import NameMap, loaded_module
 
 NAMES = NameMap(
     renames=(("model.vision_tower.", "vision_tower."), ("model.embed_vision.", "embed_vision.")),
@@ -325,7 +325,8 @@ def load_gemma4_image_encoder(
 ) -> Gemma4ImageEncoder:
     """The image encoder of a Gemma 4 multimodal checkpoint, its tensors read from `model_dir`."""
     config = VisionConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    encoder = materialized(on_meta(lambda: Gemma4ImageEncoder(config)), device, dtype)
-    with checkpoint_tensors(model_dir, lambda name: not name.startswith(READ), dtype) as tensors:
-        load_weights(encoder, iter(tensors), NAMES, source=str(model_dir))
-    return encoder.eval()
+    return loaded_module(model_dir, lambda: Gemma4ImageEncoder(config), NAMES, _not_read, dtype, device)
+
+
+def _not_read(name: str) -> bool:
+    return not name.startswith(READ)

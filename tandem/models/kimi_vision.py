@@ -36,7 +36,7 @@ from torch import nn
 from tandem.layers.mlp import ACTIVATIONS
 from tandem.layers.rotary import rotate_interleaved
 from tandem.models.config import ConfigError
-from tandem.weights.loader import NameMap, checkpoint_tensors, load_weights, materialized, on_meta
+from tandem.weights.loader import NameMap, loaded_module
 
 NAMES = NameMap(
     renames=(
@@ -287,10 +287,7 @@ def load_kimi_image_encoder(
 ) -> KimiImageEncoder:
     """The image encoder of a Kimi-K2.5 checkpoint, its tensors read from `model_dir`."""
     config = KimiVisionConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    encoder = materialized(on_meta(lambda: KimiImageEncoder(config)), device, dtype)
-    with checkpoint_tensors(model_dir, _not_read, dtype) as tensors:
-        load_weights(encoder, iter(tensors), NAMES, source=str(model_dir))
-    return encoder.eval()
+    return loaded_module(model_dir, lambda: KimiImageEncoder(config), NAMES, _not_read, dtype, device)
 
 
 def _not_read(name: str) -> bool:

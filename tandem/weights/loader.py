@@ -341,3 +341,20 @@ def materialized(module: Materialized, device: str | torch.device, dtype: torch.
         return torch.empty(tensor.shape, dtype=kind, device=device)
 
     return module._apply(empty)
+
+
+def loaded_module(
+    model_dir: Path,
+    build: Callable[[], Materialized],
+    names: NameMap,
+    skip: Callable[[str], bool],
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> Materialized:
+    """A module `build` makes (on the meta device), on `device` in `dtype`, its tensors read from `model_dir`'s
+    checkpoint but those `skip` accepts (another part's, such as the text model's), in eval mode: how a part of a
+    checkpoint that is its own module (an image encoder) is loaded."""
+    module = materialized(on_meta(build), device, dtype)
+    with checkpoint_tensors(model_dir, skip, dtype) as tensors:
+        load_weights(module, iter(tensors), names, source=str(model_dir))
+    return module.eval()

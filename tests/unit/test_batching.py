@@ -168,19 +168,24 @@ def test_a_tree_round_gets_room_for_every_node(tokenizer: PreTrainedTokenizerBas
     assert [s.max_drafts for s in plan_step([decoding], deque(), KVPool(4, 4), SETTINGS).decode] == [3]
 
 
-def test_a_prompt_chunk_cut_by_the_budget_ends_at_a_block_boundary(tokenizer: PreTrainedTokenizerBase) -> None:
-    # A budget of 7 tokens, blocks of 4: a 20-token prompt goes in chunks of 4 (positions 0..3), then from 4 to 8, so
-    # that every chunk starts where the target's prefix cache can reuse whole blocks; its last chunk is what is left.
-    settings = SchedulerSettings(num_steps=3, max_num_seqs=4, max_num_batched_tokens=7)
-    pool = KVPool(num_blocks=16, block_size=4)
-    prompt = request(tokenizer, "A", prompt=20)
+def chunks_of(prompt: ActiveRequest, pool: KVPool, settings: SchedulerSettings) -> list[int]:
+    """The chunks a waiting request's prompt is computed in, alone, step after step."""
     chunks = []
     plan = plan_step([], deque([prompt]), pool, settings)
     while plan.chunks:
         chunks.append(plan.chunks[0].num_tokens)
         prompt.kv_length += plan.chunks[0].num_tokens
         plan = plan_step([prompt], deque(), pool, settings) if prompt.uncomputed > 0 else StepPlan()
-    assert chunks == [4, 4, 4, 4, 4]
+    return chunks
+
+
+def test_a_prompt_chunk_cut_by_the_budget_ends_at_a_block_boundary(tokenizer: PreTrainedTokenizerBase) -> None:
+    # A budget of 7 tokens, blocks of 4: a 20-token prompt goes in chunks of 4 (positions 0..3), then from 4 to 8, so
+    # that every chunk starts where the target's prefix cache can reuse whole blocks; its last chunk is what is left.
+    settings = SchedulerSettings(num_steps=3, max_num_seqs=4, max_num_batched_tokens=7)
+    pool = KVPool(num_blocks=16, block_size=4)
+    prompt = request(tokenizer, "A", prompt=20)
+    assert chunks_of(prompt, pool, settings) == [4, 4, 4, 4, 4]
     short = request(tokenizer, "B", prompt=9)
     short.kv_length = 3  # from 3, a budget of 3 reaches 6: the chunk stops at the boundary 4
     assert plan_step([short], deque(), pool, SchedulerSettings(max_num_batched_tokens=3)).chunks[0].num_tokens == 1
@@ -204,13 +209,7 @@ def test_a_prompt_chunk_never_ends_inside_an_image(tokenizer: PreTrainedTokenize
     prompt = request(tokenizer, "A", prompt=30)
     image = PromptImage(6, 16, b"png", "digest")
     prompt.params = replace(prompt.params, images=(image,))
-    chunks = []
-    plan = plan_step([], deque([prompt]), pool, settings)
-    while plan.chunks:
-        chunks.append(plan.chunks[0].num_tokens)
-        prompt.kv_length += plan.chunks[0].num_tokens
-        plan = plan_step([prompt], deque(), pool, settings) if prompt.uncomputed > 0 else StepPlan()
-    assert chunks == [6, 10, 8, 6]
+    assert chunks_of(prompt, pool, settings) == [6, 10, 8, 6]
     # A step's budget holds the image, but not what a decoding request leaves of it: the image waits for the next.
     roomy = SchedulerSettings(num_steps=3, max_num_seqs=4, max_num_batched_tokens=12)
     prompt.kv_length = 6
