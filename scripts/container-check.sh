@@ -6,11 +6,22 @@
 #
 #   bash scripts/container-check.sh [--base-image IMAGE] [--torch-wheels DIR]
 #
-# Needs root and Debian's podman with runc (apt-get install podman runc debootstrap). Without --base-image the base
-# is made here by scripts/make-base-image.sh (debootstrap); without --torch-wheels, torch's CPU wheel comes from the
-# directory pip's configuration names (global.find-links) where it holds one, else from PyTorch's CPU index.
+# Needs root and Debian's podman with runc: where podman, runc or debootstrap is missing, it installs them with apt-get
+# first (podman runc debootstrap uidmap). Without --base-image the base is made here by scripts/make-base-image.sh
+# (debootstrap); without --torch-wheels, torch's CPU wheel comes from the directory pip's configuration names
+# (global.find-links) where it holds one, else from PyTorch's CPU index.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+missing=()
+for tool in podman runc debootstrap; do
+    command -v "${tool}" >/dev/null || missing+=("${tool}")
+done
+if ((${#missing[@]})); then
+    echo "container-check: installing podman runc debootstrap uidmap (missing: ${missing[*]})"
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends podman runc debootstrap uidmap >/dev/null
+fi
 
 python=python3
 [[ -x .venv/bin/python ]] && python=.venv/bin/python
