@@ -142,25 +142,24 @@ def plan_memory(
     # (ShardSpec.on_rank), so one build (tens of seconds for DeepSeek-V3's 60 000 linear layers) counts them all.
     assert isinstance(model, nn.Module)
     slots = ParameterSlots(model, architecture.name_map)
-    matched = [(weight, slots.slot(weight.name)) for weight in weights]
+    used, unused = _matched(slots, weights, quantization, source)
     groups = [ParallelGroup(rank=rank, world_size=tp) for rank in range(tp)]
-    counted = [_count_rank(model, slots, matched, quantization, group, device, source) for group in groups]
-    first = counted[0]
-    unused = set(first.unused)
+    counted = [_count_rank(model, slots, used, quantization, group, device) for group in groups]
+    unused_names = set(unused)
     return MemoryPlan(
         architecture=model.config.architecture,
         tp=tp,
         dtype=dtype,
         quantization=quantization.describe() if quantization is not None else None,
-        parameters=first.parameters,
+        parameters=sum(math.prod(slot.full_shape) for _, slot in used),
         num_layers=model.config.num_layers,
         max_position_embeddings=model.config.max_position_embeddings,
         ranks=tuple(rank.plan for rank in counted),
         cuts=tuple(cut for rank in counted for cut in rank.cuts),
         skipped=tuple(header.name for header in skipped),
         skipped_bytes=sum(header.nbytes for header in skipped),
-        unused=tuple(first.unused),
-        unused_bytes=sum(_stored_bytes(weight) for weight in weights if weight.name in unused),
+        unused=tuple(unused),
+        unused_bytes=sum(_stored_bytes(weight) for weight in weights if weight.name in unused_names),
     )
 
 
@@ -168,38 +167,47 @@ def plan_memory(
 class _CountedRank:
     plan: RankPlan
     cuts: list[CutBlock]
-    parameters: int  # values of the weights matched, all ranks' slices together
-    unused: list[str]
+
+
+def _matched(
+    slots: ParameterSlots, weights: Sequence[Grouped[TensorHeader]], quantization: Quantization | None, source: str
+) -> tuple[list[tuple[Grouped[TensorHeader], Slot]], list[str]]:
+    """Each weight matched to its parameter (in rank 0's model) as load_weights matches it, the loader's checks made
+    on it, once for every rank; and the names of the weights no parameter takes."""
+    filled: set[tuple[str, str | None]] = set()
+    present_roots: set[str] = set()
+    used: list[tuple[Grouped[TensorHeader], Slot]] = []
+    unused: list[str] = []
+    for weight in weights:
+        present_roots.add(weight.name.split(".")[0])
+        slot = slots.slot(weight.name)
+        if slot is None or slot.key in filled:
+            unused.append(weight.name)
+            continue
+        _check_stored(weight, slot, quantization, source)
+        used.append((weight, slot))
+        filled.add(slot.key)
+    slots.check_filled(filled, frozenset(), present_roots, source)
+    return used, unused
 
 
 def _count_rank(
     model: TargetModel,
     slots: ParameterSlots,
-    matched: Sequence[tuple[Grouped[TensorHeader], Slot | None]],
+    used: Sequence[tuple[Grouped[TensorHeader], Slot]],
     quantization: Quantization | None,
     group: ParallelGroup,
     device: str,
-    source: str,
 ) -> _CountedRank:
-    """One rank's bytes: each weight matched to its parameter (in rank 0's model) as load_weights matches it, and to
-    the slice this rank holds."""
+    """One rank's bytes: the slice it holds of each weight matched (ShardSpec.on_rank)."""
     assert isinstance(model, nn.Module)
     rank = group.rank
-    filled: set[tuple[str, str | None]] = set()
     quantized: set[int] = set()  # ids of the parameters that quantized weights fill
-    present_roots: set[str] = set()
-    totals = {"quantized": 0, "float": 0, "dequantized": 0, "parameters": 0}
+    totals = {"quantized": 0, "float": 0, "dequantized": 0}
     cuts: list[CutBlock] = []
-    unused: list[str] = []
-    for weight, found in matched:
-        present_roots.add(weight.name.split(".")[0])
-        if found is None or found.key in filled:
-            unused.append(weight.name)
-            continue
+    for weight, found in used:
         slot = found if found.spec is None else replace(found, spec=found.spec.on_rank(rank, group.world_size))
-        _check_stored(weight, slot, quantization, source)
         held = _slice_values(slot) * slots.parameters[slot.parameter_name].element_size()
-        totals["parameters"] += math.prod(slot.full_shape)
         totals["dequantized"] += held
         owner_name, _, leaf = slot.parameter_name.rpartition(".")
         if weight.quantized and leaf == "weight" and isinstance(slots.modules[owner_name], Linear):  # kept as stored
@@ -210,13 +218,11 @@ def _count_rank(
             quantized.add(id(slots.parameters[slot.parameter_name]))
         else:
             totals["float"] += held
-        filled.add(slot.key)
-    slots.check_filled(filled, frozenset(), present_roots, source)
     layout = model.cache_layout
     token_bytes = layout.token_bytes(model.config.num_layers, next(model.parameters()).dtype)
     copies = _prepacked_copies(model, quantized, device, group)
     plan = RankPlan(rank, totals["quantized"], totals["float"], totals["dequantized"], *copies, layout, token_bytes)
-    return _CountedRank(plan, cuts, totals["parameters"], unused)
+    return _CountedRank(plan, cuts)
 
 
 def _prepacked_copies(model: nn.Module, quantized: set[int], device: str, group: ParallelGroup) -> tuple[int, int]:
