@@ -7,7 +7,8 @@ Wire form: one int64 tensor, a header of six numbers followed by the fields in a
     [num_tokens, batch, num_capture, num_logit_rows, num_pages, page_size, capture (num_capture),
      input_ids (num_tokens), positions (num_tokens), write_slots (num_tokens), logit_rows (num_logit_rows),
      qo_indptr (batch + 1), kv_indptr (batch + 1), kv_page_indices (num_pages), kv_last_page_len (batch),
-     has_mask (batch: 1 for a sequence with a custom mask), the masks of those sequences (query_len ** 2 each, 0/1)]
+     has_mask (batch: 1 for a sequence with a custom mask, 2 for one whose mask is its images' spans over a chain),
+     the masks of those sequences (query_len ** 2 each, 0/1)]
 The page table is tandem.layers.page_table's; every rank plans it with its own cache's attention backend.
 Example (page size 4): one sequence with KV for positions 0..4 in pages [2, 3] (slots 8..12) verifying 2 tokens t, d
 at positions 5, 6 (slots 13, 14), capture (2,), logits of both rows:
@@ -57,7 +58,8 @@ def encode_step(step: ForwardStep) -> torch.Tensor:  # -> [payload] int64 on the
     masks = [mask for mask in table.custom_masks if mask is not None]
     header = [len(step.input_ids), table.batch_size, len(step.capture), len(step.logit_rows)]
     header += [len(table.kv_page_indices), table.page_size, *step.capture]
-    has_mask = [mask is not None for mask in table.custom_masks]
+    spanned = table.spanned or (False,) * table.batch_size
+    has_mask = [(mask is not None) + span for mask, span in zip(table.custom_masks, spanned, strict=True)]
     parts = [
         torch.tensor(header, dtype=torch.long, device=HOST),
         step.input_ids.cpu(),
@@ -86,7 +88,8 @@ def decode_step(payload: torch.Tensor, cache: PagedKVCache) -> ForwardStep:  # p
     query_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
     custom_masks: list[torch.Tensor | None] = []
     offset = 0
-    for query_len, flagged in zip(query_lens, has_mask.tolist(), strict=True):
+    flags = has_mask.tolist()
+    for query_len, flagged in zip(query_lens, flags, strict=True):
         if not flagged:
             custom_masks.append(None)
             continue
@@ -102,6 +105,7 @@ def decode_step(payload: torch.Tensor, cache: PagedKVCache) -> ForwardStep:  # p
         positions=positions.to(device),
         write_slots=write_slots.to(device),
         custom_masks=tuple(custom_masks),
+        spanned=tuple(flag == 2 for flag in flags) if 2 in flags else (),
     )
     metadata = AttentionMetadata.planned(table, cache.backend)
     return ForwardStep(input_ids.to(device), metadata, capture, logit_rows.to(device))

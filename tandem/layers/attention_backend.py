@@ -59,10 +59,17 @@ class AttentionMetadata:
 
     page_table: PageTable
     attention: AttentionStep
+    causal: AttentionMetadata | None = None  # the step planned without images' spans; None: it has none
 
     @classmethod
     def planned(cls, page_table: PageTable, backend: AttentionBackend) -> AttentionMetadata:
-        return cls(page_table, backend.plan(page_table))
+        plain = page_table.without_spans()
+        causal = None if plain is page_table else cls(plain, backend.plan(plain))
+        return cls(page_table, backend.plan(page_table), causal)
+
+    def without_spans(self) -> AttentionMetadata:
+        """This step with images' tokens attending causally (PageTable.without_spans)."""
+        return self if self.causal is None else self.causal
 
     @property
     def positions(self) -> torch.Tensor:  # [num_tokens]

@@ -209,7 +209,11 @@ class FlashInferStep:
             wrapper.plan(*paged, **common)
             return wrapper
         wrapper = self._paged_wrapper(
-            ("prefill", *key), key, flashinfer.BatchPrefillWithPagedKVCacheWrapper, GraphBuffers.prefill_arguments
+            # Masked and causal plans apart: a step planned without images' spans runs beside the one with them.
+            ("prefill", self.custom_mask is not None, *key),
+            key,
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper,
+            GraphBuffers.prefill_arguments,
         )
         mask = self.custom_mask
         wrapper.plan(table.qo_indptr, *paged, custom_mask=mask, causal=mask is None, **common)

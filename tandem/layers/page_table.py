@@ -32,7 +32,7 @@ A chain is the causal case: parents [-1, 0, 1, ...] give the lower triangle, whi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 import torch
@@ -69,6 +69,16 @@ class PageTable:
     positions: torch.Tensor  # [num_tokens] int64, rotary position of each new token
     write_slots: torch.Tensor  # [num_tokens] int64, pool row (page * page_size + offset) of each new token's KV
     custom_masks: tuple[torch.Tensor | None, ...]  # per sequence: None (causal) or [query_len, query_len] bool
+    # Per sequence: its mask is a chain's with images' spans (causal once they are dropped); (): none has spans.
+    spanned: tuple[bool, ...] = ()
+
+    def without_spans(self) -> PageTable:
+        """The same step with every image's tokens seeing only those before them (layers that attend causally over
+        images: Gemma 4's full-attention layers, Kimi-K2.5); itself where no sequence has spans."""
+        if not any(self.spanned):
+            return self
+        masks = tuple(None if spanned else mask for mask, spanned in zip(self.custom_masks, self.spanned, strict=True))
+        return replace(self, custom_masks=masks, spanned=())
 
     @property
     def batch_size(self) -> int:
@@ -129,6 +139,7 @@ def build_page_table(
     positions: list[int] = []
     write_slots: list[int] = []
     masks: list[torch.Tensor | None] = []
+    spanned: list[bool] = []
     for entry in entries:
         end = entry.start + entry.num_new
         num_pages = -(-end // page_size)
@@ -145,12 +156,14 @@ def build_page_table(
         if entry.parents is None:
             positions += range(entry.start, end)
             masks.append(chain_mask(entry.num_new, entry.bidirectional, entry.spans))
+            spanned.append(masks[-1] is not None and not entry.bidirectional)
             continue
         check_parents(entry.parents, entry.num_new)
         mask = tree_mask(entry.parents)
         depths = mask.sum(dim=1) - 1  # ancestors of each token
         positions += (depths + entry.start).tolist()
         masks.append(mask)
+        spanned.append(False)
     return PageTable(
         page_size=page_size,
         qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32, device=HOST),
@@ -160,4 +173,5 @@ def build_page_table(
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         write_slots=torch.tensor(write_slots, dtype=torch.long, device=device),
         custom_masks=tuple(masks),
+        spanned=tuple(spanned) if any(spanned) else (),
     )

@@ -30,12 +30,15 @@ or moe_intermediate_size is refused naming the field, and one that would cut an 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
-from tandem.layers.kv_cache import CacheLayout
+from tandem.layers.attention_backend import AttentionMetadata
+from tandem.layers.kv_cache import CacheLayout, PagedKVCache
 from tandem.layers.mla import MLAConfig, MultiHeadLatentAttention
 from tandem.layers.mlp import GatedMLP
 from tandem.layers.moe import MixtureOfExperts, MoEConfig
@@ -49,7 +52,7 @@ from tandem.models.config import (
     eos_token_ids,
     require_int,
 )
-from tandem.models.stack import Backbone, CausalLM, DecoderLayer
+from tandem.models.stack import Backbone, CausalLM, DecoderLayer, Embeddings, TargetOutput
 from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
 from tandem.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from tandem.weights.loader import PACKED_PARTS, NameMap
@@ -351,6 +354,17 @@ class DeepseekV3ForCausalLM(CausalLM[DeepseekV3Config]):
     def __init__(self, config: DeepseekV3Config, group: ParallelGroup = SINGLE_PROCESS) -> None:
         head = ParallelLMHead(config.vocab_size, config.hidden_size, group)
         super().__init__(config, group, DeepseekV3Backbone(config, group), head)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        metadata: AttentionMetadata,
+        cache: PagedKVCache,
+        capture: Sequence[int] = (),
+        embeddings: Embeddings | None = None,  # Kimi-K2.5's image features at its placeholders
+    ) -> TargetOutput:
+        """Kimi-K2.5's image tokens attend causally, as its text does."""
+        return super().forward(input_ids, metadata.without_spans(), cache, capture, embeddings)
 
     @property
     def cache_layout(self) -> CacheLayout:

@@ -57,6 +57,8 @@ class Gemma4DecoderLayer(nn.Module):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, float32_scale=True)
         self.self_attn = Gemma4Attention(config, layer_index, rotary, group)
+        # Images' tokens see each other both ways on sliding layers only, and only where the config says "vision".
+        self.images_both_ways = config.images_both_ways and config.layers[layer_index].sliding
         self.post_attention_layernorm = RMSNorm(hidden, eps, float32_scale=True)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, float32_scale=True)
         intermediate = config.layers[layer_index].intermediate_size
@@ -83,6 +85,8 @@ class Gemma4DecoderLayer(nn.Module):
         per_layer_input: torch.Tensor | None,  # [num_tokens, hidden_size_per_layer_input]
         produced: ProducedKV,
     ) -> torch.Tensor:  # -> [num_tokens, hidden] residual stream leaving the layer
+        if not self.images_both_ways:
+            metadata = metadata.without_spans()
         attended = self.self_attn(self.input_layernorm(hidden), metadata, cache, produced)
         hidden = hidden + self.post_attention_layernorm(attended)
         hidden = hidden + self.post_feedforward_layernorm(self._feed_forward(hidden))
@@ -158,10 +162,14 @@ class Gemma4ForCausalLM(CausalLM[Gemma4Config]):
         capture: Sequence[int] = (),  # capture indices in [0, num_layers + 1] (tandem.models.stack.run_layers)
         embeddings: Embeddings | None = None,
     ) -> TargetOutput:
+        # An image's tokens are looked up as the pad token, then take the image's features as their embeddings; their
+        # per-layer inputs are the pad token's row and the features' projection, as transformers' Gemma4Model has it.
+        ids = input_ids if embeddings is None else input_ids.index_fill(0, embeddings[0], self.config.pad_token_id)
+        embedded = scaled(self.model.embed_tokens(ids), self.config.hidden_size**0.5)  # [num_tokens, hidden]
         if embeddings is not None:
-            raise ValueError("embeddings: Gemma 4 takes no image features yet")
-        embedded = scaled(self.model.embed_tokens(input_ids), self.config.hidden_size**0.5)  # [num_tokens, hidden]
-        per_layer = self.model.per_layer_inputs(input_ids, embedded)
+            rows, values = embeddings
+            embedded = embedded.index_copy(0, rows, values.to(embedded.dtype))
+        per_layer = self.model.per_layer_inputs(ids, embedded)
         produced: ProducedKV = {}  # filled by the K/V-keeping layers, read by the KV-shared ones
         calls = [
             partial(layer, per_layer_input=None if per_layer is None else per_layer[:, index], produced=produced)

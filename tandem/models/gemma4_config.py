@@ -95,6 +95,8 @@ class Gemma4Config(GroupedQueryConfig):
     per_layer_input_size: int  # hidden_size_per_layer_input; 0: no per-layer input embeddings
     per_layer_vocab_size: int  # vocab_size_per_layer_input
     moe: Gemma4MoEConfig | None
+    pad_token_id: int  # an image's tokens take its per-layer inputs
+    images_both_ways: bool  # use_bidirectional_attention "vision": an image's tokens see each other on sliding layers
 
     @property
     def cache_layout(self) -> CacheLayout:
@@ -117,6 +119,8 @@ class Gemma4Config(GroupedQueryConfig):
             per_layer_input_size=int(hf["hidden_size_per_layer_input"] or 0),
             per_layer_vocab_size=int(hf["vocab_size_per_layer_input"]),
             moe=_moe(hf),
+            pad_token_id=int(hf.get("pad_token_id") or 0),
+            images_both_ways=hf.get("use_bidirectional_attention") == "vision",
         )
 
 

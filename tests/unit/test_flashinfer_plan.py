@@ -149,6 +149,9 @@ def test_chain_and_tree_steps_plan_the_prefill_wrapper() -> None:
                 (chain.qo_indptr, *paged_arguments(chain)),
                 {"custom_mask": None, "causal": True, **shape_arguments()},
             ),
+            # A masked step has a wrapper of its own: an image's step plans a causal one beside it (its spans
+            # dropped, for layers that attend causally over images).
+            ("make", "prefill", (backend.workspace, "NHD"), {}),
             (
                 "plan",
                 "prefill",

@@ -85,3 +85,24 @@ def test_a_decoded_step_is_the_encoded_one(parents: list[int] | None) -> None:
     assert torch.equal(decoded.input_ids, step.input_ids)
     assert decoded.capture == step.capture
     assert torch.equal(decoded.logit_rows, step.logit_rows)
+
+
+def test_an_images_span_is_seen_both_ways_and_dropped_for_causal_layers() -> None:
+    # Two sequences: A computes 5 prompt tokens, an image at 1..3 of them; B is a tree, which has no spans.
+    entries = [PlanEntry([0, 1], 0, 5, spans=[(1, 4)]), PlanEntry([2], 2, 2, parents=[-1, -1])]
+    table = build_page_table(entries, 4, HOST)
+    image_mask = torch.ones((5, 5), dtype=torch.bool).tril()
+    image_mask[1:4, 1:4] = True
+    assert table.spanned == (True, False) and table.custom_masks[0] is not None
+    assert torch.equal(table.custom_masks[0], image_mask)
+    causal = table.without_spans()
+    assert causal.custom_masks[0] is None and causal.custom_masks[1] is table.custom_masks[1]
+    assert causal.without_spans() is causal and causal.spanned == ()
+    # A rank gets the same: its step's metadata plans both, the causal one for layers that attend causally.
+    cache = PagedKVCache(1, 8, 4, 1, 8, torch.float32)
+    metadata = AttentionMetadata.planned(table, cache.backend)
+    step = ForwardStep(torch.arange(7), metadata, (), torch.tensor([4, 6]))
+    decoded = decode_step(encode_step(step), cache).metadata
+    assert decoded.page_table.spanned == (True, False)
+    assert decoded.without_spans().page_table.custom_masks[0] is None
+    assert metadata.without_spans() is not metadata and build_page_table(entries[1:], 4, HOST).spanned == ()
