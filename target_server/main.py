@@ -10,6 +10,8 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import asdict
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +24,7 @@ from tandem.layers.stored import StoredWeight
 from tandem.leases import sweep_interval
 from tandem.model_thread import ModelThread
 from tandem.models.image_encoder import ImageEncoder, image_encoder_for
+from tandem.models.image_prompt import FixedCount, ImagePrompt, PatchBudget, SoftTokenBudget
 from tandem.models.registry import TargetModel, check_tensor_parallel, load_target
 from tandem.models.tokenizer_digest import tokenizer_digest
 from tandem.sampling.grammar import Grammars
@@ -41,17 +44,8 @@ def target_info(runner: TargetRunner, dtype: str) -> target_pb2.TargetInfo:
     """The static part of TargetInfo: what drafts check themselves against, and how prompts hold images."""
     config = runner.model.config
     encoder = runner.admission.images
-    images = None
-    if encoder is not None and runner.admission.image_limit > 0:
-        p = encoder.placeholders
-        limit = runner.admission.image_limit
-        images = target_pb2.ImageLayout(
-            limit=limit,
-            tokens_per_image=p.tokens_per_image,
-            begin_token_id=p.begin_token_id,
-            image_token_id=p.image_token_id,
-            end_token_id=p.end_token_id,
-        )
+    limit = runner.admission.image_limit
+    images = image_layout(encoder.prompt, limit) if encoder is not None and limit > 0 else None
     return target_pb2.TargetInfo(
         architecture=config.architecture,
         hidden_size=config.hidden_size,
@@ -63,6 +57,25 @@ def target_info(runner: TargetRunner, dtype: str) -> target_pb2.TargetInfo:
         tp_size=runner.ranks.group.world_size,
         instance=uuid.uuid4().hex,
         images=images,
+    )
+
+
+def image_layout(prompt: ImagePrompt, limit: int) -> target_pb2.ImageLayout:
+    """The prompt's layout as TargetInfo announces it (orchestrator.loop.prompt_images reads it back)."""
+    count = prompt.count
+    counts: dict[str, Any] = {"tokens_per_image": count.tokens_per_image} if isinstance(count, FixedCount) else {}
+    if isinstance(count, SoftTokenBudget):
+        counts = {"soft_token_budget": target_pb2.SoftTokenBudget(**asdict(count))}
+    elif isinstance(count, PatchBudget):
+        counts = {"patch_budget": target_pb2.PatchBudget(**asdict(count))}
+    return target_pb2.ImageLayout(
+        limit=limit,
+        begin_token_id=prompt.begin_token_id,
+        image_token_id=prompt.image_token_id,
+        end_token_id=prompt.end_token_id,
+        mark_token_id=prompt.mark_token_id,
+        around=prompt.around,
+        **counts,
     )
 
 
@@ -112,11 +125,7 @@ def image_encoder(settings: TargetSettings, dtype: torch.dtype, device: str) -> 
         return None
     encoder = image_encoder_for(settings.model_dir, dtype, device)
     if encoder is not None:
-        LOG.info(
-            "image encoder loaded: %d tokens an image, at most %d images a prompt",
-            encoder.placeholders.tokens_per_image,
-            settings.images,
-        )
+        LOG.info("image encoder loaded: %s, at most %d images a prompt", encoder.prompt.count, settings.images)
     return encoder
 
 

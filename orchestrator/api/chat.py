@@ -38,13 +38,13 @@ def chat_prompt_ids(
     max_characters: int,
     tools: Sequence[Mapping[str, Any]] | None = None,
     arguments_as_text: bool = False,
-    images: tuple[ImageLayout, int] | None = None,
+    images: tuple[ImageLayout, Sequence[tuple[int, int]]] | None = None,
 ) -> list[int]:
     """Renders the messages with a generation prompt for the assistant and tokenizes them.
 
     A chat longer than max_characters is refused before rendering (as check_bounds refuses a long prompt unread).
-    `images`: the target's image layout and how many images the messages hold, each written where the template
-    marks it (expand_images).
+    `images`: the target's image layout and the (height, width) of each image the messages hold, in order, each
+    written where the template marks it (expand_images).
     """
     if template is None:
         raise bad_field(
@@ -78,16 +78,28 @@ def chat_prompt_ids(
     return list(ids)
 
 
-def expand_images(text: str, tokenizer: PreTrainedTokenizerBase, layout: ImageLayout, count: int) -> str:
-    """The rendered chat with each image's mark (the begin token, which Gemma 3's template writes for an image part)
-    replaced by the image's placeholders as the checkpoint's processor writes them: a blank line, begin,
-    tokens_per_image placeholder tokens, end, a blank line."""
-    ids = [layout.begin_token_id, layout.image_token_id, layout.end_token_id]
-    begin, image, end = (str(token) for token in tokenizer.convert_ids_to_tokens(ids))
-    marks = text.count(begin)
-    if marks != count:
-        raise bad_field("messages", f"the chat template marks {marks} images ({begin!r}) for the {count} sent")
-    return text.replace(begin, f"\n\n{begin}{image * layout.tokens_per_image}{end}\n\n")
+def expand_images(
+    text: str, tokenizer: PreTrainedTokenizerBase, layout: ImageLayout, sizes: Sequence[tuple[int, int]]
+) -> str:
+    """The rendered chat with each image's mark (what the template writes for an image part) replaced by the image's
+    tokens as the checkpoint's processor writes them (tandem.models.image_prompt): `around`, begin, as many
+    placeholders as an image of that (height, width) takes, end, `around`."""
+    prompt = layout.prompt
+    mark = str(tokenizer.convert_ids_to_tokens(prompt.mark_token_id))
+    pieces = text.split(mark)
+    if len(pieces) - 1 != len(sizes):
+        raise bad_field(
+            "messages", f"the chat template marks {len(pieces) - 1} images ({mark!r}) for the {len(sizes)} sent"
+        )
+    written = [pieces[0]]
+    for index, ((height, width), after) in enumerate(zip(sizes, pieces[1:], strict=True)):
+        try:
+            placeholders = prompt.tokens(height, width)
+        except ValueError as error:
+            raise bad_field("messages", f"image {index + 1} of {len(sizes)}: {error}") from None
+        tokens = "".join(str(token) for token in tokenizer.convert_ids_to_tokens(prompt.expansion(placeholders)))
+        written += [prompt.around, tokens, prompt.around, after]
+    return "".join(written)
 
 
 def _characters(content: str | Sequence[Mapping[str, str]]) -> int:

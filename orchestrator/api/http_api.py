@@ -46,6 +46,7 @@ from orchestrator.api.tool_stream import Piece
 from orchestrator.loop.generation import OPENAI_FINISH_REASONS, Generation
 from orchestrator.loop.metrics import CONTENT_TYPE
 from orchestrator.loop.output import Output, RequestFailed, ShuttingDown
+from orchestrator.loop.prompt_images import image_size
 from orchestrator.loop.scheduler import QueueFull
 from orchestrator.loop.validation import InvalidRequest, client_request_id
 from orchestrator.peers.backends import FailureKind
@@ -173,7 +174,7 @@ class HttpApi:
             limits.max_context * limits.max_chars_per_token,
             parsed.tools.tools if parsed.tools is not None else None,
             self.tools.arguments_as_text,
-            (limits.images, len(parsed.images)) if limits.images is not None else None,
+            (limits.images, [image_size(data) for data in parsed.generate.images]) if limits.images else None,
         )
 
     async def models(self, request: web.Request) -> web.StreamResponse:

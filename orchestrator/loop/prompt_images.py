@@ -1,30 +1,31 @@
 """A request's images: where they sit in its prompt, checked against how the target's prompts hold an image.
 
-The target announces its layout (TargetInfo.images): an image is `begin`, then `tokens_per_image` placeholder tokens
-whose embeddings the image's features replace, then `end`, and a prompt holds at most `limit` images. A request's
-images (GenerateRequest.images, in order) fill its prompt's runs of placeholder tokens, the first image the first run:
-a prompt whose runs are not whole, or whose number of runs is not its number of images, is refused naming both.
-Each image is named by its content's sha256, which joins the request's cache salt: a prefix-cache block holding an
-image's tokens (on the target and on draft replicas) is shared only by prompts holding the same image.
+The target announces its layout (TargetInfo.images, tandem.models.image_prompt): an image is written as its
+placeholder tokens, whose embeddings the image's features replace, between the family's begin and end tokens; how
+many placeholders an image takes is fixed (Gemma 3) or follows its size in pixels (Gemma 4, Kimi-K2.5), read here from
+the image's header. A prompt holds at most `limit` images. A request's images (GenerateRequest.images, in order) fill
+its prompt's runs of placeholder tokens, the first image the first run: a prompt whose runs are not the images'
+counts, or whose number of runs is not its number of images, is refused naming both. Each image is named by its
+content's sha256, which joins the request's cache salt: a prefix-cache block holding an image's tokens (on the target
+and on draft replicas) is shared only by prompts holding the same image.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.peers.backends import PromptImage
+from tandem.models.image_prompt import FixedCount, ImagePrompt, PatchBudget, SoftTokenBudget, TokenCount
 from tandem.wire import target_pb2
 
 
 @dataclass(frozen=True)
 class ImageLayout:
     limit: int  # images one prompt may hold (the target's --limit-mm-per-prompt)
-    tokens_per_image: int
-    begin_token_id: int
-    image_token_id: int  # the placeholder
-    end_token_id: int
+    prompt: ImagePrompt
 
     @classmethod
     def announced(cls, info: target_pb2.TargetInfo) -> ImageLayout | None:
@@ -32,12 +33,36 @@ class ImageLayout:
         if not info.HasField("images") or info.images.limit == 0:
             return None
         images = info.images
-        return cls(
-            images.limit, images.tokens_per_image, images.begin_token_id, images.image_token_id, images.end_token_id
-        )
+        begin = images.begin_token_id if images.HasField("begin_token_id") else None
+        end = images.end_token_id if images.HasField("end_token_id") else None
+        prompt = ImagePrompt(images.mark_token_id, images.image_token_id, begin, end, images.around, _count(images))
+        return cls(images.limit, prompt)
 
 
-def placeholder_starts(prompt: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
+def _count(images: target_pb2.ImageLayout) -> TokenCount:
+    kind = images.WhichOneof("count")
+    if kind == "soft_token_budget":
+        soft = images.soft_token_budget
+        return SoftTokenBudget(soft.patch_size, soft.pooling_kernel_size, soft.max_soft_tokens)
+    if kind == "patch_budget":
+        patches = images.patch_budget
+        return PatchBudget(patches.patch_size, patches.merge_size, patches.max_patches, patches.max_side)
+    return FixedCount(images.tokens_per_image)
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """An image's (height, width) in pixels, from its header; ValueError where the bytes are not an image."""
+    from PIL import Image, UnidentifiedImageError  # the orchestrator needs Pillow only when images come
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+    except (UnidentifiedImageError, OSError) as error:
+        raise ValueError(f"{len(data)} bytes that are not an image Pillow reads ({error})") from None
+    return height, width
+
+
+def placeholder_runs(prompt: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
     """The runs [start, end) of placeholder tokens in the prompt, in order."""
     runs: list[tuple[int, int]] = []
     for index, token in enumerate(prompt):
@@ -53,22 +78,28 @@ def placeholder_starts(prompt: Sequence[int], image_token_id: int) -> list[tuple
 def prompt_images(
     prompt: Sequence[int], images: Sequence[bytes], layout: ImageLayout | None
 ) -> tuple[PromptImage, ...]:
-    """The request's images at their placeholder runs; ValueError ("images: ...") naming what does not fit."""
+    """The request's images at their placeholder runs; ValueError ("images: ..." or "prompt: ...") naming what does
+    not fit."""
     if layout is None:
         if images:
             raise ValueError(f"images: {len(images)} sent; the target serves no images (--limit-mm-per-prompt)")
         return ()
     if len(images) > layout.limit:
         raise ValueError(f"images: {len(images)} in one prompt, at most {layout.limit} (--limit-mm-per-prompt)")
-    runs = placeholder_starts(prompt, layout.image_token_id)
-    for start, end in runs:
-        if end - start != layout.tokens_per_image:
-            raise ValueError(
-                f"prompt: a run of {end - start} image placeholder tokens (id {layout.image_token_id}) at token "
-                f"{start}; an image takes {layout.tokens_per_image}"
-            )
+    image_token = layout.prompt.image_token_id
+    runs = placeholder_runs(prompt, image_token)
     if len(runs) != len(images):
-        raise ValueError(f"images: {len(images)} sent for a prompt holding {len(runs)} image placeholders")
+        raise ValueError(f"images: {len(images)} sent for a prompt holding {len(runs)} image placeholder runs")
+    for index, ((start, end), data) in enumerate(zip(runs, images, strict=True)):
+        try:
+            tokens = layout.prompt.tokens(*image_size(data))
+        except ValueError as error:
+            raise ValueError(f"images[{index}]: {error}") from None
+        if end - start != tokens:
+            raise ValueError(
+                f"prompt: a run of {end - start} image placeholder tokens (id {image_token}) at token {start}; "
+                f"images[{index}] takes {tokens}"
+            )
     return tuple(
         PromptImage(start, end, bytes(data), hashlib.sha256(data).hexdigest())
         for (start, end), data in zip(runs, images, strict=True)

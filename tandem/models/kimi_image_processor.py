@@ -21,13 +21,11 @@ patch transformers' globals in a serving process.
 
 Placeholders: Kimi-K2.5's chat template writes an image as `<|media_begin|>image<|media_content|><|media_pad|>
 <|media_end|>` (no break), and transformers' `Kimi_K25Processor` repeats `<|media_pad|>` (image_token_id) once per
-merge window: grid h * w / merge_size^2 times (`KimiPlaceholders`).
+merge window: grid h * w / merge_size^2 times (`kimi_image_prompt`).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,57 +37,15 @@ from transformers.image_utils import IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_S
 from transformers.processing_utils import ImagesKwargs
 
 from tandem.models.config import ConfigError
+from tandem.models.image_prompt import ImagePrompt, PatchBudget
 
 
-@dataclass(frozen=True)
-class PatchBudget:
-    """How big an image's patch grid gets: transformers' `navit_resize` rule for Kimi-K2.5."""
-
-    patch_size: int
-    merge_size: int  # patches a side of one merge window (one placeholder token)
-    max_patches: int
-    max_side: int  # patches a side at most (the processor's size["max_height"])
-
-    def sizes(self, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """An image's (height, width) in pixels -> its resized (height, width), then padded (height, width)."""
-        patch = self.patch_size
-        patches = max(1.0, height // patch) * max(1.0, width // patch)
-        side = self.max_side * patch  # pixels
-        scale = min(1.0, math.sqrt(self.max_patches / patches), side / height, side / width)
-        resized = (min(max(1, int(height * scale)), side), min(max(1, int(width * scale)), side))
-        window = self.merge_size * patch
-        return resized, (-(-resized[0] // window) * window, -(-resized[1] // window) * window)
-
-    def grid(self, height: int, width: int) -> tuple[int, int]:
-        """An image's size in pixels -> its (rows, columns) of patches after resize and pad."""
-        _, (padded_height, padded_width) = self.sizes(height, width)
-        return padded_height // self.patch_size, padded_width // self.patch_size
-
-    def tokens(self, height: int, width: int) -> int:
-        """The placeholder tokens of an image of this size: its merge windows."""
-        rows, columns = self.grid(height, width)
-        return rows * columns // self.merge_size**2
-
-
-@dataclass(frozen=True)
-class KimiPlaceholders:
-    """The token ids around and in an image: begin (<|media_begin|>, then the text "image" and <|media_content|>),
-    `budget.tokens(height, width)` image tokens (<|media_pad|>), end (<|media_end|>)."""
-
-    budget: PatchBudget
-    begin_token_id: int
-    image_token_id: int
-    end_token_id: int
-
-    @staticmethod
-    def from_hf(hf: dict[str, Any], budget: PatchBudget) -> KimiPlaceholders:
-        """A Kimi-K2.5 config.json's ids (transformers' Kimi_K25Config defaults where it leaves them out)."""
-        return KimiPlaceholders(
-            budget,
-            hf.get("vision_start_token_id", 163_602),
-            hf.get("image_token_id", 163_605),
-            hf.get("vision_end_token_id", 163_604),
-        )
+def kimi_image_prompt(hf: dict[str, Any], budget: PatchBudget) -> ImagePrompt:
+    """A Kimi-K2.5 config.json's placeholder (transformers' Kimi_K25Config default where it leaves it out): the
+    template writes begin, the text "image", <|media_content|>, one placeholder and end; the processor repeats the
+    placeholder once per merge window."""
+    image = hf.get("image_token_id", 163_605)
+    return ImagePrompt(image, image, None, None, "", budget)
 
 
 class KimiImagesKwargs(ImagesKwargs, total=False):

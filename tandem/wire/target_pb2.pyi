@@ -48,18 +48,48 @@ class TargetInfo(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., instance: _Optional[str] = ..., images: _Optional[_Union[ImageLayout, _Mapping]] = ...) -> None: ...
 
 class ImageLayout(_message.Message):
-    __slots__ = ("limit", "tokens_per_image", "begin_token_id", "image_token_id", "end_token_id")
+    __slots__ = ("limit", "tokens_per_image", "soft_token_budget", "patch_budget", "begin_token_id", "image_token_id", "end_token_id", "mark_token_id", "around")
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    SOFT_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PATCH_BUDGET_FIELD_NUMBER: _ClassVar[int]
     BEGIN_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     END_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MARK_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    AROUND_FIELD_NUMBER: _ClassVar[int]
     limit: int
     tokens_per_image: int
+    soft_token_budget: SoftTokenBudget
+    patch_budget: PatchBudget
     begin_token_id: int
     image_token_id: int
     end_token_id: int
-    def __init__(self, limit: _Optional[int] = ..., tokens_per_image: _Optional[int] = ..., begin_token_id: _Optional[int] = ..., image_token_id: _Optional[int] = ..., end_token_id: _Optional[int] = ...) -> None: ...
+    mark_token_id: int
+    around: str
+    def __init__(self, limit: _Optional[int] = ..., tokens_per_image: _Optional[int] = ..., soft_token_budget: _Optional[_Union[SoftTokenBudget, _Mapping]] = ..., patch_budget: _Optional[_Union[PatchBudget, _Mapping]] = ..., begin_token_id: _Optional[int] = ..., image_token_id: _Optional[int] = ..., end_token_id: _Optional[int] = ..., mark_token_id: _Optional[int] = ..., around: _Optional[str] = ...) -> None: ...
+
+class SoftTokenBudget(_message.Message):
+    __slots__ = ("patch_size", "pooling_kernel_size", "max_soft_tokens")
+    PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    POOLING_KERNEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SOFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    patch_size: int
+    pooling_kernel_size: int
+    max_soft_tokens: int
+    def __init__(self, patch_size: _Optional[int] = ..., pooling_kernel_size: _Optional[int] = ..., max_soft_tokens: _Optional[int] = ...) -> None: ...
+
+class PatchBudget(_message.Message):
+    __slots__ = ("patch_size", "merge_size", "max_patches", "max_side")
+    PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MERGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PATCHES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SIDE_FIELD_NUMBER: _ClassVar[int]
+    patch_size: int
+    merge_size: int
+    max_patches: int
+    max_side: int
+    def __init__(self, patch_size: _Optional[int] = ..., merge_size: _Optional[int] = ..., max_patches: _Optional[int] = ..., max_side: _Optional[int] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
     __slots__ = ("prompt", "sampling", "end_token_ids", "generated", "cache_salt", "images")

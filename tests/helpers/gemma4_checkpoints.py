@@ -167,6 +167,10 @@ def write_tiny_gemma4_multimodal(directory: Path, spec: TinyGemma4Spec, vision: 
     by transformers, plus its image processor (GEMMA4_SOFT_TOKENS per image at most) and the tokenizer."""
     config = Gemma4Config(
         text_config=gemma4_text_config(spec),
+        # The image's ids within the tiny vocabulary, as the release's are within its own (Gemma 3's: the same).
+        boi_token_id=VOCAB - 3,
+        eoi_token_id=VOCAB - 2,
+        image_token_id=VOCAB - 1,
         vision_config={
             "hidden_size": 16,
             "intermediate_size": 32,
@@ -272,20 +276,31 @@ GEMMA3_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
 IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+# Gemma 4's names for them; its template writes an image part as the image token, which its processor expands.
+GEMMA4_IMAGE_TOKENS = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>"}
+GEMMA4_CHAT_TEMPLATE = GEMMA3_CHAT_TEMPLATE.replace("<start_of_image>", "<|image|>")
 
 
-def gemma3_image_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
-    """The test tokenizer with Gemma 3's image tokens as its last three (VOCAB - 3: begin, end, placeholder), named
-    as Gemma 3's tokenizer names them (boi_token, eoi_token, image_token), saved in `directory` and read back."""
-    write_tokenizer(directory, VOCAB - len(IMAGE_TOKENS))
+def gemma3_image_tokenizer(directory: Path, names: dict[str, str] = IMAGE_TOKENS) -> PreTrainedTokenizerBase:
+    """The test tokenizer with the image tokens as its last three (VOCAB - 3: begin, end, placeholder), named as
+    Gemma's tokenizers name them (boi_token, eoi_token, image_token), saved in `directory` and read back."""
+    write_tokenizer(directory, VOCAB - len(names))
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    tokenizer.add_tokens(list(IMAGE_TOKENS.values()), special_tokens=True)
+    tokenizer.add_tokens(list(names.values()), special_tokens=True)
     tokenizer.save_pretrained(directory)
     config_file = directory / "tokenizer_config.json"
-    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"extra_special_tokens": IMAGE_TOKENS}))
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"extra_special_tokens": names}))
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    assert tokenizer.convert_tokens_to_ids(list(IMAGE_TOKENS.values())) == [VOCAB - 3, VOCAB - 2, VOCAB - 1]
+    assert tokenizer.convert_tokens_to_ids(list(names.values())) == [VOCAB - 3, VOCAB - 2, VOCAB - 1]
     return tokenizer
+
+
+def gemma4_image_chat(directory: Path) -> None:
+    """A Gemma 4 multimodal checkpoint's tokenizer with its image tokens, and a chat template writing an image part
+    as Gemma 4's does (the image token)."""
+    tokenizer = gemma3_image_tokenizer(directory, GEMMA4_IMAGE_TOKENS)
+    tokenizer.chat_template = GEMMA4_CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
 
 
 def write_gemma3_eagle3(directory: Path, checkpoint: Path) -> Path:

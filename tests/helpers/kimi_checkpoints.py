@@ -45,9 +45,9 @@ def tiny_kimi_k25_config(spec: TinyDeepseekSpec) -> Kimi_K25Config:
         text_config=tiny_deepseek_config(spec).to_dict(),
         vision_config=vision,
         projection_hidden_size=32,
-        # Outside the text vocabulary, as the release's are; text-only inputs never use them.
-        image_token_id=VOCAB_SIZE + 5,
-        video_token_id=VOCAB_SIZE + 6,
+        # Within the text vocabulary, as the release's are (163605 and 163606 of 163840).
+        image_token_id=VOCAB_SIZE - 5,
+        video_token_id=VOCAB_SIZE - 4,
         tie_word_embeddings=False,
         dtype="float32",
         **TOKEN_IDS,

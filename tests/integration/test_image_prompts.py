@@ -11,7 +11,9 @@ import re
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -20,11 +22,26 @@ import openai
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Gemma3ForConditionalGeneration
+from transformers import (
+    AutoImageProcessor,
+    AutoProcessor,
+    AutoTokenizer,
+    Gemma3ForConditionalGeneration,
+    Gemma4ForConditionalGeneration,
+)
+from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
 
 from tandem.grpc_util import channel_options
 from tandem.wire import target_pb2, target_pb2_grpc
-from tests.helpers.gemma4_checkpoints import VOCAB, write_gemma3_eagle3, write_tiny_gemma3_multimodal
+from tests.helpers.gemma4_checkpoints import (
+    GEMMA4_IMAGE_TOKENS,
+    SPECS,
+    VOCAB,
+    gemma4_image_chat,
+    write_gemma3_eagle3,
+    write_tiny_gemma3_multimodal,
+    write_tiny_gemma4_multimodal,
+)
 from tests.integration.stack import serve, target_process
 
 BOI, EOI, IMAGE = VOCAB - 3, VOCAB - 2, VOCAB - 1
@@ -36,9 +53,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gemma3_multimodal(tmp_path_factory.mktemp("gemma3-served"), seed=4)
 
 
-def png(seed: int) -> bytes:
+def png(seed: int, size: tuple[int, int] = (20, 36)) -> bytes:
     out = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (20, 36, 3), dtype=np.uint8)).save(out, "PNG")
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)).save(out, "PNG")
     return out.getvalue()
 
 
@@ -106,7 +123,9 @@ def test_a_target_serves_image_prompts_as_transformers(checkpoint: Path, tmp_pat
         assert three.error.message == "images: 3 in one prompt, at most 2 (--limit-mm-per-prompt)"
         wrong = step(opening("r4", prompt_with(1), [b"GIF89a not really"]))
         assert wrong.error.message.startswith("images[0]: 17 bytes that are not an image Pillow reads")
-    assert any("image encoder loaded: 4 tokens an image, at most 2 images a prompt" in line for line in log)
+    assert any(
+        "image encoder loaded: FixedCount(tokens_per_image=4), at most 2 images a prompt" in line for line in log
+    )
 
 
 def test_no_image_allowed_loads_no_tower(checkpoint: Path, tmp_path: Path) -> None:
@@ -178,6 +197,56 @@ def test_chat_images_through_the_openai_client_at_tp_2_with_drafts(checkpoint: P
                 client.chat.completions.create(model=checkpoint.name, messages=chat(urls), max_tokens=2)
             error = refused.value.body
             assert isinstance(error, dict) and error["param"] == param and says in error["message"], error
+        metrics = urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=10).read().decode()
+        [drafted] = re.findall(r"^vllm:spec_decode_num_draft_tokens_total\{.*\} ([\d.e+]+)$", metrics, re.MULTILINE)
+        assert float(drafted) > 0
+
+
+def gemma4_processed(checkpoint: Path, images: list[bytes]) -> tuple[list[int], list[int]]:
+    """transformers' answer to chat(images) on Gemma 4: the template's text with each image token replaced as
+    Gemma4Processor replaces it (its full processor needs torchvision), and the greedy tokens after it."""
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    messages = chat(["image"] * len(images))
+    for index in range(len(images)):
+        messages[0]["content"][1 + index] = {"type": "image"}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+    inputs = AutoImageProcessor.from_pretrained(checkpoint, backend="pil")(images=pictures, return_tensors="pt")
+    names = SimpleNamespace(**GEMMA4_IMAGE_TOKENS)
+    pieces = text.split(names.image_token)
+    written = pieces[0] + "".join(
+        Gemma4Processor.replace_image_token(names, inputs, index) + after for index, after in enumerate(pieces[1:])
+    )
+    prompt = tokenizer.encode(written, add_special_tokens=False)
+    ids = torch.tensor([prompt])
+    model = Gemma4ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            ids, pixel_values=inputs["pixel_values"], image_position_ids=inputs["image_position_ids"],
+            mm_token_type_ids=(ids == VOCAB - 1).long(), do_sample=False, max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+        )  # fmt: skip
+    return prompt, out[0, len(prompt) :].tolist()
+
+
+def test_gemma4_chat_images_of_their_own_sizes_at_tp_2_with_drafts(tmp_path: Path) -> None:
+    # Each image takes the soft tokens its size gives (66 and 56 here); its tokens see each other both ways on the
+    # sliding layers ("vision"); an EAGLE3 head drafts over them.
+    spec = replace(SPECS["dense"], extra={"use_bidirectional_attention": "vision"})
+    checkpoint = write_tiny_gemma4_multimodal(tmp_path / "gemma4", spec)
+    gemma4_image_chat(checkpoint)
+    draft = write_gemma3_eagle3(tmp_path, checkpoint)
+    with serve(checkpoint, draft, "--tp", "2", "--limit-mm-per-prompt", '{"image": 2}') as stack:
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        for images in ([png(0, (40, 70))], [png(0, (40, 70)), png(1, (90, 30))]):
+            reply = client.chat.completions.create(
+                model=checkpoint.name, messages=chat([data_url(data) for data in images]), temperature=0,
+                max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            prompt, tokens = gemma4_processed(checkpoint, images)
+            assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
+            assert reply.choices[0].message.content == tokenizer.decode(tokens, skip_special_tokens=True)
         metrics = urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=10).read().decode()
         [drafted] = re.findall(r"^vllm:spec_decode_num_draft_tokens_total\{.*\} ([\d.e+]+)$", metrics, re.MULTILINE)
         assert float(drafted) > 0

@@ -19,8 +19,10 @@ from transformers import AutoImageProcessor, Gemma4ForConditionalGeneration
 from transformers.models.gemma4.processing_gemma4 import Gemma4Processor, get_aspect_ratio_preserving_size
 
 from tandem.models.config import ConfigError
-from tandem.models.gemma4_image_tokens import SOFT_TOKEN_BUDGETS, Gemma4ImageTokens, ImageBudget
+from tandem.models.gemma4_image_tokens import SOFT_TOKEN_BUDGETS, gemma4_image_prompt, read_budget
 from tandem.models.gemma4_vision import VisionConfig, load_gemma4_image_encoder
+from tandem.models.image_encoder import image_encoder_for
+from tandem.models.image_prompt import SoftTokenBudget
 from tests.helpers.gemma4_checkpoints import GEMMA4_SOFT_TOKENS, SPECS, write_tiny_gemma4_multimodal
 
 # (height, width): wide, tall, and one too thin for a row of pooled patches at full scale (one row, 70 tokens).
@@ -67,6 +69,12 @@ def test_image_features_equal_transformers(checkpoints: dict[str, Path], vision:
     for ours, theirs in zip(features, expected, strict=True):
         assert ours.shape == theirs.shape == (theirs.shape[0], 64)
         assert (ours - theirs).abs().max().item() <= 1e-5
+    # The target's encoder, from the image's bytes: the same features, and the prompt's count for its size.
+    encoder = image_encoder_for(checkpoint, torch.float32, "cpu")
+    assert encoder is not None
+    for seed, (size, theirs) in enumerate(zip(SIZES, expected, strict=True)):
+        assert encoder.prompt.tokens(*size) == len(theirs)
+        assert (encoder.features(png(size, seed))[1] - theirs).abs().max().item() <= 1e-5
 
 
 def test_the_clamps_and_the_standardization_change_the_features(checkpoints: dict[str, Path]) -> None:
@@ -105,26 +113,28 @@ def test_the_base_model_names_load_the_same_encoder(checkpoints: dict[str, Path]
 def test_soft_tokens_equal_the_image_processors(checkpoints: dict[str, Path]) -> None:
     checkpoint = checkpoints["plain"]
     processor = AutoImageProcessor.from_pretrained(checkpoint, backend="pil")
-    budget = ImageBudget.read(checkpoint)
-    assert budget == ImageBudget(processor.patch_size, processor.pooling_kernel_size, processor.max_soft_tokens)
+    budget = read_budget(checkpoint)
+    assert budget == SoftTokenBudget(processor.patch_size, processor.pooling_kernel_size, processor.max_soft_tokens)
     assert budget.max_soft_tokens == GEMMA4_SOFT_TOKENS
     sizes = (*SIZES, (1000, 10), (48, 48), (1, 1), (768, 1024))
     counts = processed(checkpoint, sizes)["num_soft_tokens_per_image"].tolist()
-    assert [budget.soft_tokens(height, width) for height, width in sizes] == counts
+    assert [budget.tokens(height, width) for height, width in sizes] == counts
     # Every budget, on sizes drawn at random: the resized sides equal transformers' processor's.
     generator = np.random.default_rng(5)
     for max_soft_tokens in SOFT_TOKEN_BUDGETS:
-        other = ImageBudget(16, 3, max_soft_tokens)
+        other = SoftTokenBudget(16, 3, max_soft_tokens)
         for height, width in generator.integers(1, 4000, (40, 2)).tolist():
             expected = get_aspect_ratio_preserving_size(height, width, 16, max_soft_tokens * 9, 3)
             assert other.resized(height, width) == expected
 
 
 def test_an_image_token_expands_as_the_processor_writes_it() -> None:
-    tokens = Gemma4ImageTokens.from_hf({})
-    assert tokens == Gemma4ImageTokens(255_999, 258_880, 258_882)  # Gemma4Config's defaults
-    small = Gemma4ImageTokens.from_hf({"boi_token_id": 7, "image_token_id": 8, "eoi_token_id": 9})
-    assert small == Gemma4ImageTokens(7, 8, 9) and small.expansion(2) == [7, 8, 8, 9]
+    budget = SoftTokenBudget(16, 3, 280)
+    tokens = gemma4_image_prompt({}, budget)
+    assert (tokens.begin_token_id, tokens.image_token_id, tokens.end_token_id) == (255_999, 258_880, 258_882)
+    assert tokens.mark_token_id == tokens.image_token_id and tokens.around == ""  # Gemma4Config's defaults
+    small = gemma4_image_prompt({"boi_token_id": 7, "image_token_id": 8, "eoi_token_id": 9}, budget)
+    assert small.expansion(2) == [7, 8, 8, 9]
     # Gemma4Processor's own replacement (it cannot be built here: its video processor needs torchvision), with token
     # strings that, as Gemma 4's, share a prefix.
     names = SimpleNamespace(boi_token="<|image>", image_token="<|image|>", eoi_token="<image|>")
@@ -144,4 +154,4 @@ def test_bad_configs_are_refused_naming_the_field(checkpoints: dict[str, Path], 
         VisionConfig.from_hf(bad_head)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 100}))
     with pytest.raises(ConfigError, match=r"max_soft_tokens: 100 is not one of \(70, 140, 280, 560, 1120\)"):
-        ImageBudget.read(tmp_path)
+        read_budget(tmp_path)

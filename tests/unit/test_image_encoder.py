@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, Gemma3ForConditionalGeneration
 
-from tandem.models.image_encoder import ImageError, LocalImageEncoder
+from tandem.models.image_encoder import ImageError, image_encoder_for
+from tandem.models.image_prompt import FixedCount
 from tests.helpers.gemma4_checkpoints import write_tiny_gemma3_multimodal
 
 VISION = {"image_size": 56, "patch_size": 14, "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 48}
@@ -41,13 +42,16 @@ def test_an_images_bytes_give_transformers_features(checkpoint: Path, kind: str)
     model = Gemma3ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = model.model.get_image_features(pixel_values=pixels).pooler_output[0]
-    encoder = LocalImageEncoder(checkpoint)
+    encoder = image_encoder_for(checkpoint, torch.float32, "cpu")
+    assert encoder is not None and encoder.prompt.count == FixedCount(4)
     digest, features = encoder.features(data)
-    assert digest == hashlib.sha256(data).hexdigest() and encoder.placeholders.tokens_per_image == 4
+    assert digest == hashlib.sha256(data).hexdigest()
     assert features.shape == (4, 64) and (features - expected).abs().max().item() <= 1e-5
     assert encoder.features(data)[1] is features  # kept: not encoded again
 
 
 def test_bytes_that_are_not_an_image_are_refused(checkpoint: Path) -> None:
     with pytest.raises(ImageError, match="11 bytes that are not an image Pillow reads"):
-        LocalImageEncoder(checkpoint).features(b"hello world")
+        encoder = image_encoder_for(checkpoint, torch.float32, "cpu")
+        assert encoder is not None
+        encoder.features(b"hello world")

@@ -19,7 +19,8 @@ from transformers import Kimi_K25ForConditionalGeneration, PreTrainedTokenizerFa
 from transformers.image_processing_utils import BatchFeature
 
 from tandem.models.config import ConfigError
-from tandem.models.kimi_image_processor import KimiImageProcessor, KimiPlaceholders
+from tandem.models.image_encoder import image_encoder_for
+from tandem.models.kimi_image_processor import KimiImageProcessor, kimi_image_prompt
 from tandem.models.kimi_vision import KimiVisionConfig, load_kimi_image_encoder
 from tests.helpers.deepseek_checkpoints import TinyDeepseekSpec
 from tests.helpers.kimi_checkpoints import to_hub_layout, write_tiny_kimi_k25
@@ -90,6 +91,18 @@ def test_image_features_equal_transformers(
         assert (image - reference).abs().max().item() <= 1e-5
 
 
+def test_the_targets_encoder_gives_the_same_features_from_the_bytes(
+    checkpoints: dict[str, Path], expected: tuple[torch.Tensor, ...]
+) -> None:
+    hub = checkpoints["hub"]
+    KimiImageProcessor(**PROCESSING).save_pretrained(hub)  # the processor's settings in preprocessor_config.json
+    encoder = image_encoder_for(hub, torch.float32, "cpu")
+    assert encoder is not None
+    for seed, (size, reference, tokens) in enumerate(zip(SIZES, expected, TOKENS, strict=True)):
+        assert encoder.prompt.tokens(*size) == tokens
+        assert (encoder.features(png(*size, seed=seed))[1] - reference).abs().max().item() <= 1e-5
+
+
 def test_pixels_equal_transformers_processor() -> None:
     # RGB of three sizes, RGBA (composited on white) and grey, through the same PNG bytes.
     images = [opened(png(height, width, seed=index)) for index, (height, width) in enumerate(SIZES)]
@@ -120,8 +133,9 @@ def test_placeholder_counts_equal_transformers_processor(checkpoints: dict[str, 
     tokens = budget.tokens(40, 70)
     assert prompt[start : start + len(written) + tokens + 1] == [*written, *[pad] * tokens, end]
     config = json.loads((checkpoints["transformers"] / "config.json").read_text())
-    ids = KimiPlaceholders.from_hf(config, budget)
-    assert (ids.begin_token_id, ids.image_token_id, ids.end_token_id) == (163602, 325, 163604)
+    ids = kimi_image_prompt(config, budget)
+    assert (ids.mark_token_id, ids.image_token_id, ids.begin_token_id, ids.end_token_id) == (315, 315, None, None)
+    assert ids.expansion(3) == [315] * 3 and ids.count == budget
 
 
 def test_a_projection_size_other_than_the_towers_is_refused(checkpoints: dict[str, Path]) -> None:

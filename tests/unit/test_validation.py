@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import re
 from dataclasses import replace
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from orchestrator.loop.prompt_images import ImageLayout
@@ -23,6 +25,7 @@ from orchestrator.loop.validation import (
     with_stop_masking,
 )
 from orchestrator.peers.backends import PromptImage
+from tandem.models.image_prompt import FixedCount, ImagePrompt, PatchBudget
 from tandem.sampling.params import SamplingParams
 from tandem.wire.orchestrator_pb2 import GenerateRequest
 from tests.helpers.tokenizer import write_tokenizer
@@ -243,24 +246,45 @@ def test_penalties_and_biases_out_of_range_are_refused(
     assert_refused(tokenizer, GenerateRequest(input_ids=[5], **fields), message)
 
 
+def png(height: int, width: int) -> bytes:
+    data = io.BytesIO()
+    Image.new("RGB", (width, height), (height, width, 7)).save(data, format="PNG")
+    return data.getvalue()
+
+
 def test_images_fill_their_placeholder_runs_in_order_and_salt_the_cache(tokenizer: PreTrainedTokenizerBase) -> None:
     # A target announcing begin 300, two placeholders of id 302, end 301, at most 2 images a prompt.
-    limits = replace(LIMITS, images=ImageLayout(2, 2, 300, 302, 301))
+    limits = replace(LIMITS, images=ImageLayout(2, ImagePrompt(300, 302, 300, 301, "", FixedCount(2))))
     prompt = [5, 300, 302, 302, 301, 6, 300, 302, 302, 301, 7]
-    request = GenerateRequest(input_ids=prompt, images=[b"one", b"two"], cache_salt="s")
+    one, two = png(4, 6), png(9, 3)
+    request = GenerateRequest(input_ids=prompt, images=[one, two], cache_salt="s")
     validated = validate_request(request, tokenizer, limits)
-    digests = [hashlib.sha256(data).hexdigest() for data in (b"one", b"two")]
-    assert validated.images == (PromptImage(2, 4, b"one", digests[0]), PromptImage(7, 9, b"two", digests[1]))
+    digests = [hashlib.sha256(data).hexdigest() for data in (one, two)]
+    assert validated.images == (PromptImage(2, 4, one, digests[0]), PromptImage(7, 9, two, digests[1]))
     assert validated.cache_salt == f"s|image {digests[0]}|image {digests[1]}"
     for images, message in [
-        ([b"one"], "images: 1 sent for a prompt holding 2 image placeholders"),
-        ([b"1", b"2", b"3"], "images: 3 in one prompt, at most 2 (--limit-mm-per-prompt)"),
+        ([one], "images: 1 sent for a prompt holding 2 image placeholder runs"),
+        ([one, one, two], "images: 3 in one prompt, at most 2 (--limit-mm-per-prompt)"),
+        ([one, b"two"], "images[1]: 3 bytes that are not an image Pillow reads"),
     ]:
         with pytest.raises(InvalidRequest, match=f"^{re.escape(message)}"):
             validate_request(GenerateRequest(input_ids=prompt, images=images), tokenizer, limits)
-    short = GenerateRequest(input_ids=[5, 300, 302, 301], images=[b"one"])
+    short = GenerateRequest(input_ids=[5, 300, 302, 301], images=[one])
     with pytest.raises(InvalidRequest, match=r"^prompt: a run of 1 image placeholder tokens \(id 302\) at token 2"):
         validate_request(short, tokenizer, limits)
+
+
+def test_each_image_takes_the_placeholders_its_size_does(tokenizer: PreTrainedTokenizerBase) -> None:
+    # Kimi-K2.5's rule with 2-pixel patches, one placeholder a patch: a 2 x 4 image takes 2, a 4 x 4 one 4.
+    budget = PatchBudget(patch_size=2, merge_size=1, max_patches=100, max_side=100)
+    limits = replace(LIMITS, images=ImageLayout(2, ImagePrompt(302, 302, None, None, "", budget)))
+    prompt = [5, 302, 302, 6, 302, 302, 302, 302, 7]
+    small, square = png(2, 4), png(4, 4)
+    assert len(validate_request(GenerateRequest(input_ids=prompt, images=[small, square]), tokenizer, limits).images)
+    swapped = GenerateRequest(input_ids=prompt, images=[square, small])
+    with pytest.raises(InvalidRequest, match=r"^prompt: a run of 2 image .* at token 1; images\[0\] takes 4"):
+        validate_request(swapped, tokenizer, limits)
+
     # A target serving no images refuses them before anything is read.
     with pytest.raises(InvalidRequest, match=r"^images: 1 sent, the target serves no images"):
         check_bounds(GenerateRequest(input_ids=[5], images=[b"one"]), LIMITS)
