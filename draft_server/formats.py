@@ -30,6 +30,7 @@ import torch
 
 from draft_server.block_runner import BlockRunner
 from draft_server.compat import IncompatibleDraft, check_compatibility
+from draft_server.image_inputs import takes_merged
 from draft_server.mtp_runner import MTPRunner
 from draft_server.prefixes import Attached, DraftPrefixes
 from draft_server.runner import DraftModel, DraftRequestError, DraftRunner, ProposeInput
@@ -134,6 +135,7 @@ class PreparedDraft:
     fill_table: Callable[[str, torch.Tensor], None]  # (name, [vocab, hidden] table)
     build_runner: Callable[[KVCacheSettings], ProposalRunner]  # once every missing table is filled
     tokens_only: bool = False  # the draft takes committed tokens and no hidden states (capture.indices is empty)
+    image_embeddings: bool = False  # takes the target's embedding of an image's tokens (draft_server.image_inputs)
 
     def build_proposer(self, cache: KVCacheSettings, tree: TreeShape) -> ProposalRunner:
         """The runner the replica drafts with: the draft's own, expanded into trees with tree.topk > 1 (EAGLE3 and
@@ -156,7 +158,13 @@ def prepare_draft(settings: DraftSettings, info: target_pb2.TargetInfo) -> Prepa
     if prepare is None:
         known = ", ".join(sorted(DRAFT_FORMATS))
         raise ConfigError(f"architectures: {architectures[0]!r} is not a draft this server runs ({known})")
-    return prepare(settings, info)
+    prepared = prepare(settings, info)
+    if settings.image_embeddings == "merged" and not prepared.image_embeddings:
+        raise IncompatibleDraft(
+            f"--image-embeddings merged: a {prepared.kind} draft embeds only its own tokens (EAGLE3 and NextN heads "
+            "take the target's image embeddings)"
+        )
+    return prepared
 
 
 def _prepare_eagle3(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
@@ -170,13 +178,15 @@ def _prepare_eagle3(settings: DraftSettings, info: target_pb2.TargetInfo) -> Pre
         default_indices=target_architecture(info.architecture).default_capture_indices,
     )
     config = model.config
+    merged = takes_merged(settings.image_embeddings, config.image_embeddings, config.hidden_size, info.hidden_size)
     LOG.info(
-        "EAGLE3 head: draft vocabulary %d of %d (%s); embedding %s, rows %s",
+        "EAGLE3 head: draft vocabulary %d of %d (%s); embedding %s, rows %s; an image's tokens embedded as %s",
         config.draft_vocab_size,
         config.vocab_size,
         "the full vocabulary" if config.draft_vocab_size == config.vocab_size else "mapped through d2t",
         "from the checkpoint" if has_embedding else "the target's raw table, pulled at start-up",
         "as stored" if config.embedding_scale is None else f"scaled by {config.embedding_scale:.4g} (scale_embeddings)",
+        "the target's input (merged)" if merged else "the placeholder token",
     )
 
     def fill(name: str, table: torch.Tensor) -> None:
@@ -189,6 +199,7 @@ def _prepare_eagle3(settings: DraftSettings, info: target_pb2.TargetInfo) -> Pre
         missing_tables=() if has_embedding else ("embed_tokens",),
         fill_table=fill,
         build_runner=lambda cache: DraftRunner(model, cache),
+        image_embeddings=merged,
     )
 
 
@@ -241,6 +252,9 @@ def _prepare_mtp(settings: DraftSettings, info: target_pb2.TargetInfo) -> Prepar
         missing_tables=tuple(loaded.missing_shared),
         fill_table=mtp.fill_shared,  # type: ignore[arg-type]
         build_runner=build,
+        # NextN reuses its one layer at every step like an EAGLE3 head; a chain's layers take only their own tokens.
+        image_embeddings=config.style == "nextn"
+        and takes_merged(settings.image_embeddings, None, config.hidden_size, info.hidden_size),
     )
 
 

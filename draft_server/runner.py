@@ -11,6 +11,7 @@ Draft KV written by steps j >= 2 is speculative: the next ingest truncates back 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -26,8 +27,11 @@ from tandem.layers.kv_cache import CacheLayout, OutOfKVBlocks, PagedKVCache, Seq
 from tandem.layers.matmul import prepack
 from tandem.layers.page_table import PageTable
 from tandem.models.eagle3 import DraftStep
+from tandem.models.stack import Embeddings
 from tandem.sampling.processing import Shaping
 from tandem.settings import KVCacheSettings
+from tandem.wire import target_pb2
+from tandem.wire.codec import tensor_from_proto
 
 
 class DraftModelConfig(Protocol):
@@ -53,6 +57,7 @@ class DraftModel(Protocol):
         metadata: AttentionMetadata,
         cache: PagedKVCache,
         logit_rows: torch.Tensor | None = None,  # [rows] the rows whose logits are wanted; None: every row
+        embeddings: Embeddings | None = None,  # rows embedded as given (the target's at an image's tokens)
     ) -> DraftStep: ...
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...  # [n] -> [n]
 
@@ -69,6 +74,19 @@ class TargetRows:
     next_tokens: Sequence[int]  # [n]
     features: torch.Tensor  # [n, num_aux * target_hidden]
     prefix: RequestPrefix | None = None  # on rows that start the request over, from a target that names prefixes
+    # Rows whose next token is an image's placeholder, and the target's embedding of it (SubscribeRequest's
+    # image_embeddings); None: none
+    image_embeddings: Embeddings | None = None
+
+    @classmethod
+    def of(cls, message: target_pb2.HiddenStates) -> TargetRows:
+        """The rows of one message of the target's stream."""
+        prefix = RequestPrefix(tuple(message.prefix_tokens), message.cache_salt) if message.prefix_tokens else None
+        images = None
+        if message.image_rows:
+            images = (torch.tensor(message.image_rows), tensor_from_proto(message.image_embeddings))
+        features = tensor_from_proto(message.features)
+        return cls(message.start_position, list(message.next_tokens), features, prefix, images)
 
     def followed_by(self, later: TargetRows) -> TargetRows:
         """These rows and the ones the target sent next for the same round (a long prompt comes in chunks)."""
@@ -76,7 +94,19 @@ class TargetRows:
         if later.start_position != end:
             raise DraftRequestError(f"rows at position {later.start_position} do not continue rows ending at {end}")
         features = torch.cat([self.features, later.features])
-        return TargetRows(self.start_position, [*self.next_tokens, *later.next_tokens], features, self.prefix)
+        tokens = [*self.next_tokens, *later.next_tokens]
+        images = joined_rows([self.image_embeddings, later.image_embeddings], [0, len(self.next_tokens)])
+        return TargetRows(self.start_position, tokens, features, self.prefix, images)
+
+
+def joined_rows(parts: Sequence[Embeddings | None], offsets: Sequence[int]) -> Embeddings | None:
+    """Embedded rows of consecutive row ranges, each range's rows moved by its offset, as one."""
+    rows, values = [], []
+    for part, offset in zip(parts, offsets, strict=True):
+        if part is not None:
+            rows.append(part[0] + offset)
+            values.append(part[1])
+    return (torch.cat(rows), torch.cat(values)) if rows else None
 
 
 Kept = TypeVar("Kept")
@@ -221,8 +251,13 @@ class DraftRunner:
         features = torch.cat([item.rows.features for item in inputs]).to(device=device, dtype=self._dtype)
         input_ids = torch.tensor([t for item in inputs for t in item.rows.next_tokens], device=device)
         last_rows = metadata.page_table.last_rows()  # [num_requests]
+        offsets = itertools.accumulate((len(item.rows.next_tokens) for item in inputs[:-1]), initial=0)
+        images = joined_rows([item.rows.image_embeddings for item in inputs], list(offsets))
+        if images is not None:
+            images = (images[0].to(device), images[1].to(device=device, dtype=self._dtype))
         # Only each request's last row drafts: the LM head runs on those rows alone.
-        step = self.model(input_ids, self.model.project_features(features), metadata, self.cache, last_rows)
+        hidden = self.model.project_features(features)
+        step = self.model(input_ids, hidden, metadata, self.cache, last_rows, embeddings=images)
         if self.prefixes is not None:
             for request, item in zip(requests, inputs, strict=True):
                 self.prefixes.ingested(request, item.rows)

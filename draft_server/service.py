@@ -22,7 +22,6 @@ import grpc
 
 from draft_server.ahead import DraftedAhead, Key, drafting_failure, drop_stale, settle, timed_proposals, usable_drafts
 from draft_server.formats import PreparedDraft, ProposalRunner, ingest_final_rows, propose_what_fits
-from draft_server.prefixes import RequestPrefix
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
 from draft_server.shaping import Shapings
@@ -32,7 +31,6 @@ from tandem.leases import Leases, leased_call, leased_stream
 from tandem.model_thread import ModelThread
 from tandem.sampling.draft_tree import DraftTree
 from tandem.wire import draft_pb2, draft_pb2_grpc, target_pb2
-from tandem.wire.codec import tensor_from_proto
 from tandem.wire.drafts import tree_to_proto
 
 LOG = logging.getLogger(__name__)
@@ -88,9 +86,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             # while (and its stream here may have dropped).
             self.leases.seen(owner, time.monotonic())
         self._shaping.note(message)
-        prefix = RequestPrefix(tuple(message.prefix_tokens), message.cache_salt) if message.prefix_tokens else None
-        features = tensor_from_proto(message.features)
-        rows = TargetRows(message.start_position, list(message.next_tokens), features, prefix)
+        rows = TargetRows.of(message)
         key = (message.request_id, message.round)
         earlier = self._rows.get(key)
         if earlier is not None:

@@ -22,6 +22,9 @@ MTP_FEEDBACKS: tuple[MTPFeedback, ...] = ("auto", "post_norm", "pre_norm")
 # Multi-layer MTP: layer k consumes layer k - 1's output ("chain", Step-3.5) or the target's hidden too.
 MTPMode = Literal["chain", "independent"]
 MTP_MODES: tuple[MTPMode, ...] = ("chain", "independent")
+# The input embedding an EAGLE3 or NextN draft takes at an image's tokens (draft_server.image_inputs).
+ImageEmbeddings = Literal["checkpoint", "placeholder", "merged"]
+IMAGE_EMBEDDINGS: tuple[ImageEmbeddings, ...] = ("checkpoint", "placeholder", "merged")
 
 
 def default_replica_id() -> str:
@@ -75,6 +78,16 @@ class DraftSettings:
             "--mtp-mode",
             "multi-layer MTP drafts: layer k reads layer k-1's output (chain) or the target's hidden",
             choices=MTP_MODES,
+        ),
+    )
+    image_embeddings: ImageEmbeddings = field(
+        default="checkpoint",
+        metadata=flag(
+            "--image-embeddings",
+            "EAGLE3 and NextN drafts: the input embedding of an image's tokens, the placeholder token's (as vLLM) or "
+            "the target's merged one, the image's features (as SGLang); checkpoint: the EAGLE3 config's "
+            "image_embeddings, else placeholder",
+            choices=IMAGE_EMBEDDINGS,
         ),
     )
     target_security: TransportSecurity = field(default_factory=Insecure)  # the channel to the target

@@ -52,6 +52,7 @@ async def start_draft(settings: DraftSettings) -> tuple[DraftService, list[async
         tokens_only=prepared.tokens_only,
         prefix_caching=runner.prefixes is not None,  # the target then skips what its own prefix cache holds
         prefix_shift=runner.prefixes.shift if runner.prefixes is not None else 0,
+        image_embeddings=prepared.image_embeddings,
     )
     consumer = asyncio.create_task(
         follow_target(service, target, subscribe), name="hidden-state stream from the target"

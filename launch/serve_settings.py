@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draft_server.settings import DraftSettings, MTPFeedback, MTPMode
+from draft_server.settings import DraftSettings, ImageEmbeddings, MTPFeedback, MTPMode
 from launch.stack_security import ServeSecurity
 from orchestrator.settings import (
     AdminSettings,
@@ -87,6 +87,9 @@ class ServeSettings:
         default=DraftSettings.mtp_feedback, metadata=flag_of(DraftSettings, "mtp_feedback")
     )
     mtp_mode: MTPMode = field(default=DraftSettings.mtp_mode, metadata=flag_of(DraftSettings, "mtp_mode"))
+    image_embeddings: ImageEmbeddings = field(
+        default=DraftSettings.image_embeddings, metadata=flag_of(DraftSettings, "image_embeddings")
+    )
     security: ServeSecurity = field(default_factory=ServeSecurity, metadata=nested())  # API key, admin port, TLS
     # Every service's (and the launcher's) --keepalive-timeout.
     keepalive_timeout_s: float = field(
@@ -162,6 +165,7 @@ class ServeSettings:
             threads=self.draft_threads,
             mtp_feedback=self.mtp_feedback,
             mtp_mode=self.mtp_mode,
+            image_embeddings=self.image_embeddings,
         )
 
     def admin_settings(self, ready_file: Path | None = None, allowed: Sequence[str] = ()) -> AdminSettings:

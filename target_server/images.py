@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from tandem.models.stack import Embeddings
+from tandem.wire import target_pb2
+from tandem.wire.codec import tensor_to_proto
 from target_server.items import ImageInput
 
 
@@ -40,3 +42,20 @@ class StepImages:
         if not self._rows:
             return None
         return torch.cat(self._rows).to(device), torch.cat(self._features).to(device)
+
+
+def add_image_embeddings(message: target_pb2.HiddenStates, images: Sequence[ImageInput]) -> None:
+    """Adds to a replica's rows the target's embedding of each next token that is an image's placeholder (the
+    image's feature): row i pairs with the token at position start_position + i + 1. Example: rows from position 10,
+    5 of them, an image at tokens 12..15: rows 1..4 carry the image's features 0..3."""
+    first, count = message.start_position + 1, len(message.next_tokens)
+    rows: list[int] = []
+    values = []
+    for image in images:
+        low, high = max(image.start, first), min(image.end, first + count)
+        if low < high:
+            rows += range(low - first, high - first)
+            values.append(image.features[low - image.start : high - image.start])
+    if rows:
+        message.image_rows.extend(rows)
+        message.image_embeddings.CopyFrom(tensor_to_proto(torch.cat(values)))

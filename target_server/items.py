@@ -45,6 +45,7 @@ class RowStream:
     # cache are not streamed, and the rows that start a request carry its tokens up to them (CapturedRows.prefix).
     prefix_caching: bool = False
     prefix_shift: int = 1  # the draft's state of row p depends on x[0 .. p + prefix_shift] (SubscribeRequest)
+    image_embeddings: bool = False  # rows before an image's tokens carry their embeddings (SubscribeRequest)
 
     @property
     def streams(self) -> bool:

@@ -24,6 +24,7 @@ from tandem.wire.codec import DEFAULT_CHUNK_BYTES, ShardOf, iter_weight_chunks, 
 from tandem.wire.drafts import tree_from_proto
 from tandem.wire.logprobs import logprobs_to_proto
 from tandem.wire.sampling import sampling_from_proto, sampling_to_proto
+from target_server.images import add_image_embeddings
 from target_server.items import (
     MAX_DRAFT_TOKENS,
     TARGET_ONLY,
@@ -216,6 +217,9 @@ class TargetService(target_pb2_grpc.TargetServicer):
             if result.captured.prefix and request is not None:
                 chunks[0].prefix_tokens.extend(result.captured.prefix)
                 chunks[0].cache_salt = request.cache_salt
+            if subscriber.stream.image_embeddings and request is not None and request.images:
+                for chunk in chunks:
+                    add_image_embeddings(chunk, request.images)
             if message.draft_ahead > 0 and result.new_tokens:  # the round's rows are complete: it may draft now
                 chunks[-1].draft_ahead = message.draft_ahead
             outbox.setdefault(replica, []).extend(chunks)
@@ -286,7 +290,8 @@ class TargetService(target_pb2_grpc.TargetServicer):
         if replaced is not None:
             replaced.queue.put_nowait(None)
         caching = request.prefix_caching and bool(capture)
-        subscriber = Subscriber(RowStream(capture, request.tokens_only, caching, request.prefix_shift))
+        stream = RowStream(capture, request.tokens_only, caching, request.prefix_shift, request.image_embeddings)
+        subscriber = Subscriber(stream)
         self.subscribers[request.replica_id] = subscriber
         what = "tokens only" if request.tokens_only else f"capture indices {list(capture)}"
         again = " again (its earlier stream ended here)" if replaced is not None else ""

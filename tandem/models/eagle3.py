@@ -42,6 +42,7 @@ from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ConfigError, FamilyTraits, ModelConfig, read_hf_config
 from tandem.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3DraftLayerConfig
 from tandem.models.llama import LlamaDecoderLayer
+from tandem.models.stack import Embeddings, replaced
 from tandem.weights.loader import (
     MLA_A_PROJECTION_PARTS,
     PACKED_PARTS,
@@ -146,6 +147,9 @@ class Eagle3Config:
     norm_before_fc: bool  # one RMSNorm over the whole concatenation before fc
     norm_output: bool  # carry the post-norm hidden to the next step instead of the pre-norm stream
     embedding_scale: float | None  # rows times sqrt(hidden) when the config sets scale_embeddings; None: as stored
+    # This project's key: an image's tokens embedded as the "placeholder" token's or the target's "merged" input
+    # (draft_server.image_inputs); None: unset
+    image_embeddings: str | None = None
 
     @property
     def hidden_size(self) -> int:
@@ -188,7 +192,14 @@ class Eagle3Config:
             norm_before_fc=bool(eagle.get("norm_before_fc", hf.get("norm_before_fc", False))),
             norm_output=bool(hf.get("norm_output", False)),
             embedding_scale=layer.hidden_size**0.5 if hf.get("scale_embeddings", False) else None,
+            image_embeddings=_image_embeddings(hf.get("image_embeddings")),
         )
+
+
+def _image_embeddings(value: object) -> str | None:
+    if value is not None and value not in ("placeholder", "merged"):
+        raise ConfigError(f"image_embeddings: {value!r} is not 'placeholder' or 'merged'")
+    return None if value is None else str(value)
 
 
 @dataclass(frozen=True)
@@ -234,8 +245,9 @@ class Eagle3Draft(nn.Module):
         metadata: AttentionMetadata,
         cache: PagedKVCache,  # laid out as config.cache_layout
         logit_rows: torch.Tensor | None = None,  # [rows] the rows whose logits are wanted; None: every row
+        embeddings: Embeddings | None = None,  # rows embedded as given: the target's at an image's tokens
     ) -> DraftStep:
-        embedded = self.layer.input_layernorm(self.embedded(input_ids))
+        embedded = self.layer.input_layernorm(replaced(self.embedded(input_ids), embeddings))
         attention_input = torch.cat([embedded, self.hidden_norm(hidden)], dim=-1)  # [num_tokens, 2 * hidden]
         stream = self.layer(hidden, metadata, cache, attention_input=attention_input)
         normed = self.norm(stream)

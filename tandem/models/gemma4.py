@@ -40,7 +40,7 @@ from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.gemma4_config import Gemma4Config, kv_row_layout
 from tandem.models.gemma4_layers import Gemma4Attention, Gemma4Experts, Gemma4Router, ProducedKV
-from tandem.models.stack import Backbone, CausalLM, Embeddings, TargetOutput, run_layers
+from tandem.models.stack import Backbone, CausalLM, Embeddings, TargetOutput, replaced, run_layers
 from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
 
 
@@ -166,9 +166,7 @@ class Gemma4ForCausalLM(CausalLM[Gemma4Config]):
         # per-layer inputs are the pad token's row and the features' projection, as transformers' Gemma4Model has it.
         ids = input_ids if embeddings is None else input_ids.index_fill(0, embeddings[0], self.config.pad_token_id)
         embedded = scaled(self.model.embed_tokens(ids), self.config.hidden_size**0.5)  # [num_tokens, hidden]
-        if embeddings is not None:
-            rows, values = embeddings
-            embedded = embedded.index_copy(0, rows, values.to(embedded.dtype))
+        embedded = replaced(embedded, embeddings)
         per_layer = self.model.per_layer_inputs(ids, embedded)
         produced: ProducedKV = {}  # filled by the K/V-keeping layers, read by the KV-shared ones
         calls = [

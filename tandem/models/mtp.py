@@ -56,6 +56,7 @@ from tandem.models.deepseek_v3 import DeepseekV3Config, DeepseekV3DecoderLayer
 from tandem.models.eagle3 import DraftStep, checkpoint_has
 from tandem.models.llama import LlamaDecoderLayer
 from tandem.models.registry import keep_float32, target_architecture
+from tandem.models.stack import Embeddings, replaced
 from tandem.models.step3p5_mtp import Step3p5MTPConfig, Step3p5Rotaries, step3p5_mtp_block
 from tandem.weights.loader import CheckpointError, NameMap, iter_tensors, load_weights, materialized, on_meta
 
@@ -282,10 +283,12 @@ class MTPModel(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden]
         metadata: AttentionMetadata,
         cache: PagedKVCache,  # one layer, laid out as config.cache_layout; each MTP layer has its own sequences
+        embeddings: Embeddings | None = None,  # rows embedded as given: the target's at an image's tokens
     ) -> MTPLayerOutput:
         if self.unfilled_shared:
             raise RuntimeError(f"MTP draft: shared tables {sorted(self.unfilled_shared)} not filled from the target")
-        output: MTPLayerOutput = self.layers[index](self.embed_tokens(input_ids), hidden, metadata, cache)
+        embedded = replaced(self.embed_tokens(input_ids), embeddings)
+        output: MTPLayerOutput = self.layers[index](embedded, hidden, metadata, cache)
         return output
 
     def compute_logits(self, normed: torch.Tensor, layer: int = 0) -> torch.Tensor:  # [n, hidden] -> [n, vocab] f32
@@ -325,8 +328,9 @@ class NextNDraft(nn.Module):
         metadata: AttentionMetadata,
         cache: PagedKVCache,
         logit_rows: torch.Tensor | None = None,  # [rows] the rows whose logits are wanted; None: every row
+        embeddings: Embeddings | None = None,  # rows embedded as given: the target's at an image's tokens
     ) -> DraftStep:
-        output = self.mtp.run_layer(0, input_ids, hidden, metadata, cache)
+        output = self.mtp.run_layer(0, input_ids, hidden, metadata, cache, embeddings)
         carried = output.normed if self.feedback == "post_norm" else output.stream
         normed = output.normed if logit_rows is None else output.normed[logit_rows]
         return DraftStep(hidden=carried, logits=self.mtp.compute_logits(normed))

@@ -130,6 +130,14 @@ ConfigT = TypeVar("ConfigT", bound=CausalLMConfig)
 Embeddings = tuple[torch.Tensor, torch.Tensor]
 
 
+def replaced(embedded: torch.Tensor, embeddings: Embeddings | None) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+    """The embedded tokens with the given rows' embeddings in place of their token's."""
+    if embeddings is None:
+        return embedded
+    rows, values = embeddings
+    return embedded.index_copy(0, rows, values.to(embedded.dtype))
+
+
 class CausalLM(nn.Module, Generic[ConfigT]):
     """A family's backbone with its LM head: the interface every target offers (tandem.models.registry.TargetModel).
 
@@ -173,9 +181,7 @@ class CausalLM(nn.Module, Generic[ConfigT]):
             # in bfloat16), so that bf16 streams match the reference bit for bit.
             scale = torch.tensor(self.embedding_scale, dtype=torch.float32, device=hidden.device)
             hidden = hidden * scale.to(hidden.dtype)
-        if embeddings is not None:
-            rows, values = embeddings
-            hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
+        hidden = replaced(hidden, embeddings)
         return run_layers(hidden, self.model.layers, self.model.norm, metadata, cache, capture)
 
     @property

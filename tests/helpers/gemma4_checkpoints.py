@@ -303,10 +303,16 @@ def gemma4_image_chat(directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def write_gemma3_eagle3(directory: Path, checkpoint: Path) -> Path:
-    """A random EAGLE3 head (with its own embedding) for the text model of the Gemma 3 multimodal `checkpoint`."""
+def write_gemma3_eagle3(directory: Path, checkpoint: Path, image_embeddings: str | None = None) -> Path:
+    """A random EAGLE3 head for the text model of the multimodal `checkpoint`: narrower than the target with its own
+    embedding, or, with `image_embeddings` (the config key), as wide as the target, taking the target's table."""
     shape = directory / "target-shape"
     shape.mkdir(parents=True)
     (shape / "config.json").write_text(json.dumps(json.loads((checkpoint / "config.json").read_text())["text_config"]))
-    spec = TinyEagle3Spec(hidden_size=32, include_embedding=True, layer_ids=[0, 1, 2])
-    return write_tiny_eagle3(directory / "draft", shape, spec)
+    if image_embeddings is None:
+        spec = TinyEagle3Spec(hidden_size=32, include_embedding=True, layer_ids=[0, 1, 2])
+        return write_tiny_eagle3(directory / "draft", shape, spec)
+    draft = write_tiny_eagle3(directory / "draft", shape, TinyEagle3Spec(layer_ids=[0, 1, 2]))
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps(config | {"image_embeddings": image_embeddings}))
+    return draft

@@ -167,11 +167,12 @@ def processed(checkpoint: Path, images: list[bytes]) -> tuple[list[int], list[in
 
 def test_chat_images_through_the_openai_client_at_tp_2_with_drafts(checkpoint: Path, tmp_path: Path) -> None:
     # At tp 2 rank 0 encodes the images and sends the features to rank 1 with the step; the EAGLE3 head drafts over
-    # the image's rows (a random head: its drafts are verified, the output is the target's).
+    # the image's rows (a random head: its drafts are verified, the output is the target's), embedding the image's
+    # tokens as the target's input (its config's image_embeddings "merged": the target sends it the features).
     media = tmp_path / "media"
     media.mkdir()
     (media / "b.png").write_bytes(png(1))
-    draft = write_gemma3_eagle3(tmp_path, checkpoint)
+    draft = write_gemma3_eagle3(tmp_path, checkpoint, image_embeddings="merged")
     limit = '{"image": 2}'
     flags = ["--tp", "2", "--limit-mm-per-prompt", limit, "--allowed-local-media-path", str(media)]
     with serve(checkpoint, draft, *flags) as stack:
