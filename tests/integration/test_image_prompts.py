@@ -1,13 +1,15 @@
 """Image prompts: chat requests with images through the official `openai` client to `tandem serve` (tensor parallel 2,
-an EAGLE3 draft) answer transformers' greedy tokens, with the prompt its processor writes; `tandem target`'s Step RPC
-encodes the images a request brings as bytes (tandem.models.image_encoder). Too many images, bytes that are not an
-image, and a target started with no image allowed each refuse the request, naming why, and serving goes on."""
+an EAGLE3 draft; Gemma 3, Gemma 4 and Kimi-K2.5) answer transformers' greedy tokens, with the prompt its processor
+writes; `tandem target`'s Step RPC encodes the images a request brings as bytes (tandem.models.image_encoder). Too
+many images, bytes that are not an image, and a target started with no image allowed each refuse the request, naming
+why, and serving goes on."""
 
 from __future__ import annotations
 
 import base64
 import io
 import re
+import shutil
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,11 +30,14 @@ from transformers import (
     AutoTokenizer,
     Gemma3ForConditionalGeneration,
     Gemma4ForConditionalGeneration,
+    Kimi_K25ForConditionalGeneration,
+    PreTrainedTokenizerBase,
 )
 from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
 
 from tandem.grpc_util import channel_options
 from tandem.wire import target_pb2, target_pb2_grpc
+from tests.helpers.deepseek_checkpoints import TinyDeepseekSpec
 from tests.helpers.gemma4_checkpoints import (
     GEMMA4_IMAGE_TOKENS,
     SPECS,
@@ -42,6 +47,8 @@ from tests.helpers.gemma4_checkpoints import (
     write_tiny_gemma3_multimodal,
     write_tiny_gemma4_multimodal,
 )
+from tests.helpers.kimi_checkpoints import kimi_image_chat, to_hub_layout, write_kimi_eagle3_mla, write_tiny_kimi_k25
+from tests.helpers.torchvision_stand_in import transformers_kimi_image_processing, transformers_kimi_processor
 from tests.integration.stack import serve, target_process
 
 BOI, EOI, IMAGE = VOCAB - 3, VOCAB - 2, VOCAB - 1
@@ -246,6 +253,55 @@ def test_gemma4_chat_images_of_their_own_sizes_at_tp_2_with_drafts(tmp_path: Pat
                 max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True},
             )  # fmt: skip
             prompt, tokens = gemma4_processed(checkpoint, images)
+            assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
+            assert reply.choices[0].message.content == tokenizer.decode(tokens, skip_special_tokens=True)
+        metrics = urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=10).read().decode()
+        [drafted] = re.findall(r"^vllm:spec_decode_num_draft_tokens_total\{.*\} ([\d.e+]+)$", metrics, re.MULTILINE)
+        assert float(drafted) > 0
+
+
+def kimi_processed(
+    checkpoint: Path, tokenizer: PreTrainedTokenizerBase, images: list[bytes]
+) -> tuple[list[int], list[int]]:
+    """transformers' answer to chat(images) on Kimi-K2.5: the prompt its Kimi_K25Processor (over the torchvision
+    stand-in, settings from the checkpoint's preprocessor_config.json) writes for the chat, and the greedy tokens."""
+    messages = chat(["image"] * len(images))
+    for index, data in enumerate(images):
+        messages[0]["content"][1 + index] = {"type": "image", "image": Image.open(io.BytesIO(data)).convert("RGB")}
+    with transformers_kimi_image_processing() as module:
+        processor = transformers_kimi_processor(module.Kimi_K25ImageProcessor.from_pretrained(checkpoint), tokenizer)
+        inputs = processor.apply_chat_template(
+            messages, chat_template=tokenizer.chat_template, add_generation_prompt=True, tokenize=True,
+            return_dict=True, return_tensors="pt",
+        )  # fmt: skip
+    prompt = inputs["input_ids"][0].tolist()
+    model = Kimi_K25ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            inputs["input_ids"], pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
+            do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+        )  # fmt: skip
+    return prompt, out[0, len(prompt) :].tolist()
+
+
+def test_kimi_k25_chat_images_of_their_own_sizes_at_tp_2_with_drafts(tmp_path: Path) -> None:
+    # The release's layout served, transformers' layout as the reference; each image takes one <|media_pad|> per
+    # 2 x 2 patches of its resized grid (12 and 8 here), between the markers the chat template writes; an EAGLE3 MLA
+    # head drafts over them.
+    written = write_tiny_kimi_k25(tmp_path / "transformers", TinyDeepseekSpec(num_layers=3))
+    tokenizer = kimi_image_chat(written)
+    checkpoint = to_hub_layout(Path(shutil.copytree(written, tmp_path / "kimi")))
+    draft = write_kimi_eagle3_mla(tmp_path, checkpoint)
+    pad = tokenizer.convert_tokens_to_ids("<|media_pad|>")
+    with serve(checkpoint, draft, "--tp", "2", "--limit-mm-per-prompt", '{"image": 2}') as stack:
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for images, placeholders in (([png(0, (40, 70))], 12), ([png(0, (40, 70)), png(1, (90, 30))], 20)):
+            reply = client.chat.completions.create(
+                model=checkpoint.name, messages=chat([data_url(data) for data in images]), temperature=0,
+                max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            prompt, tokens = kimi_processed(written, tokenizer, images)
+            assert prompt.count(pad) == placeholders
             assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
             assert reply.choices[0].message.content == tokenizer.decode(tokens, skip_special_tokens=True)
         metrics = urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=10).read().decode()
