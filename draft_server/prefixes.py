@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from tandem.layers.block_pool import Marks
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class RequestPrefix:
 
     tokens: tuple[int, ...]  # x[0 .. the rows' start position]
     salt: str
+    marks: Marks = ()  # its images' (first token, digest), which name its blocks from the image's on
 
 
 @dataclass
@@ -41,6 +43,7 @@ class DraftNames:
 
     salt: str
     tokens: list[int]  # x[shift..]: at index p, the last token row p's draft KV depends on
+    marks: Marks = ()  # by index into tokens: an image's digest at the first row that depends on the image
 
 
 class HoldsPrefix(Protocol):
@@ -84,11 +87,13 @@ class DraftPrefixes:
             request = self.request_for(item.request_id)
             tokens = list(rows.prefix.tokens)
             salt = seeded_salt(rows.prefix.salt, tokens[0]) if self.shift else rows.prefix.salt
-            request.names = DraftNames(salt, tokens[self.shift : start + 1])
+            # Row p depends on x[p + shift]: an image from token q on first touches row q - shift.
+            marks = tuple((max(0, position - self.shift), key) for position, key in rows.prefix.marks)
+            request.names = DraftNames(salt, tokens[self.shift : start + 1], marks)
             if start <= 0 or request.kv.length >= start:
                 continue
             self.cache.truncate(request.kv, 0)
-            found = self.cache.reuse(request.kv, request.names.tokens, request.names.salt, start)
+            found = self.cache.reuse(request.kv, request.names.tokens, request.names.salt, start, marks)
             prefix[item.request_id] = (start, found if found == start else 0)
             if found < start:
                 self.cache.truncate(request.kv, 0)
@@ -108,4 +113,4 @@ class DraftPrefixes:
             request.names = None
             return
         names.tokens[first:] = rows.next_tokens
-        self.cache.publish(request.kv, names.tokens, names.salt)
+        self.cache.publish(request.kv, names.tokens, names.salt, names.marks)

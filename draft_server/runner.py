@@ -81,7 +81,10 @@ class TargetRows:
     @classmethod
     def of(cls, message: target_pb2.HiddenStates) -> TargetRows:
         """The rows of one message of the target's stream."""
-        prefix = RequestPrefix(tuple(message.prefix_tokens), message.cache_salt) if message.prefix_tokens else None
+        prefix = None
+        if message.prefix_tokens:
+            marks = tuple(zip(message.image_starts, message.image_digests, strict=True))
+            prefix = RequestPrefix(tuple(message.prefix_tokens), message.cache_salt, marks)
         images = None
         if message.image_rows:
             images = (torch.tensor(message.image_rows), tensor_from_proto(message.image_embeddings))

@@ -129,7 +129,7 @@ class Admission:
         if stream.streams and not (stream.prefix_caching and request.kv.length == 0):
             return 0
         end = min(request.kv.length + item.num_tokens, len(request.tokens) - 1)
-        reused = self.cache.reuse(request.kv, request.tokens, request.cache_salt, end)
+        reused = self.cache.reuse(request.kv, request.tokens, request.cache_salt, end, request.marks)
         if stream.streams and reused and (stream.prefix_shift or reused == item.num_tokens):
             # The last block found is computed again, and its rows sent, which also names the prefix to the replica:
             # an EAGLE-style draft's KV of a block depends on the token after it too (row p pairs with x[p + 1]), so
@@ -182,8 +182,7 @@ class Admission:
             prompt_length=len(prompt),
             end_token_ids=item.open.end_token_ids,
             grammar=grammar,
-            # An image's tokens are its placeholder's: its blocks are named by its content too.
-            cache_salt="".join([item.open.cache_salt, *(f"|image {image.digest}" for image in images)]),
+            cache_salt=item.open.cache_salt,  # and each image's digest names its blocks (TargetRequest.marks)
             images=images,
         )
 

@@ -69,6 +69,11 @@ class TargetRequest:
     cache_salt: str = ""  # requests share prefix-cache blocks only with requests of the same salt
     images: tuple[ImageInput, ...] = ()  # in prompt order, apart (OpenRequest.images)
 
+    @property
+    def marks(self) -> tuple[tuple[int, str], ...]:
+        """Its images' (first token, digest): its KV blocks from each image's on are named by the image's content."""
+        return tuple((image.start, image.digest) for image in self.images)
+
     def processed(self, logits: torch.Tensor, tree: DraftTree) -> torch.Tensor:  # [1 + len(tree), vocab] both
         """An item's scored rows as the request's options make them, each row with its own path (bias, penalties,
         min_tokens and the grammar's mask; tandem.sampling.processing)."""

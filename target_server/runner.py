@@ -300,7 +300,7 @@ class TargetRunner:
         # Keep KV for the computed tokens and the accepted drafts; drop rows of rejected drafts.
         self.cache.truncate(request.kv, start + computed)
         request.commit(new_tokens)
-        self.cache.publish(request.kv, request.tokens, request.cache_salt)
+        self.cache.publish(request.kv, request.tokens, request.cache_salt, request.marks)
         captured = captured_rows(entry, output, start + computed, self.device)
         return StepResult(item.request_id, ItemStatus.OK, "", accepted, new_tokens, captured, logprobs)
 
@@ -328,7 +328,7 @@ class TargetRunner:
         root = start + item.num_tokens - 1  # the last committed token's position
         self.cache.keep(request.kv, [root, *(root + 1 + node for node in outcome.path)])
         request.commit(outcome.tokens)
-        self.cache.publish(request.kv, request.tokens, request.cache_salt)
+        self.cache.publish(request.kv, request.tokens, request.cache_salt, request.marks)
         first_draft_row = entry.rows.start + item.num_tokens
         rows = [*range(entry.rows.start, first_draft_row), *(first_draft_row + node for node in outcome.path)]
         captured = captured_rows(entry, output, request.kv.length, self.device, rows)

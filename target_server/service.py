@@ -217,6 +217,8 @@ class TargetService(target_pb2_grpc.TargetServicer):
             if result.captured.prefix and request is not None:
                 chunks[0].prefix_tokens.extend(result.captured.prefix)
                 chunks[0].cache_salt = request.cache_salt
+                chunks[0].image_starts.extend(start for start, _ in request.marks)
+                chunks[0].image_digests.extend(digest for _, digest in request.marks)
             if subscriber.stream.image_embeddings and request is not None and request.images:
                 for chunk in chunks:
                     add_image_embeddings(chunk, request.images)

@@ -20,6 +20,7 @@ from orchestrator.peers.prefix_routes import PrefixRoutes
 from orchestrator.peers.replicas import ReplicaPool
 from orchestrator.settings import SchedulerSettings
 from tandem.background import in_background
+from tandem.layers.block_pool import Marks
 
 LOG = logging.getLogger(__name__)
 MAX_REPROBE_S = 30.0
@@ -49,10 +50,11 @@ class Placement:
         self.requests_paused = 0  # requests taken off (or started without) a replica by adaptive k (metrics)
         self._probes: dict[str, asyncio.Task[None]] = {}
 
-    def assign(self, tokens: Sequence[int] = (), salt: str = "") -> str | None:
-        """A replica for a new or moving request with these tokens, counted against it, where its prefix is if that
-        replica is not overloaded (orchestrator.peers.prefix_routes); None when none serves."""
-        names = self.routes.names(tokens, salt)
+    def assign(self, tokens: Sequence[int] = (), salt: str = "", marks: Marks = ()) -> str | None:
+        """A replica for a new or moving request with these tokens (its salt and images' marks), counted against it,
+        where its prefix is if that replica is not overloaded (orchestrator.peers.prefix_routes); None when none
+        serves."""
+        names = self.routes.names(tokens, salt, marks)
         replica = self.replicas.pick(lambda replica_id: self.routes.matched(replica_id, names))
         if replica is not None:
             self.replicas.acquire(replica)
@@ -63,7 +65,9 @@ class Placement:
         """A finished request stops counting against its replica, which now holds the draft context of its tokens."""
         if request.replica is not None:
             self.replicas.release(request.replica)
-            self.routes.record(request.replica, self.routes.names(request.tokens, request.params.cache_salt))
+            self.routes.record(
+                request.replica, self.routes.names(request.tokens, request.params.cache_salt, request.params.marks)
+            )
 
     def replica_failed(self, replica_id: str, reason: str) -> None:
         """Demotes a failed replica and moves its requests to another one (or to target-only); it is probed again
@@ -79,7 +83,7 @@ class Placement:
         LOG.warning("draft replica %s demoted (%s): moving its %d requests", replica_id, reason, len(moved))
         for request in moved:
             self.replicas.release(replica_id)
-            request.start_over(self.assign(request.tokens, request.params.cache_salt))
+            request.start_over(self.assign(request.tokens, request.params.cache_salt, request.params.marks))
         # What the replica still holds of them is of no use now; a live but slow replica frees it.
         in_background(self.forget(replica_id, [request.request_id for request in moved]))
         if replica_id not in self._probes:
@@ -110,7 +114,7 @@ class Placement:
         if not self.speculation.admits(request_class(params.sampling), batch):
             self.requests_paused += 1
             return None, True
-        return self.assign(params.input_ids, params.cache_salt), False
+        return self.assign(params.input_ids, params.cache_salt, params.marks), False
 
     def pause_speculation(self) -> int:
         """At the step the batch at hand becomes paused (it drafted nothing for PAUSE_AFTER steps), takes every
@@ -147,4 +151,4 @@ class Placement:
             return
         for request in running:
             if request.drafting is Drafting.TARGET_ONLY and request.wants_speculation and not request.finished:
-                request.start_over(self.assign(request.tokens, request.params.cache_salt))
+                request.start_over(self.assign(request.tokens, request.params.cache_salt, request.params.marks))

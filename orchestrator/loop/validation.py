@@ -62,7 +62,12 @@ class ValidatedRequest:
     top_logprobs: int | None = None  # with logprobs: how many best tokens per position; None: no logprobs
     cache_salt: str = ""  # prefix-cache blocks are shared only between requests of the same salt
     resumed: tuple[int, ...] = ()  # tokens a broken stream of the request sent already (resume_token_ids)
-    images: tuple[PromptImage, ...] = ()  # in prompt order; their digests end cache_salt
+    images: tuple[PromptImage, ...] = ()  # in prompt order; each one's digest names its blocks (marks)
+
+    @property
+    def marks(self) -> tuple[tuple[int, str], ...]:
+        """Its images' (first token, digest): prefix-cache blocks from an image's on are named by its content."""
+        return tuple((image.start, image.digest) for image in self.images)
 
 
 def check_bounds(request: orchestrator_pb2.GenerateRequest, limits: Limits) -> None:
@@ -144,7 +149,7 @@ def validate_request(
         disable_speculation=request.disable_speculation,
         stop_token_ids=frozenset(request.stop_token_ids),
         top_logprobs=_top_logprobs(request),
-        cache_salt="".join([request.cache_salt, *(image.salt for image in images)]),
+        cache_salt=request.cache_salt,
         resumed=resumed,
         images=images,
     )

@@ -39,11 +39,6 @@ class PromptImage:
     data: bytes  # as encoded (PNG, JPEG, WebP)
     digest: str  # sha256 of data, hex
 
-    @property
-    def salt(self) -> str:
-        """What the image adds to its request's cache salt."""
-        return f"|image {self.digest}"
-
 
 @dataclass(frozen=True)
 class OpenRequest:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from tandem.layers.block_pool import block_hashes
+from tandem.layers.block_pool import Marks, block_hashes
 
 MAX_NAMES = 65536  # per replica: 1M tokens of 16-token blocks, about 3 MB of names
 IMBALANCE = 4  # outstanding requests a replica holding the prefix may carry beyond the least loaded one
@@ -28,8 +28,8 @@ class PrefixRoutes:
         self.block_size = block_size
         self._names: dict[str, OrderedDict[bytes, None]] = {}
 
-    def names(self, tokens: Sequence[int], salt: str) -> list[bytes]:
-        return block_hashes(tokens, self.block_size, salt)
+    def names(self, tokens: Sequence[int], salt: str, marks: Marks = ()) -> list[bytes]:
+        return block_hashes(tokens, self.block_size, salt, marks=marks)
 
     def matched(self, replica_id: str, names: Sequence[bytes]) -> int:
         """How many of the leading blocks `names` the replica was sent (as far as this orchestrator knows)."""

@@ -2,14 +2,19 @@
 
 A full block of committed tokens is named by a hash chain over the tokens before and in it:
 
-    h_0 = sha256(salt)                         the request's cache_salt ("" by default)
-    h_j = sha256(h_{j-1} || tokens of block j)  int32 little-endian, block_size tokens each
+    h_0 = sha256(salt)                                   the request's cache_salt ("" by default)
+    h_j = sha256(h_{j-1} || tokens of block j || marks)  tokens int32 little-endian, block_size of them; marks: the
+                                                          keys of the request's marks inside block j, UTF-8
 
-so two sequences share block j's name only if they agree on every token through block j and on the salt (tenants
-with different salts share nothing). A block is named (`publish`) once its KV is final: every position in it holds
-a committed token's KV. A named block is shared by reference count; when its last holder lets it go it keeps its KV
-on the cached list, least recently freed first, and is still free: `take` hands out never-named blocks first, then
-evicts the cached block freed longest ago. So a cached block never makes a request wait.
+so two sequences share block j's name only if they agree on every token through block j, on the salt (tenants
+with different salts share nothing) and on the marks through block j. A mark is (position, key): an image's first
+token and its content digest, so that blocks holding different images' tokens (the same placeholder ids) never share
+a name, while the blocks before the first image are shared by prompts of any images.
+
+A block is named (`publish`) once its KV is final: every position in it holds a committed token's KV. A named block
+is shared by reference count; when its last holder lets it go it keeps its KV on the cached list, least recently
+freed first, and is still free: `take` hands out never-named blocks first, then evicts the cached block freed
+longest ago. So a cached block never makes a request wait.
 
 A holder gives its blocks back tail first (PagedKVCache.truncate), so a sequence's last blocks are evicted before its
 first ones, which more requests share. A sequence that grows takes the block after its last one when that one is
@@ -25,14 +30,21 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+Marks = Sequence[tuple[int, str]]  # (position, key): an image's first token and its content digest
 
-def block_hashes(tokens: Sequence[int], block_size: int, salt: str, known: Sequence[bytes] = ()) -> list[bytes]:
+
+def block_hashes(
+    tokens: Sequence[int], block_size: int, salt: str, known: Sequence[bytes] = (), marks: Marks = ()
+) -> list[bytes]:
     """The names of every full block of `tokens`, extending `known` (the names of the first len(known) blocks)."""
+    keys: dict[int, bytes] = {}
+    for position, key in marks:
+        keys[position // block_size] = keys.get(position // block_size, b"") + key.encode()
     hashes = list(known)
     parent = hashes[-1] if hashes else hashlib.sha256(salt.encode()).digest()
     for start in range(len(hashes) * block_size, len(tokens) - block_size + 1, block_size):
         block = array("i", tokens[start : start + block_size])  # 4-byte ints wherever torch runs
-        parent = hashlib.sha256(parent + block.tobytes()).digest()
+        parent = hashlib.sha256(parent + block.tobytes() + keys.get(start // block_size, b"")).digest()
         hashes.append(parent)
     return hashes
 

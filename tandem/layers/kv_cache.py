@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.layers.attention_backend import AttentionBackend, AttentionMetadata, backend_named, default_backend
-from tandem.layers.block_pool import BlockPool, block_hashes
+from tandem.layers.block_pool import BlockPool, Marks, block_hashes
 from tandem.layers.page_table import HOST, PageTable, PlanEntry, build_page_table
 from tandem.sampling.draft_tree import check_parents
 from tandem.settings import KVCacheSettings
@@ -139,16 +139,17 @@ class PagedKVCache:
     def release(self, sequence: SequenceKV) -> None:
         self.truncate(sequence, 0)
 
-    def reuse(self, sequence: SequenceKV, tokens: Sequence[int], salt: str, end: int) -> int:
+    def reuse(self, sequence: SequenceKV, tokens: Sequence[int], salt: str, end: int, marks: Marks = ()) -> int:
         """Extends a sequence whose KV ends at a named block with the cached blocks that hold the KV of tokens[:end]
-        (whole blocks, in order, while they are found); returns the positions it gained (0 without caching)."""
+        (whole blocks, in order, while they are found); returns the positions it gained (0 without caching).
+        `marks`: the request's images (block_pool.block_hashes)."""
         size = self.block_size
         named = len(sequence.hashes)
         if end - sequence.length < size or sequence.length != named * size or len(sequence.block_ids) != named:
             return 0
         if not self.blocks.caching:
             return 0
-        names = block_hashes(tokens[:end], size, salt, sequence.hashes)
+        names = block_hashes(tokens[:end], size, salt, sequence.hashes, marks)
         for name in names[named:]:
             block = self.blocks.find(name)
             if block is None:
@@ -160,13 +161,13 @@ class PagedKVCache:
         sequence.length += gained
         return gained
 
-    def publish(self, sequence: SequenceKV, tokens: Sequence[int], salt: str) -> None:
+    def publish(self, sequence: SequenceKV, tokens: Sequence[int], salt: str, marks: Marks = ()) -> None:
         """Names the sequence's full blocks below its length, whose KV must be final (`tokens` committed), so that
         `reuse` finds them for other sequences and for this one once it is freed."""
         full = sequence.length // self.block_size
         if not self.blocks.caching or full <= len(sequence.hashes):
             return
-        names = block_hashes(tokens[: full * self.block_size], self.block_size, salt, sequence.hashes)
+        names = block_hashes(tokens[: full * self.block_size], self.block_size, salt, sequence.hashes, marks)
         for index in range(len(sequence.hashes), full):
             self.blocks.publish(sequence.block_ids[index], names[index])
         sequence.hashes = names

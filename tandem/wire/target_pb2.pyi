@@ -210,7 +210,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., capture_indices: _Optional[_Iterable[int]] = ..., tokens_only: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., prefix_shift: _Optional[int] = ..., image_embeddings: _Optional[bool] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
-    __slots__ = ("request_id", "round", "start_position", "next_tokens", "features", "draft_ahead", "step_end", "released", "shaping", "prefix_tokens", "cache_salt", "image_rows", "image_embeddings")
+    __slots__ = ("request_id", "round", "start_position", "next_tokens", "features", "draft_ahead", "step_end", "released", "shaping", "prefix_tokens", "cache_salt", "image_starts", "image_digests", "image_rows", "image_embeddings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,8 @@ class HiddenStates(_message.Message):
     SHAPING_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_STARTS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_ROWS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -235,9 +237,11 @@ class HiddenStates(_message.Message):
     shaping: DraftShaping
     prefix_tokens: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
+    image_starts: _containers.RepeatedScalarFieldContainer[int]
+    image_digests: _containers.RepeatedScalarFieldContainer[str]
     image_rows: _containers.RepeatedScalarFieldContainer[int]
     image_embeddings: _common_pb2.Tensor
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ahead: _Optional[int] = ..., step_end: _Optional[bool] = ..., released: _Optional[bool] = ..., shaping: _Optional[_Union[DraftShaping, _Mapping]] = ..., prefix_tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., image_rows: _Optional[_Iterable[int]] = ..., image_embeddings: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start_position: _Optional[int] = ..., next_tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ahead: _Optional[int] = ..., step_end: _Optional[bool] = ..., released: _Optional[bool] = ..., shaping: _Optional[_Union[DraftShaping, _Mapping]] = ..., prefix_tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., image_starts: _Optional[_Iterable[int]] = ..., image_digests: _Optional[_Iterable[str]] = ..., image_rows: _Optional[_Iterable[int]] = ..., image_embeddings: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DraftShaping(_message.Message):
     __slots__ = ("sampling", "prompt_length", "first_token")

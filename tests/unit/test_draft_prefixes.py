@@ -76,6 +76,21 @@ def test_salts_and_a_cache_switched_off_share_nothing(draft: Eagle3Draft) -> Non
     assert plain.prefixes is None
 
 
+def test_an_images_mark_names_the_draft_blocks_from_the_first_row_it_touches(draft: Eagle3Draft) -> None:  # noqa: F811
+    # An image from token 8: with the one-token shift, row 7 (next token x[8]) is the first to depend on it, so draft
+    # block 1 (rows 4..7) and later ones carry its digest; block 0 is shared by any image, blocks 0-1 by the same.
+    rows = random_rows(0, 13, seed=14)
+    runner = DraftRunner(draft, CACHE)
+    image = RequestPrefix((FIRST,), "", ((8, "aa"),))
+    propose_what_fits(runner, [ProposeInput("a", replace(rows, prefix=image), num_steps=2)])
+    for name, digest, start, found in (("b", "bb", 4, 4), ("c", "cc", 8, 0), ("d", "aa", 8, 8)):
+        tail = skipping(rows, start)
+        assert tail.prefix is not None
+        asked = replace(tail, prefix=replace(tail.prefix, marks=((8, digest),)))
+        attached = propose_what_fits(runner, [ProposeInput(name, asked, num_steps=2)])
+        assert attached.prefix == {name: (start, found)}
+
+
 @pytest.fixture(scope="module")
 def block_drafter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return written("llama-dflash", tmp_path_factory)

@@ -5,6 +5,7 @@ transformers' greedy tokens for one and two images, in one chunk or several, and
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,28 @@ def test_image_prompts_decode_as_transformers(checkpoint: Path, count: int) -> N
     first = images[0].start
     assert served(runner, prompt, images, [first, len(prompt) - first]) == expected
     assert served(runner, prompt, images, [first + TOKENS_PER_IMAGE, len(prompt) - first - 4]) == expected
+
+
+def test_the_prefix_before_an_image_is_shared_and_its_blocks_only_with_the_same_image(checkpoint: Path) -> None:
+    # A 12-token text prefix (3 blocks of 4), then an image at tokens 13..16: another image shares the 3 text blocks,
+    # the same image all 5 full blocks (the 22nd token is computed for its logits).
+    caching = replace(CACHE, prefix_caching=True)
+    runner = TargetRunner(load_target(checkpoint), caching, max_context=128)
+    prompt = [2, *range(40, 51), BOI, *[IMAGE] * TOKENS_PER_IMAGE, EOI, 70, 71, 72]  # 22 tokens
+    pictures = {seed: pixel_values(seed)[:1] for seed in (1, 2)}
+    images = {seed: images_of(checkpoint, prompt, pixels) for seed, pixels in pictures.items()}
+    cached = {}
+    for name, seed in (("first", 1), ("other image", 2), ("same image", 1)):
+        request = OpenRequest(prompt, SamplingParams(), images=images[seed])
+        (result,) = runner.step([StepItem(name, len(prompt), open=request)])
+        assert result.message == "", result.message
+        cached[name] = result.cached_tokens
+        tokens = result.new_tokens
+        while len(tokens) < NEW_TOKENS:
+            tokens += runner.verify(name).new_tokens
+        runner.release([name])
+        assert tokens == reference(checkpoint, prompt, pictures[seed])
+    assert cached == {"first": 0, "other image": 12, "same image": 20}
 
 
 def test_drafts_after_an_image_prompt_are_verified(checkpoint: Path) -> None:

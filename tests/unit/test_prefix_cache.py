@@ -56,6 +56,17 @@ def test_block_names_chain_over_every_earlier_token_and_the_salt() -> None:
     assert block_hashes(list(range(12)), 4, "", known=names) == block_hashes(list(range(12)), 4, "")
 
 
+def test_a_mark_names_its_block_and_every_later_one() -> None:
+    # An image from token 5 (block 1 of 4-token blocks): block 0 keeps its name, blocks 1 and 2 take the digest.
+    tokens = list(range(12))
+    plain = block_hashes(tokens, 4, "")
+    one, other = block_hashes(tokens, 4, "", marks=[(5, "aa")]), block_hashes(tokens, 4, "", marks=[(5, "bb")])
+    assert one[0] == other[0] == plain[0]
+    assert len({one[1], other[1], plain[1]}) == 3 and len({one[2], other[2], plain[2]}) == 3
+    assert block_hashes(tokens, 4, "", marks=[(4, "aa")]) == one  # where in the block does not matter
+    assert block_hashes(tokens, 4, "", known=one[:1], marks=[(5, "aa")]) == one
+
+
 def test_pool_takes_never_named_blocks_first_then_evicts_the_oldest_cached() -> None:
     pool = BlockPool(3, caching=True)
     first, second, third = pool.take(), pool.take(), pool.take()

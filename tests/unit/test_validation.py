@@ -261,7 +261,7 @@ def test_images_fill_their_placeholder_runs_in_order_and_salt_the_cache(tokenize
     validated = validate_request(request, tokenizer, limits)
     digests = [hashlib.sha256(data).hexdigest() for data in (one, two)]
     assert validated.images == (PromptImage(2, 4, one, digests[0]), PromptImage(7, 9, two, digests[1]))
-    assert validated.cache_salt == f"s|image {digests[0]}|image {digests[1]}"
+    assert validated.cache_salt == "s" and validated.marks == ((2, digests[0]), (7, digests[1]))
     for images, message in [
         ([one], "images: 1 sent for a prompt holding 2 image placeholder runs"),
         ([one, one, two], "images: 3 in one prompt, at most 2 (--limit-mm-per-prompt)"),
