@@ -1,8 +1,8 @@
 """Image prompts: chat requests with images through the official `openai` client to `tandem serve` (tensor parallel 2,
-an EAGLE3 draft; Gemma 3, Gemma 4 and Kimi-K2.5) answer transformers' greedy tokens, with the prompt its processor
-writes; `tandem target`'s Step RPC encodes the images a request brings as bytes (tandem.models.image_encoder). Too
-many images, bytes that are not an image, and a target started with no image allowed each refuse the request, naming
-why, and serving goes on."""
+an EAGLE3 draft; Gemma 3, Gemma 4 and Kimi-K2.5) answer transformers' greedy tokens, with speculation and without
+(disable_speculation), on the prompt its processor writes; `tandem target`'s Step RPC encodes the images a request
+brings as bytes (tandem.models.image_encoder). Too many images, bytes that are not an image, and a target started
+with no image allowed each refuse the request, naming why, and serving goes on."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -155,6 +155,21 @@ def chat(urls: list[str]) -> list[dict[str, Any]]:
     ]
 
 
+def both_ways(client: openai.OpenAI, model: str, messages: list[dict[str, Any]]) -> tuple[Any, str | None]:
+    """The greedy reply to the chat with speculation, and the content of the same request with it off."""
+    replies = [
+        client.chat.completions.create(
+            model=model,
+            messages=cast(Any, messages),
+            temperature=0,
+            max_tokens=NEW_TOKENS,
+            extra_body={"ignore_eos": True, "disable_speculation": off},
+        )
+        for off in (False, True)
+    ]
+    return replies[0], replies[1].choices[0].message.content
+
+
 def processed(checkpoint: Path, images: list[bytes]) -> tuple[list[int], list[int]]:
     """transformers' answer to chat(images): the prompt its processor writes, and the greedy tokens after it."""
     processor = AutoProcessor.from_pretrained(checkpoint)
@@ -189,13 +204,10 @@ def test_chat_images_through_the_openai_client_at_tp_2_with_drafts(checkpoint: P
             ([data_url(png(0))], [png(0)]),
             ([data_url(png(0)), f"file://{media}/b.png"], [png(0), png(1)]),
         ]:
-            reply = client.chat.completions.create(
-                model=checkpoint.name, messages=chat(urls), temperature=0, max_tokens=NEW_TOKENS,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
+            reply, plain = both_ways(client, checkpoint.name, chat(urls))
             prompt, tokens = processed(checkpoint, images)
             assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
-            assert reply.choices[0].message.content == tokenizer.decode(tokens, skip_special_tokens=True)
+            assert reply.choices[0].message.content == plain == tokenizer.decode(tokens, skip_special_tokens=True)
         for urls, param, says in [
             ([data_url(png(0))] * 3, "messages[0].content[3]", "3 images in the request; at most 2 per prompt"),
             ([data_url(b"GIF89a not really")], "messages[0].content[1]", "17 bytes that are not a PNG, JPEG or WebP"),
@@ -248,13 +260,10 @@ def test_gemma4_chat_images_of_their_own_sizes_at_tp_2_with_drafts(tmp_path: Pat
         client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         for images in ([png(0, (40, 70))], [png(0, (40, 70)), png(1, (90, 30))]):
-            reply = client.chat.completions.create(
-                model=checkpoint.name, messages=chat([data_url(data) for data in images]), temperature=0,
-                max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True},
-            )  # fmt: skip
+            reply, plain = both_ways(client, checkpoint.name, chat([data_url(data) for data in images]))
             prompt, tokens = gemma4_processed(checkpoint, images)
             assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
-            assert reply.choices[0].message.content == tokenizer.decode(tokens, skip_special_tokens=True)
+            assert reply.choices[0].message.content == plain == tokenizer.decode(tokens, skip_special_tokens=True)
         metrics = urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=10).read().decode()
         [drafted] = re.findall(r"^vllm:spec_decode_num_draft_tokens_total\{.*\} ([\d.e+]+)$", metrics, re.MULTILINE)
         assert float(drafted) > 0
@@ -296,14 +305,11 @@ def test_kimi_k25_chat_images_of_their_own_sizes_at_tp_2_with_drafts(tmp_path: P
     with serve(checkpoint, draft, "--tp", "2", "--limit-mm-per-prompt", '{"image": 2}') as stack:
         client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
         for images, placeholders in (([png(0, (40, 70))], 12), ([png(0, (40, 70)), png(1, (90, 30))], 20)):
-            reply = client.chat.completions.create(
-                model=checkpoint.name, messages=chat([data_url(data) for data in images]), temperature=0,
-                max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True},
-            )  # fmt: skip
+            reply, plain = both_ways(client, checkpoint.name, chat([data_url(data) for data in images]))
             prompt, tokens = kimi_processed(written, tokenizer, images)
             assert prompt.count(pad) == placeholders
             assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
-            assert reply.choices[0].message.content == tokenizer.decode(tokens, skip_special_tokens=True)
+            assert reply.choices[0].message.content == plain == tokenizer.decode(tokens, skip_special_tokens=True)
         metrics = urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=10).read().decode()
         [drafted] = re.findall(r"^vllm:spec_decode_num_draft_tokens_total\{.*\} ([\d.e+]+)$", metrics, re.MULTILINE)
         assert float(drafted) > 0
