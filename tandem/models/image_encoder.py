@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tandem.models.config import ConfigError
 from tandem.models.image_prompt import FixedCount, ImagePrompt
 
 CACHED_IMAGES = 64  # images whose features a LocalImageEncoder keeps
@@ -51,6 +52,11 @@ def gemma3_tower(model_dir: Path, hf: dict[str, Any], dtype: torch.dtype, device
     from tandem.models.gemma3_vision import load_gemma3_image_encoder
 
     processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    if getattr(processor, "do_pan_and_scan", False):
+        raise ConfigError(
+            "preprocessor_config.json: do_pan_and_scan is true; Tandem serves each image whole, without pan-and-scan "
+            "crops (set it to false)"
+        )
     encoder = load_gemma3_image_encoder(model_dir, dtype, device)
     begin = hf.get("boi_token_index", 255_999)
     count = FixedCount(hf.get("mm_tokens_per_image", 256))
