@@ -5,15 +5,12 @@ Kimi-K2.5's attend causally; Gemma 4's per-layer inputs at an image's tokens are
 
 from __future__ import annotations
 
-import io
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoImageProcessor, Gemma4ForConditionalGeneration, Kimi_K25ForConditionalGeneration
 
 from tandem.models.image_encoder import LocalImageEncoder, image_encoder_for
@@ -24,25 +21,12 @@ from target_server.items import ImageInput, OpenRequest, StepItem
 from target_server.runner import TargetRunner
 from tests.helpers.deepseek_checkpoints import TinyDeepseekSpec
 from tests.helpers.gemma4_checkpoints import SPECS, VOCAB, write_tiny_gemma4_multimodal
-from tests.helpers.kimi_checkpoints import to_hub_layout, write_tiny_kimi_k25
+from tests.helpers.images import opened, png
+from tests.helpers.kimi_checkpoints import KIMI_PROCESSING, to_hub_layout, write_tiny_kimi_k25
 
 NEW_TOKENS = 8
 CACHE = KVCacheSettings(num_blocks=128, block_size=4)
 SIZES = ((40, 70), (90, 30))  # (height, width): Gemma 4 gives 66 and 56 tokens, Kimi-K2.5 12 and 8
-KIMI_PROCESSING = {"patch_size": 4, "merge_size": 2, "size": {"max_height": 8, "max_width": 8}, "max_patches": 48}
-
-
-def png(size: tuple[int, int], seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
-    written = io.BytesIO()
-    Image.fromarray(pixels).save(written, format="PNG")
-    return written.getvalue()
-
-
-def opened(data: bytes) -> Image.Image:
-    image = Image.open(io.BytesIO(data))
-    image.load()
-    return image
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +77,7 @@ def served(runner: TargetRunner, prompt: list[int], images: tuple[ImageInput, ..
 def check_served(checkpoint: Path, count: int, reference: Callable[[list[int], list[bytes]], list[int]]) -> None:
     encoder = image_encoder_for(checkpoint, torch.float32, "cpu")
     assert encoder is not None
-    images = [png(size, seed) for seed, size in enumerate(SIZES[:count])]
+    images = [png(*size, seed=seed) for seed, size in enumerate(SIZES[:count])]
     prompt = prompt_with(encoder, images)
     expected = reference(prompt, images)
     image_id = encoder.prompt.image_token_id

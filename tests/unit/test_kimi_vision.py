@@ -5,15 +5,12 @@ three calls, tests.helpers.torchvision_stand_in)."""
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from safetensors import safe_open
 from transformers import Kimi_K25ForConditionalGeneration, PreTrainedTokenizerFast
 from transformers.image_processing_utils import BatchFeature
@@ -23,30 +20,16 @@ from tandem.models.image_encoder import image_encoder_for
 from tandem.models.kimi_image_processor import KimiImageProcessor, kimi_image_prompt
 from tandem.models.kimi_vision import KimiVisionConfig, load_kimi_image_encoder
 from tests.helpers.deepseek_checkpoints import TinyDeepseekSpec
-from tests.helpers.kimi_checkpoints import to_hub_layout, write_tiny_kimi_k25
+from tests.helpers.images import opened, png
+from tests.helpers.kimi_checkpoints import KIMI_PROCESSING, to_hub_layout, write_tiny_kimi_k25
 from tests.helpers.torchvision_stand_in import transformers_kimi_image_processing, transformers_kimi_processor
 
 # The tiny tower's patches are 4 pixels and its position table 4 x 4; at most 8 patches a side and 48 in all.
-PROCESSING = {"patch_size": 4, "merge_size": 2, "size": {"max_height": 8, "max_width": 8}, "max_patches": 48}
 # (height, width) in pixels -> patch grid: 6 x 8 (scaled down to 26 x 46 pixels, padded to 6 x 8 patches: the
 # position table resampled), 4 x 4 (the table as it is), 8 x 4 (padded on the right).
 SIZES = ((40, 70), (16, 16), (30, 12))
 TOKENS = (12, 4, 8)
 MARKERS = ("<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>")
-
-
-def png(height: int, width: int, mode: str = "RGB", seed: int = 0) -> bytes:
-    channels = {"RGB": (3,), "RGBA": (4,), "L": ()}[mode]
-    values = np.random.default_rng(seed).integers(0, 256, (height, width, *channels), dtype=np.uint8)
-    data = io.BytesIO()
-    Image.fromarray(values, mode).save(data, format="PNG")
-    return data.getvalue()
-
-
-def opened(data: bytes) -> Image.Image:
-    image = Image.open(io.BytesIO(data))
-    image.load()
-    return image
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +43,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def inputs() -> BatchFeature:
     images = [opened(png(height, width, seed=index)) for index, (height, width) in enumerate(SIZES)]
-    return KimiImageProcessor(**PROCESSING)(images=images, return_tensors="pt")
+    return KimiImageProcessor(**KIMI_PROCESSING)(images=images, return_tensors="pt")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +78,7 @@ def test_the_targets_encoder_gives_the_same_features_from_the_bytes(
     checkpoints: dict[str, Path], expected: tuple[torch.Tensor, ...]
 ) -> None:
     hub = checkpoints["hub"]
-    KimiImageProcessor(**PROCESSING).save_pretrained(hub)  # the processor's settings in preprocessor_config.json
+    KimiImageProcessor(**KIMI_PROCESSING).save_pretrained(hub)  # the processor's settings in preprocessor_config.json
     encoder = image_encoder_for(hub, torch.float32, "cpu")
     assert encoder is not None
     for seed, (size, reference, tokens) in enumerate(zip(SIZES, expected, TOKENS, strict=True)):
@@ -108,8 +91,8 @@ def test_pixels_equal_transformers_processor() -> None:
     images = [opened(png(height, width, seed=index)) for index, (height, width) in enumerate(SIZES)]
     images += [opened(png(21, 33, "RGBA")), opened(png(50, 9, "L"))]
     with transformers_kimi_image_processing() as module:
-        reference = module.Kimi_K25ImageProcessor(**PROCESSING)(images=images, return_tensors="pt")
-    ours = KimiImageProcessor(**PROCESSING)(images=images, return_tensors="pt")
+        reference = module.Kimi_K25ImageProcessor(**KIMI_PROCESSING)(images=images, return_tensors="pt")
+    ours = KimiImageProcessor(**KIMI_PROCESSING)(images=images, return_tensors="pt")
     assert ours["image_grid_thw"].tolist() == reference["image_grid_thw"].tolist()
     assert torch.equal(ours["pixel_values"], reference["pixel_values"])
 
@@ -119,7 +102,7 @@ def test_placeholder_counts_equal_transformers_processor(checkpoints: dict[str, 
     tokenizer.add_special_tokens({"additional_special_tokens": list(MARKERS)})
     sizes = [(height, width) for height in (1, 13, 40, 333, 1080, 5000) for width in (1, 30, 70, 777, 1920, 4000)]
     with transformers_kimi_image_processing() as module:
-        for settings in (PROCESSING, {}):  # the tiny tower's, and Kimi-K2.5's defaults (14-pixel patches, 16384)
+        for settings in (KIMI_PROCESSING, {}):  # the tiny tower's, and Kimi-K2.5's defaults (14-pixel patches, 16384)
             processor = transformers_kimi_processor(module.Kimi_K25ImageProcessor(**settings), tokenizer)
             counts = processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
             budget = KimiImageProcessor(**settings).budget
