@@ -87,6 +87,8 @@ def prompt_images(
     if len(images) > layout.limit:
         raise ValueError(f"images: {len(images)} in one prompt, at most {layout.limit} (--limit-mm-per-prompt)")
     image_token = layout.prompt.image_token_id
+    if not images and image_token not in prompt:
+        return ()  # a text prompt: no scan token by token
     runs = placeholder_runs(prompt, image_token)
     if len(runs) != len(images):
         raise ValueError(f"images: {len(images)} sent for a prompt holding {len(runs)} image placeholder runs")

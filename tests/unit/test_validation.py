@@ -264,6 +264,7 @@ def test_images_fill_their_placeholder_runs_in_order_and_salt_the_cache(tokenize
     assert validated.cache_salt == "s" and validated.marks == ((2, digests[0]), (7, digests[1]))
     for images, message in [
         ([one], "images: 1 sent for a prompt holding 2 image placeholder runs"),
+        ([], "images: 0 sent for a prompt holding 2 image placeholder runs"),
         ([one, one, two], "images: 3 in one prompt, at most 2 (--limit-mm-per-prompt)"),
         ([one, b"two"], "images[1]: 3 bytes that are not an image Pillow reads"),
     ]:
