@@ -188,7 +188,7 @@ class Admission:
 
     def _encoded(self, images: Sequence[ImageInput | ImageBytes]) -> tuple[ImageInput, ...]:
         """A request's images with their features: those that came as bytes encoded (or found by digest)."""
-        brought = sum(isinstance(image, ImageBytes) for image in images)
+        brought = sum(isinstance(image, ImageBytes) and image.crop == 0 for image in images)  # crops count apart
         if brought and self.images is None:
             raise RequestError(
                 "images: this target serves no images (--limit-mm-per-prompt, or no tower for its checkpoint)"
@@ -200,7 +200,7 @@ class Admission:
             if isinstance(image, ImageBytes):
                 assert self.images is not None
                 try:
-                    digest, features = self.images.features(image.data)
+                    digest, features = self.images.features(image.data, image.crop)
                 except ImageError as error:
                     raise RequestError(f"images[{index}]: {error}") from None
                 image = ImageInput(image.start, features, digest)

@@ -121,6 +121,7 @@ class ImageBytes:
 
     start: int
     data: bytes
+    crop: int = 0  # 0: the image itself; k: its k-th pan-and-scan crop (PromptImage.crop)
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ def image_layout(prompt: ImagePrompt, limit: int) -> target_pb2.ImageLayout:
         end_token_id=prompt.end_token_id,
         mark_token_id=prompt.mark_token_id,
         around=prompt.around,
+        pan_and_scan=None if prompt.pan_and_scan is None else target_pb2.PanAndScan(**asdict(prompt.pan_and_scan)),
         **counts,
     )
 

@@ -172,7 +172,7 @@ class TargetService(target_pb2_grpc.TargetServicer):
                 frozenset(opened.end_token_ids),
                 list(opened.generated),
                 opened.cache_salt,
-                tuple(ImageBytes(image.start, image.data) for image in opened.images),
+                tuple(ImageBytes(image.start, image.data, image.crop) for image in opened.images),
             )
         sets_replica = open_request is not None or message.set_replica
         subscriber = self._subscriber(message.draft_replica) if sets_replica else None

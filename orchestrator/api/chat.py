@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from orchestrator.api.openai_protocol import ApiError, bad_field
 from orchestrator.loop.prompt_images import ImageLayout
 from tandem.errors import StartupError
+from tandem.models.image_prompt import CROPS_BEFORE, CROPS_BETWEEN
 
 
 def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, path: Path | None) -> str | None:
@@ -83,7 +84,8 @@ def expand_images(
 ) -> str:
     """The rendered chat with each image's mark (what the template writes for an image part) replaced by the image's
     tokens as the checkpoint's processor writes them (tandem.models.image_prompt): `around`, begin, as many
-    placeholders as an image of that (height, width) takes, end, `around`."""
+    placeholders as an image of that (height, width) takes, end, `around`; with pan-and-scan crops, the image's and
+    then each crop's, in the processor's words."""
     prompt = layout.prompt
     mark = str(tokenizer.convert_ids_to_tokens(prompt.mark_token_id))
     pieces = text.split(mark)
@@ -94,11 +96,14 @@ def expand_images(
     written = [pieces[0]]
     for index, ((height, width), after) in enumerate(zip(sizes, pieces[1:], strict=True)):
         try:
-            placeholders = prompt.tokens(height, width)
+            placeholders, crops = prompt.tokens(height, width), prompt.crops(height, width)
         except ValueError as error:
             raise bad_field("messages", f"image {index + 1} of {len(sizes)}: {error}") from None
         tokens = "".join(str(token) for token in tokenizer.convert_ids_to_tokens(prompt.expansion(placeholders)))
-        written += [prompt.around, tokens, prompt.around, after]
+        image = f"{prompt.around}{tokens}{prompt.around}"
+        if crops:
+            image = CROPS_BEFORE + image + CROPS_BETWEEN + " ".join([image] * crops)
+        written += [image, after]
     return "".join(written)
 
 

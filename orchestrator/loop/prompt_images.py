@@ -18,7 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.peers.backends import PromptImage
-from tandem.models.image_prompt import FixedCount, ImagePrompt, PatchBudget, SoftTokenBudget, TokenCount
+from tandem.models.image_prompt import (
+    FixedCount,
+    ImagePrompt,
+    PanAndScan,
+    PatchBudget,
+    SoftTokenBudget,
+    TokenCount,
+)
 from tandem.wire import target_pb2
 
 
@@ -35,7 +42,12 @@ class ImageLayout:
         images = info.images
         begin = images.begin_token_id if images.HasField("begin_token_id") else None
         end = images.end_token_id if images.HasField("end_token_id") else None
-        prompt = ImagePrompt(images.mark_token_id, images.image_token_id, begin, end, images.around, _count(images))
+        crops = None
+        if images.HasField("pan_and_scan"):
+            pas = images.pan_and_scan
+            crops = PanAndScan(pas.min_crop_size, pas.max_num_crops, pas.min_ratio_to_activate)
+        count = _count(images)
+        prompt = ImagePrompt(images.mark_token_id, images.image_token_id, begin, end, images.around, count, crops)
         return cls(images.limit, prompt)
 
 
@@ -90,19 +102,30 @@ def prompt_images(
     if not images and image_token not in prompt:
         return ()  # a text prompt: no scan token by token
     runs = placeholder_runs(prompt, image_token)
-    if len(runs) != len(images):
-        raise ValueError(f"images: {len(images)} sent for a prompt holding {len(runs)} image placeholder runs")
-    for index, ((start, end), data) in enumerate(zip(runs, images, strict=True)):
-        try:
-            tokens = layout.prompt.tokens(*image_size(data))
-        except ValueError as error:
-            raise ValueError(f"images[{index}]: {error}") from None
+    expected = _expected_runs(images, layout.prompt)
+    if len(runs) != len(expected):
+        crops = f" and {len(expected) - len(images)} pan-and-scan crops" if len(expected) > len(images) else ""
+        raise ValueError(f"images: {len(images)} sent{crops} for a prompt holding {len(runs)} image placeholder runs")
+    placed = []
+    for (start, end), (index, crop, tokens) in zip(runs, expected, strict=True):
         if end - start != tokens:
             raise ValueError(
                 f"prompt: a run of {end - start} image placeholder tokens (id {image_token}) at token {start}; "
                 f"images[{index}] takes {tokens}"
             )
-    return tuple(
-        PromptImage(start, end, bytes(data), hashlib.sha256(data).hexdigest())
-        for (start, end), data in zip(runs, images, strict=True)
-    )
+        data = images[index]
+        placed.append(PromptImage(start, end, bytes(data), hashlib.sha256(data).hexdigest(), crop))
+    return tuple(placed)
+
+
+def _expected_runs(images: Sequence[bytes], prompt: ImagePrompt) -> list[tuple[int, int, int]]:
+    """(image index, crop, placeholders) of each run the images fill, in order: an image, then its crops."""
+    expected = []
+    for index, data in enumerate(images):
+        try:
+            size = image_size(data)
+            tokens, crops = prompt.tokens(*size), prompt.crops(*size)
+        except ValueError as error:
+            raise ValueError(f"images[{index}]: {error}") from None
+        expected += [(index, crop, tokens) for crop in range(1 + crops)]
+    return expected

@@ -38,6 +38,7 @@ class PromptImage:
     end: int
     data: bytes  # as encoded (PNG, JPEG, WebP)
     digest: str  # sha256 of data, hex
+    crop: int = 0  # 0: the image itself; k: its k-th pan-and-scan crop
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,10 @@ def _step_item(item: StepItem) -> target_pb2.StepItem:
                 end_token_ids=sorted(item.open.end_token_ids),
                 generated=item.open.generated,
                 cache_salt=item.open.cache_salt,
-                images=[target_pb2.PromptImage(data=image.data, start=image.start) for image in item.open.images],
+                images=[
+                    target_pb2.PromptImage(data=image.data, start=image.start, crop=image.crop)
+                    for image in item.open.images
+                ],
             )
         )
     return message

@@ -19,13 +19,13 @@ import io
 import json
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from tandem.models.config import ConfigError
-from tandem.models.image_prompt import FixedCount, ImagePrompt
+from tandem.models.image_prompt import FixedCount, ImagePrompt, PanAndScan
 
 CACHED_IMAGES = 64  # images whose features a LocalImageEncoder keeps
 
@@ -38,10 +38,11 @@ class ImageEncoder(Protocol):
     @property
     def prompt(self) -> ImagePrompt: ...  # how the checkpoint's processor writes an image into a prompt
 
-    def features(self, data: bytes) -> tuple[str, torch.Tensor]: ...  # -> digest, [tokens, hidden]
+    # -> digest, [tokens, hidden] of the image (crop 0) or its crop-th pan-and-scan crop
+    def features(self, data: bytes, crop: int = 0) -> tuple[str, torch.Tensor]: ...
 
 
-Encode = Callable[[Any], torch.Tensor]  # a PIL image -> its features [tokens, hidden]
+Encode = Callable[[Any], list[torch.Tensor]]  # a PIL image -> the features [tokens, hidden] of it and its crops
 
 
 def gemma3_tower(model_dir: Path, hf: dict[str, Any], dtype: torch.dtype, device: str) -> tuple[ImagePrompt, Encode]:
@@ -52,22 +53,33 @@ def gemma3_tower(model_dir: Path, hf: dict[str, Any], dtype: torch.dtype, device
     from tandem.models.gemma3_vision import load_gemma3_image_encoder
 
     processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
-    if getattr(processor, "do_pan_and_scan", False):
-        raise ConfigError(
-            "preprocessor_config.json: do_pan_and_scan is true; Tandem serves each image whole, without pan-and-scan "
-            "crops (set it to false)"
-        )
     encoder = load_gemma3_image_encoder(model_dir, dtype, device)
     begin = hf.get("boi_token_index", 255_999)
     count = FixedCount(hf.get("mm_tokens_per_image", 256))
-    prompt = ImagePrompt(
-        begin, hf.get("image_token_index", 262_144), begin, hf.get("eoi_token_index", 256_000), "\n\n", count
-    )
+    image, end = hf.get("image_token_index", 262_144), hf.get("eoi_token_index", 256_000)
+    crops = pan_and_scan(processor)
+    prompt = ImagePrompt(begin, image, begin, end, "\n\n", count, crops)
+    # The crops' settings as announced (the processor leaves unset ones to Gemma3Processor's defaults).
+    settings = {} if crops is None else {f"pan_and_scan_{name}": value for name, value in asdict(crops).items()}
 
-    def encode(image: Any) -> torch.Tensor:
-        return encoder(processor(images=[image], return_tensors="pt")["pixel_values"].to(device))[0]
+    def encode(image: Any) -> list[torch.Tensor]:
+        # The image, then its pan-and-scan crops (none unless the processor asks for them).
+        pixels = processor(images=[image], return_tensors="pt", **settings)["pixel_values"]
+        return list(encoder(pixels.to(device)))
 
     return prompt, encode
+
+
+def pan_and_scan(processor: Any) -> PanAndScan | None:
+    """Gemma 3's image processor's pan-and-scan settings (Gemma3Processor's defaults where it leaves them unset);
+    None where it makes no crops."""
+    if not processor.do_pan_and_scan:
+        return None
+    return PanAndScan(
+        processor.pan_and_scan_min_crop_size or 256,
+        processor.pan_and_scan_max_num_crops or 4,
+        processor.pan_and_scan_min_ratio_to_activate or 1.2,
+    )
 
 
 def gemma4_tower(model_dir: Path, hf: dict[str, Any], dtype: torch.dtype, device: str) -> tuple[ImagePrompt, Encode]:
@@ -80,9 +92,9 @@ def gemma4_tower(model_dir: Path, hf: dict[str, Any], dtype: torch.dtype, device
     processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
     encoder = load_gemma4_image_encoder(model_dir, dtype, device)
 
-    def encode(image: Any) -> torch.Tensor:
+    def encode(image: Any) -> list[torch.Tensor]:
         inputs = processor(images=[image], return_tensors="pt")
-        return encoder(inputs["pixel_values"].to(device), inputs["image_position_ids"].to(device))[0]
+        return encoder(inputs["pixel_values"].to(device), inputs["image_position_ids"].to(device))[:1]
 
     return gemma4_image_prompt(hf, read_budget(model_dir)), encode
 
@@ -95,9 +107,9 @@ def kimi_tower(model_dir: Path, hf: dict[str, Any], dtype: torch.dtype, device: 
     processor = KimiImageProcessor.from_pretrained(model_dir)
     encoder = load_kimi_image_encoder(model_dir, dtype, device)
 
-    def encode(image: Any) -> torch.Tensor:
+    def encode(image: Any) -> list[torch.Tensor]:
         inputs = processor(images=[image], return_tensors="pt")
-        return encoder(inputs["pixel_values"].to(device), inputs["image_grid_thw"])
+        return [encoder(inputs["pixel_values"].to(device), inputs["image_grid_thw"])]
 
     return kimi_image_prompt(hf, processor.budget), encode
 
@@ -117,9 +129,9 @@ class LocalImageEncoder:
         self.prompt = prompt
         self.encode = encode
         self.device = device
-        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._cache: OrderedDict[str, list[torch.Tensor]] = OrderedDict()  # the image's and its crops'
 
-    def features(self, data: bytes) -> tuple[str, torch.Tensor]:
+    def features(self, data: bytes, crop: int = 0) -> tuple[str, torch.Tensor]:
         digest = hashlib.sha256(data).hexdigest()
         found = self._cache.get(digest)
         if found is None:
@@ -128,9 +140,11 @@ class LocalImageEncoder:
             if len(self._cache) > CACHED_IMAGES:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(digest)
-        return digest, found
+        if not 0 <= crop < len(found):
+            raise ImageError(f"crop {crop} of an image with {len(found) - 1} pan-and-scan crops")
+        return digest, found[crop]
 
-    def _encoded(self, data: bytes) -> torch.Tensor:
+    def _encoded(self, data: bytes) -> list[torch.Tensor]:
         from PIL import Image, UnidentifiedImageError
 
         try:

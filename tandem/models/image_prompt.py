@@ -107,6 +107,32 @@ TokenCount = FixedCount | SoftTokenBudget | PatchBudget
 
 
 @dataclass(frozen=True)
+class PanAndScan:
+    """Gemma 3's pan-and-scan: an image whose aspect ratio reaches `min_ratio_to_activate` is also cut along its long
+    side into crops (their number near the ratio, rounded half up, 2 to `max_num_crops`, none narrower than
+    `min_crop_size` pixels), each encoded as an image of its own after the original. Example (256, 4, 1.2): a 600 x
+    200 (width x height) image gives 3 crops of 200 x 200; a 300 x 200 one none (a 150-pixel crop is too small)."""
+
+    min_crop_size: int
+    max_num_crops: int
+    min_ratio_to_activate: float
+
+    def crops(self, height: int, width: int) -> int:
+        """How many crops an image of (height, width) pixels gets; 0: none."""
+        long, short = max(width, height), min(width, height)
+        if long / short < self.min_ratio_to_activate:
+            return 0
+        count = min(math.floor(long / short + 0.5), math.floor(long / self.min_crop_size))
+        count = min(self.max_num_crops, max(2, count))
+        crop = math.ceil(long / count)
+        return 0 if min(crop, short) < self.min_crop_size else count
+
+
+# The processor's words around an image's crops (Gemma3Processor), then the crops separated by one space.
+CROPS_BEFORE, CROPS_BETWEEN = "Here is the original image ", " and here are some crops to help you see better "
+
+
+@dataclass(frozen=True)
 class ImagePrompt:
     mark_token_id: int  # what the chat template writes for one image
     image_token_id: int  # the placeholder whose embedding an image feature replaces
@@ -114,10 +140,15 @@ class ImagePrompt:
     end_token_id: int | None
     around: str  # text the processor writes on both sides of an image's tokens
     count: TokenCount
+    pan_and_scan: PanAndScan | None = None  # Gemma 3's crops, where its image processor asks for them
 
     def tokens(self, height: int, width: int) -> int:
         """The placeholders an image of (height, width) pixels takes."""
         return self.count.tokens(height, width)
+
+    def crops(self, height: int, width: int) -> int:
+        """The pan-and-scan crops an image of (height, width) pixels gets besides itself; 0: none."""
+        return 0 if self.pan_and_scan is None else self.pan_and_scan.crops(height, width)
 
     def expansion(self, placeholders: int) -> list[int]:
         """An image's tokens, the `around` text left out: begin, the placeholders, end."""

@@ -48,7 +48,7 @@ class TargetInfo(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., instance: _Optional[str] = ..., images: _Optional[_Union[ImageLayout, _Mapping]] = ...) -> None: ...
 
 class ImageLayout(_message.Message):
-    __slots__ = ("limit", "tokens_per_image", "soft_token_budget", "patch_budget", "begin_token_id", "image_token_id", "end_token_id", "mark_token_id", "around")
+    __slots__ = ("limit", "tokens_per_image", "soft_token_budget", "patch_budget", "begin_token_id", "image_token_id", "end_token_id", "mark_token_id", "around", "pan_and_scan")
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
     SOFT_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class ImageLayout(_message.Message):
     END_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     MARK_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     AROUND_FIELD_NUMBER: _ClassVar[int]
+    PAN_AND_SCAN_FIELD_NUMBER: _ClassVar[int]
     limit: int
     tokens_per_image: int
     soft_token_budget: SoftTokenBudget
@@ -67,7 +68,18 @@ class ImageLayout(_message.Message):
     end_token_id: int
     mark_token_id: int
     around: str
-    def __init__(self, limit: _Optional[int] = ..., tokens_per_image: _Optional[int] = ..., soft_token_budget: _Optional[_Union[SoftTokenBudget, _Mapping]] = ..., patch_budget: _Optional[_Union[PatchBudget, _Mapping]] = ..., begin_token_id: _Optional[int] = ..., image_token_id: _Optional[int] = ..., end_token_id: _Optional[int] = ..., mark_token_id: _Optional[int] = ..., around: _Optional[str] = ...) -> None: ...
+    pan_and_scan: PanAndScan
+    def __init__(self, limit: _Optional[int] = ..., tokens_per_image: _Optional[int] = ..., soft_token_budget: _Optional[_Union[SoftTokenBudget, _Mapping]] = ..., patch_budget: _Optional[_Union[PatchBudget, _Mapping]] = ..., begin_token_id: _Optional[int] = ..., image_token_id: _Optional[int] = ..., end_token_id: _Optional[int] = ..., mark_token_id: _Optional[int] = ..., around: _Optional[str] = ..., pan_and_scan: _Optional[_Union[PanAndScan, _Mapping]] = ...) -> None: ...
+
+class PanAndScan(_message.Message):
+    __slots__ = ("min_crop_size", "max_num_crops", "min_ratio_to_activate")
+    MIN_CROP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_CROPS_FIELD_NUMBER: _ClassVar[int]
+    MIN_RATIO_TO_ACTIVATE_FIELD_NUMBER: _ClassVar[int]
+    min_crop_size: int
+    max_num_crops: int
+    min_ratio_to_activate: float
+    def __init__(self, min_crop_size: _Optional[int] = ..., max_num_crops: _Optional[int] = ..., min_ratio_to_activate: _Optional[float] = ...) -> None: ...
 
 class SoftTokenBudget(_message.Message):
     __slots__ = ("patch_size", "pooling_kernel_size", "max_soft_tokens")
@@ -108,12 +120,14 @@ class OpenRequest(_message.Message):
     def __init__(self, prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., generated: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[PromptImage, _Mapping]]] = ...) -> None: ...
 
 class PromptImage(_message.Message):
-    __slots__ = ("data", "start")
+    __slots__ = ("data", "start", "crop")
     DATA_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
+    CROP_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     start: int
-    def __init__(self, data: _Optional[bytes] = ..., start: _Optional[int] = ...) -> None: ...
+    crop: int
+    def __init__(self, data: _Optional[bytes] = ..., start: _Optional[int] = ..., crop: _Optional[int] = ...) -> None: ...
 
 class StepItem(_message.Message):
     __slots__ = ("request_id", "round", "open", "num_tokens", "drafts", "draft_replica", "set_replica", "replay", "logprobs", "top_logprobs", "decode_steps", "draft_ahead")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +14,6 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, Gemma3ForConditionalGeneration
 
-from tandem.models.config import ConfigError
 from tandem.models.image_encoder import ImageError, image_encoder_for
 from tandem.models.image_prompt import FixedCount
 from tests.helpers.gemma4_checkpoints import write_tiny_gemma3_multimodal
@@ -58,13 +55,3 @@ def test_bytes_that_are_not_an_image_are_refused(checkpoint: Path) -> None:
         encoder = image_encoder_for(checkpoint, torch.float32, "cpu")
         assert encoder is not None
         encoder.features(b"hello world")
-
-
-def test_pan_and_scan_is_refused_naming_the_setting(checkpoint: Path, tmp_path: Path) -> None:
-    copy = Path(shutil.copytree(checkpoint, tmp_path / "pan-and-scan"))
-    # transformers saves the processor's settings in processor_config.json, the image processor's under its key.
-    settings = json.loads((copy / "processor_config.json").read_text())
-    settings["image_processor"]["do_pan_and_scan"] = True
-    (copy / "processor_config.json").write_text(json.dumps(settings))
-    with pytest.raises(ConfigError, match="do_pan_and_scan is true; Tandem serves each image whole"):
-        image_encoder_for(copy, torch.float32, "cpu")
