@@ -172,13 +172,15 @@ def test_the_kv_pool_is_sized_one_way_and_the_children_get_that_way(capsys: pyte
 
 
 def test_the_service_commands_round_trip_the_settings_the_launcher_gives_them() -> None:
-    settings = serve_settings("--tp", "2", "--block-size", "8", "--mtp-mode", "independent", "--dequantize")
+    flags = ("--tp", "2", "--block-size", "8", "--mtp-mode", "independent", "--dequantize")
+    settings = serve_settings(*flags, "--image-embeddings", "merged")
     launcher = Launcher(settings)
     target = target_settings_of(build_parser().parse_args([*launcher.target_arguments(), "--port", "0"]))
     assert target == settings.target_settings()
     draft = draft_settings_of(build_parser().parse_args([*launcher.draft_arguments("draft-3"), "--port", "0"]))
     assert draft == settings.draft_settings("draft-3", "")
     assert (target.tp, target.cache.block_size, draft.mtp_mode, target.dequantize) == (2, 8, "independent", True)
+    assert draft.image_embeddings == "merged"
 
 
 def test_a_target_rank_gets_rank_0_s_settings_through_its_command_line() -> None:
