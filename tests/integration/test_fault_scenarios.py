@@ -24,7 +24,9 @@ from tests.integration.stack import run_to_exit
 # Every scenario but the orchestrator killed and started again at its address, whose resumes are those of the one
 # where the second orchestrator takes over (the full command, recorded in bench/results/faults, runs it too): 12 s.
 TESTED = [scenario for scenario in SCENARIOS if scenario != "kill orchestrator"]
-KEEPALIVE_S = 2.0  # every service's --keepalive-timeout (10 s by default: tests/unit/test_grpc_keepalive.py)
+# Every service's --keepalive-timeout: the least it takes (10 s by default: tests/unit/test_grpc_keepalive.py), so
+# that each blackhole (twice this) and pause (1.5 times) is over soon.
+KEEPALIVE_S = 1.0
 
 
 @pytest.fixture(scope="module")
