@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from tandem.wire import orchestrator_pb2, orchestrator_pb2_grpc
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
 from tests.integration.stack import (
     Completion,
+    Stack,
     draft_info,
     generate,
     run_to_exit,
@@ -43,6 +45,14 @@ def small_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_target(tmp_path_factory.mktemp("small-llama"), DRAFT_SPEC)
 
 
+@pytest.fixture(scope="module")
+def small_llama_stack(llama_target: Path, small_llama: Path) -> Iterator[Stack]:
+    """The target with the smaller Llama as its draft, started once: the first test drafts on it as started, the
+    next (its last user) adds a second replica to it and kills that."""
+    with serve(llama_target, small_llama, "--speculative-num-steps", str(STEPS)) as stack:
+        yield stack
+
+
 def greedy(address: str, prompt: str, disable_speculation: bool = False) -> Completion:
     completion = generate(
         address,
@@ -55,18 +65,53 @@ def greedy(address: str, prompt: str, disable_speculation: bool = False) -> Comp
     return completion
 
 
-def test_smaller_llama_drafts_and_greedy_output_equals_target_only(llama_target: Path, small_llama: Path) -> None:
-    with serve(llama_target, small_llama, "--speculative-num-steps", str(STEPS)) as stack:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched across requests on the replica
-            speculative = list(pool.map(lambda prompt: greedy(stack.address, prompt), PROMPTS))
-        target_only = [greedy(stack.address, prompt, disable_speculation=True).token_ids for prompt in PROMPTS]
-        info = draft_info(service_addresses(stack.log)["draft"])
-        subscribed = [line for line in stack.log if "subscribed, tokens only" in line]
+def test_smaller_llama_drafts_and_greedy_output_equals_target_only(small_llama_stack: Stack) -> None:
+    stack = small_llama_stack
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched across requests on the replica
+        speculative = list(pool.map(lambda prompt: greedy(stack.address, prompt), PROMPTS))
+    target_only = [greedy(stack.address, prompt, disable_speculation=True).token_ids for prompt in PROMPTS]
+    info = draft_info(service_addresses(stack.log)["draft"])
+    subscribed = [line for line in stack.log if "subscribed, tokens only" in line]
     assert (info.kind, info.architecture, list(info.capture_indices)) == ("standalone", "LlamaForCausalLM", [])
     assert subscribed, "the replica subscribes for tokens only"
     assert [completion.token_ids for completion in speculative] == target_only
     for completion in speculative:
         assert completion.stats.draft_tokens >= completion.stats.rounds > 0
+
+
+def test_a_standalone_replica_joins_and_dies_like_any_replica(
+    tmp_path: Path, small_llama: Path, small_llama_stack: Stack
+) -> None:
+    stack = small_llama_stack
+    ready_file = tmp_path / "second-draft.address"
+    arguments = ["draft", "--model", str(small_llama), "--target-address", service_addresses(stack.log)["target"]]
+    arguments += ["--replica-id", "draft-second", "--port", "0", "--ready-file", str(ready_file)]
+    second = subprocess.Popen(tandem_command(*arguments), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready_file.exists():
+            assert second.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        address = ready_file.read_text()
+        assert stack.admin_address is not None
+        with grpc.insecure_channel(stack.admin_address, options=channel_options()) as channel:
+            admin = orchestrator_pb2_grpc.OrchestratorAdminStub(channel)
+            added = admin.AddReplica(orchestrator_pb2.AddReplicaRequest(address=address))
+        assert (added.replica_id, added.state) == ("draft-second", "serving")
+        prompts = [f"def function_{index}(value):" for index in range(8)]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(greedy, stack.address, prompt) for prompt in prompts]
+            # SIGKILL the second replica once it drafts for some of them (or once they are all done).
+            while draft_info(address).running_requests == 0 and not all(f.done() for f in futures):
+                assert time.monotonic() < deadline + 120
+                time.sleep(0.05)
+            os.kill(second.pid, signal.SIGKILL)
+            speculative = [future.result(timeout=300).token_ids for future in futures]
+        target_only = [greedy(stack.address, prompt, disable_speculation=True).token_ids for prompt in prompts]
+    finally:
+        second.kill()
+        second.wait()
+    assert speculative == target_only
 
 
 def test_the_target_as_its_own_draft_is_accepted_in_full(llama_target: Path) -> None:
@@ -113,41 +158,6 @@ def test_preemption_and_chunked_prefill_keep_target_only_output(llama_target: Pa
     assert sum(completion.stats.accepted_tokens for completion in speculative) > 0
     assert (target.running_requests, target.kv_blocks_free) == (0, target.kv_blocks_total)
     assert (draft.running_requests, draft.kv_blocks_free) == (0, draft.kv_blocks_total)
-
-
-def test_a_standalone_replica_joins_and_dies_like_any_replica(
-    tmp_path: Path, llama_target: Path, small_llama: Path
-) -> None:
-    with serve(llama_target, small_llama, "--speculative-num-steps", str(STEPS)) as stack:
-        ready_file = tmp_path / "second-draft.address"
-        arguments = ["draft", "--model", str(small_llama), "--target-address", service_addresses(stack.log)["target"]]
-        arguments += ["--replica-id", "draft-second", "--port", "0", "--ready-file", str(ready_file)]
-        second = subprocess.Popen(tandem_command(*arguments), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 120
-            while not ready_file.exists():
-                assert second.poll() is None and time.monotonic() < deadline
-                time.sleep(0.1)
-            address = ready_file.read_text()
-            assert stack.admin_address is not None
-            with grpc.insecure_channel(stack.admin_address, options=channel_options()) as channel:
-                admin = orchestrator_pb2_grpc.OrchestratorAdminStub(channel)
-                added = admin.AddReplica(orchestrator_pb2.AddReplicaRequest(address=address))
-            assert (added.replica_id, added.state) == ("draft-second", "serving")
-            prompts = [f"def function_{index}(value):" for index in range(8)]
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                futures = [pool.submit(greedy, stack.address, prompt) for prompt in prompts]
-                # SIGKILL the second replica once it drafts for some of them (or once they are all done).
-                while draft_info(address).running_requests == 0 and not all(f.done() for f in futures):
-                    assert time.monotonic() < deadline + 120
-                    time.sleep(0.05)
-                os.kill(second.pid, signal.SIGKILL)
-                speculative = [future.result(timeout=300).token_ids for future in futures]
-            target_only = [greedy(stack.address, prompt, disable_speculation=True).token_ids for prompt in prompts]
-        finally:
-            second.kill()
-            second.wait()
-    assert speculative == target_only
 
 
 def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused_naming_both(
