@@ -144,17 +144,20 @@ def test_the_stack_spans_two_hosts_and_a_partition_between_them_costs_only_draft
     # to survive, not Ray's.
     environment = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     environment["RAY_health_check_failure_threshold"] = "20"
+    # Stopped, each host's processes take SIGTERM together: a node that would first ask its GCS to drain it waits
+    # for that GCS, gone too, for 30 s (Ray's default). Without the drain, the head stops in about a second.
+    nodes = {**environment, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--num-cpus", "1", "--num-gpus", "0"]
     # Short: Ray's unix socket paths under it must stay within 107 characters.
     temp = Path(tempfile.mkdtemp(prefix="tandem-ray-"))
     with two_hosts() as (a, b), ExitStack() as processes:
         processes.callback(shutil.rmtree, temp, True)
         head = start(a, [*ray, "--head", "--node-ip-address", a.address, "--port", "6390",
-                         "--include-dashboard", "false", "--temp-dir", str(temp / "a")], environment)  # fmt: skip
+                         "--include-dashboard", "false", "--temp-dir", str(temp / "a")], nodes)  # fmt: skip
         processes.callback(head.stop)
         head.wait_for("Ray runtime started")
         worker = start(b, [*ray, "--address", f"{a.address}:6390", "--node-ip-address", b.address,
-                           "--temp-dir", str(temp / "b")], environment)  # fmt: skip
+                           "--temp-dir", str(temp / "b")], nodes)  # fmt: skip
         processes.callback(worker.stop)
         worker.wait_for("Ray runtime started")
         # One CPU a host: the target's bundle takes one, the two replicas (half a CPU each) the other.
