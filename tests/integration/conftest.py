@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,20 @@ from tests.helpers.checkpoints import TinyEagle3Spec, TinyTargetSpec, write_tiny
 from tests.integration.stack import SharedStacks
 
 NUM_LAYERS = 6
+# The intra-op threads of every service these tests start (and of what those start): one. Two workers run stacks
+# of three or four processes side by side on two cores; at a thread per core each (PyTorch's default), OpenMP's
+# parallel regions wait on threads that are not running, and the same modules took 180 s on two workers instead of
+# 125 s. Threads by default are tests/unit/test_cpu_quota.py's and test_model_thread.py's; a user's own
+# OMP_NUM_THREADS is kept.
+SERVICE_THREADS = "1"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_a_service() -> Iterator[None]:
+    """OMP_NUM_THREADS for the processes a module starts; this process's own torch has its threads already."""
+    with pytest.MonkeyPatch.context() as environment:
+        environment.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", SERVICE_THREADS))
+        yield
 
 
 @pytest.fixture(scope="session")
