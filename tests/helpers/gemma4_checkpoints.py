@@ -203,16 +203,10 @@ def write_tiny_gemma4_multimodal(directory: Path, spec: TinyGemma4Spec, vision: 
     return directory
 
 
-def write_tiny_gemma3_multimodal(
-    directory: Path, seed: int = 0, vision: dict[str, Any] | None = None, tokens_per_image: int = 4
-) -> Path:
-    """A random Gemma3ForConditionalGeneration (a small SigLIP tower, `vision` overriding its config) saved by
-    transformers, plus the tokenizer.
-
-    Its text model is the Gemma 3 test one (tests.helpers.gemma3_checkpoints): local, local, global, local layers,
-    a window of 8, both rope bases changed and the global one linearly scaled, an untied head with a softcap.
-    """
-    text = Gemma3TextConfig(
+def gemma3_text_config() -> Gemma3TextConfig:
+    """The Gemma 3 test text model (tests.helpers.gemma3_checkpoints): local, local, global, local layers, a window
+    of 8, both rope bases changed and the global one linearly scaled, a softcap."""
+    return Gemma3TextConfig(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -233,8 +227,15 @@ def write_tiny_gemma3_multimodal(
         bos_token_id=SPECIAL_TOKENS.index(BOS_TOKEN),
         eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN),
     )
+
+
+def write_tiny_gemma3_multimodal(
+    directory: Path, seed: int = 0, vision: dict[str, Any] | None = None, tokens_per_image: int = 4
+) -> Path:
+    """A random Gemma3ForConditionalGeneration (a small SigLIP tower, `vision` overriding its config; the text model
+    of gemma3_text_config with an untied head) saved by transformers, plus its processor and tokenizer."""
     config = Gemma3Config(
-        text_config=text,
+        text_config=gemma3_text_config(),
         vision_config={
             "hidden_size": 16,
             "intermediate_size": 32,

@@ -138,6 +138,29 @@ def generate(host: Host, address: str, *flags: str) -> tuple[str, int]:
     return text, int(match.group(1))
 
 
+def stream_through_partition(a: Host, b: Host, address: str) -> tuple[list[tuple[str, int]], list[BaseException]]:
+    """Generates from host a while the two hosts are cut apart for PARTITION_S; the answer, or what it raised."""
+    in_flight: list[tuple[str, int]] = []
+    failures: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            in_flight.append(generate(a, address, *TOKENS))
+        except BaseException as error:  # reported by the caller
+            failures.append(error)
+
+    stream = threading.Thread(target=read)
+    stream.start()
+    time.sleep(1.5)  # the generate command has started and sent its request
+    for host in (a, b):
+        host.partition(on=True)
+    time.sleep(PARTITION_S)
+    for host in (a, b):
+        host.partition(on=False)
+    stream.join(timeout=180)
+    return in_flight, failures
+
+
 def test_the_stack_spans_two_hosts_and_a_partition_between_them_costs_only_drafts() -> None:
     # Ray clusters started by `ray start` ask for a token: every process of this cluster gets the same one. Ray's
     # own node health check may miss 20 beats (60 s) before it declares a host dead: the partition here is Tandem's
@@ -179,24 +202,7 @@ def test_the_stack_spans_two_hosts_and_a_partition_between_them_costs_only_draft
 
         # A partition of PARTITION_S while a stream runs: past the keepalive timeout, so the replicas are dropped
         # (and the target too, where it is on the other host: the stream then waits for it).
-        in_flight: list[tuple[str, int]] = []
-        failures: list[BaseException] = []
-
-        def read() -> None:
-            try:
-                in_flight.append(generate(a, address, *TOKENS))
-            except BaseException as error:  # reported by the assertion below
-                failures.append(error)
-
-        stream = threading.Thread(target=read)
-        stream.start()
-        time.sleep(1.5)  # the generate command has started and sent its request
-        for host in (a, b):
-            host.partition(on=True)
-        time.sleep(PARTITION_S)
-        for host in (a, b):
-            host.partition(on=False)
-        stream.join(timeout=180)
+        in_flight, failures = stream_through_partition(a, b, address)
         assert not failures and in_flight[0][0] == expected, (failures, "".join(serve.lines[-30:]))
         # Healed: a demoted replica is probed again (1 s doubling) and rejoins.
         deadline = time.monotonic() + 90
