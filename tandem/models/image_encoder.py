@@ -125,10 +125,9 @@ IMAGE_TOWERS: dict[str, Tower] = {
 
 
 class LocalImageEncoder:
-    def __init__(self, prompt: ImagePrompt, encode: Encode, device: str = "cpu") -> None:
+    def __init__(self, prompt: ImagePrompt, encode: Encode) -> None:
         self.prompt = prompt
-        self.encode = encode
-        self.device = device
+        self.encode = encode  # runs on the tower's device
         self._cache: OrderedDict[str, list[torch.Tensor]] = OrderedDict()  # the image's and its crops'
 
     def features(self, data: bytes, crop: int = 0) -> tuple[str, torch.Tensor]:
@@ -162,4 +161,4 @@ def image_encoder_for(model_dir: Path, dtype: torch.dtype, device: str) -> Local
     towers = [IMAGE_TOWERS[name] for name in hf.get("architectures") or () if name in IMAGE_TOWERS]
     if not towers or "vision_config" not in hf:
         return None
-    return LocalImageEncoder(*towers[0](model_dir, hf, dtype, device), device)
+    return LocalImageEncoder(*towers[0](model_dir, hf, dtype, device))

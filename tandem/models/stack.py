@@ -173,8 +173,6 @@ class CausalLM(nn.Module, Generic[ConfigT]):
         capture: Sequence[int] = (),  # capture indices in [0, num_layers + 1] (run_layers)
         embeddings: Embeddings | None = None,  # rows whose embedding is given (an image's tokens), after the scale
     ) -> TargetOutput:
-        if embeddings is not None:  # an image's placeholders are looked up as token 0 (Kimi-K2.5's may be past the
-            input_ids = input_ids.index_fill(0, embeddings[0], 0)  # vocabulary), then take the image's features
         hidden = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         if self.embedding_scale is not None:
             # The scale is rounded to the model dtype before the multiply, as transformers does (sqrt(3072) -> 55.5
