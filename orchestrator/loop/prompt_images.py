@@ -4,10 +4,11 @@ The target announces its layout (TargetInfo.images, tandem.models.image_prompt):
 placeholder tokens, whose embeddings the image's features replace, between the family's begin and end tokens; how
 many placeholders an image takes is fixed (Gemma 3) or follows its size in pixels (Gemma 4, Kimi-K2.5), read here from
 the image's header. A prompt holds at most `limit` images. A request's images (GenerateRequest.images, in order) fill
-its prompt's runs of placeholder tokens, the first image the first run: a prompt whose runs are not the images'
-counts, or whose number of runs is not its number of images, is refused naming both. Each image is named by its
-content's sha256, which joins the request's cache salt: a prefix-cache block holding an image's tokens (on the target
-and on draft replicas) is shared only by prompts holding the same image.
+its prompt's runs of placeholder tokens, the first image the first run(s): one run per image, then one per
+pan-and-scan crop it gets (Gemma 3, where its image processor asks). A prompt whose runs are not the images' counts,
+or whose number of runs is not what its images fill, is refused naming both. Each image is named by its content's
+sha256, which marks its prefix-cache blocks (tandem.layers.block_pool.block_hashes): a block holding an image's tokens
+(on the target, on draft replicas and in the prefix routes) is shared only by prompts holding the same image.
 """
 
 from __future__ import annotations
