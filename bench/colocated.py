@@ -18,7 +18,8 @@ import torch
 from transformers import AutoTokenizer
 
 from bench.harness import round_seconds_of
-from draft_server.formats import ProposalRunner, prepare_draft, propose_what_fits
+from draft_server.formats import prepare_draft
+from draft_server.proposals import ProposalRunner, propose_what_fits
 from draft_server.runner import ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
 from launch.devices import Placement

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from draft_server.formats import ProposalRunner, Proposals, propose_what_fits
+from draft_server.proposals import ProposalRunner, Proposals, propose_what_fits
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows
 from tandem.grpc_util import CallFailed
 from tandem.sampling.draft_tree import DraftTree

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 
 from draft_server.ahead import DraftedAhead, Key, drafting_failure, drop_stale, settle, timed_proposals, usable_drafts
-from draft_server.formats import PreparedDraft, ProposalRunner, ingest_final_rows, propose_what_fits
+from draft_server.proposals import PreparedDraft, ProposalRunner, ingest_final_rows, propose_what_fits
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows, join_rounds, pop_rounds
 from draft_server.settings import DraftSettings
 from draft_server.shaping import Shapings

@@ -266,10 +266,26 @@ class TargetService(target_pb2_grpc.TargetServicer):
                 LOG.warning("freeing %d requests of an orchestrator that went away", len(orphans))
                 await self._release(orphans)
 
+    def _capture_problem(self, capture: tuple[int, ...]) -> str:
+        """What is wrong with a subscription's capture indices; "" when nothing is."""
+        num_layers = self.runner.model.config.num_layers
+        kept = {num_layers + 2 + kept.layer for kept in self.runner.model.kept_kv}
+        for index in capture:
+            if index in kept and self.runner.ranks.group.world_size > 1:
+                return (
+                    f"capture_indices: {index} asks for layer {index - num_layers - 2}'s keys and values, which this "
+                    f"target serves at --tp 1 only (it runs --tp {self.runner.ranks.group.world_size})"
+                )
+            # num_layers + 1 is the final norm's output (see tandem.models.stack.run_layers).
+            if not 0 <= index <= num_layers + 1 and index not in kept:
+                where = f" or one of {sorted(kept)} (kept keys and values)" if kept else ""
+                layers = f"the target has {num_layers} layers"
+                return f"capture_indices: {index} is outside 0..{num_layers + 1}{where} ({layers})"
+        return ""
+
     async def SubscribeHidden(
         self, request: target_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[target_pb2.HiddenBatch]:
-        num_layers = self.runner.model.config.num_layers
         capture = tuple(request.capture_indices)
         if request.tokens_only and capture:
             await context.abort(
@@ -279,13 +295,9 @@ class TargetService(target_pb2_grpc.TargetServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "capture_indices: empty (and not tokens_only)")
         if request.prefix_shift not in (0, 1):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prefix_shift: {request.prefix_shift}, not 0 or 1")
-        for index in capture:
-            # num_layers + 1 is the final norm's output (see tandem.models.stack.run_layers).
-            if not 0 <= index <= num_layers + 1:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"capture_indices: {index} is outside 0..{num_layers + 1} (the target has {num_layers} layers)",
-                )
+        problem = self._capture_problem(capture)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         # The newest subscription of a replica id wins: a replica subscribes again when its stream broke, and on a
         # link that went silent this side may not have seen the old stream end yet.
         replaced = self.subscribers.get(request.replica_id)

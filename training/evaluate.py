@@ -19,8 +19,8 @@ import torch
 from tqdm import tqdm
 
 from draft_server.block_runner import BlockRunner
-from draft_server.formats import as_draft_tree
 from draft_server.mtp_runner import MTPRunner
+from draft_server.proposals import as_draft_tree
 from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from tandem.models.aux_layers import resolve_capture
 from tandem.models.block_format import BLOCK_ARCHITECTURES, architecture_name

@@ -51,7 +51,7 @@ from tandem.models.gemma3 import MULTIMODAL_NAMES, MULTIMODAL_TOWERS, Gemma3Conf
 from tandem.models.gemma4 import Gemma4ForCausalLM
 from tandem.models.gemma4_config import Gemma4Config
 from tandem.models.llama import LlamaForCausalLM
-from tandem.models.stack import Embeddings, TargetOutput
+from tandem.models.stack import Embeddings, KeptKV, TargetOutput
 from tandem.models.step3p5 import CHECKPOINT_NAMES as STEP3P5_NAMES
 from tandem.models.step3p5 import Step3p5ForCausalLM
 from tandem.models.step3p5_config import Step3p5Config
@@ -98,6 +98,8 @@ class TargetModel(Protocol):
     def lm_head(self) -> nn.Linear: ...
     @property
     def cache_layout(self) -> CacheLayout: ...  # this rank's share of config.cache_layout
+    @property
+    def kept_kv(self) -> tuple[KeptKV, ...]: ...  # layers whose keys and values drafts may take (stack.KeptKV)
     def __call__(
         self,
         input_ids: torch.Tensor,  # [num_tokens]

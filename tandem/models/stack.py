@@ -28,6 +28,17 @@ class TargetOutput:
     captured: dict[int, torch.Tensor]  # capture index -> [num_tokens, hidden] (see run_layers)
 
 
+@dataclass(frozen=True)
+class KeptKV:
+    """A layer whose keys and values a drafter may read (capture index num_layers + 2 + layer): their shapes over
+    every rank."""
+
+    layer: int
+    sliding: bool
+    num_kv_heads: int
+    head_dim: int
+
+
 def run_layers(
     hidden: torch.Tensor,  # [num_tokens, hidden] the embedded input
     layers: Iterable[Callable[[torch.Tensor, AttentionMetadata, PagedKVCache], torch.Tensor]],  # modules, or calls
@@ -181,6 +192,11 @@ class CausalLM(nn.Module, Generic[ConfigT]):
             hidden = hidden * scale.to(hidden.dtype)
         hidden = replaced(hidden, embeddings)
         return run_layers(hidden, self.model.layers, self.model.norm, metadata, cache, capture)
+
+    @property
+    def kept_kv(self) -> tuple[KeptKV, ...]:
+        """Layers whose keys and values a drafter may take as capture rows (tandem.models.gemma4); most have none."""
+        return ()
 
     @property
     def cache_layout(self) -> CacheLayout:

@@ -12,7 +12,7 @@ class TargetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "max_context", "dtype", "eos_token_ids", "tp_size", "running_requests", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "max_draft_tokens", "tokenizer_digest", "instance", "images")
+    __slots__ = ("architecture", "hidden_size", "vocab_size", "num_layers", "max_context", "dtype", "eos_token_ids", "tp_size", "running_requests", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "max_draft_tokens", "tokenizer_digest", "instance", "images", "kept_kv")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class TargetInfo(_message.Message):
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    KEPT_KV_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     hidden_size: int
     vocab_size: int
@@ -45,7 +46,20 @@ class TargetInfo(_message.Message):
     tokenizer_digest: str
     instance: str
     images: ImageLayout
-    def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., instance: _Optional[str] = ..., images: _Optional[_Union[ImageLayout, _Mapping]] = ...) -> None: ...
+    kept_kv: _containers.RepeatedCompositeFieldContainer[KeptKV]
+    def __init__(self, architecture: _Optional[str] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., instance: _Optional[str] = ..., images: _Optional[_Union[ImageLayout, _Mapping]] = ..., kept_kv: _Optional[_Iterable[_Union[KeptKV, _Mapping]]] = ...) -> None: ...
+
+class KeptKV(_message.Message):
+    __slots__ = ("layer", "sliding", "num_kv_heads", "head_dim")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    sliding: bool
+    num_kv_heads: int
+    head_dim: int
+    def __init__(self, layer: _Optional[int] = ..., sliding: _Optional[bool] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class ImageLayout(_message.Message):
     __slots__ = ("limit", "tokens_per_image", "soft_token_budget", "patch_budget", "begin_token_id", "image_token_id", "end_token_id", "mark_token_id", "around", "pan_and_scan")

@@ -19,13 +19,16 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV3ForCausalLM,
     Gemma3ForConditionalGeneration,
+    Gemma4ForCausalLM,
     Gemma4ForConditionalGeneration,
     Kimi_K25ForConditionalGeneration,
     PreTrainedModel,
     Step3p7ForConditionalGeneration,
 )
+from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM
 
 from tests.helpers.deepseek_checkpoints import DEEPSEEK_NEXTN, TinyDeepseekSpec, write_tiny_deepseek
+from tests.helpers.gemma4_assistant_checkpoints import assisted_rounds, greedy_texts, write_fitted_assistant
 from tests.helpers.gemma4_checkpoints import (
     SPECS,
     write_tiny_gemma3_multimodal,
@@ -207,3 +210,33 @@ def test_served_mtp_rounds_equal_transformers_use_mtp(
         ]
     accepted = [count for rounds in expected for count in rounds.accepted]
     assert min(accepted) < steps <= max(accepted)  # trained enough to accept, not so much that it always does
+
+
+@pytest.mark.parametrize("centroids", [False, True], ids=["LM head", "centroid head"])
+def test_served_gemma4_assistant_rounds_equal_transformers_assisted_generation(tmp_path: Path, centroids: bool) -> None:
+    """Gemma 4's own drafter as a replica, reading the target's K/V rows off the hidden-state stream: greedy output
+    equal to transformers' target-only `generate`, and each request's rounds and accepted drafts at a fixed k equal
+    to transformers' assisted generation with the same assistant."""
+    spec, steps = SPECS["dense"], 3
+    write_tiny_gemma4(tmp_path / "target", spec)
+    target = Gemma4ForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32).eval()
+    texts = greedy_texts(target, MTP_PROMPTS, 30)
+    write_fitted_assistant(tmp_path / "assistant", spec, target, texts, centroids)
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(tmp_path / "assistant", dtype=torch.float32).eval()
+    expected = [assisted_rounds(target, assistant, prompt, 30, steps) for prompt in MTP_PROMPTS]
+    options = ("--speculative-num-steps", str(steps), "--draft-ahead", "0")
+    with serve(tmp_path / "target", tmp_path / "assistant", *options) as stack:
+        served = [
+            generate(stack.address, input_ids=prompt, max_new_tokens=30, ignore_eos=True) for prompt in MTP_PROMPTS
+        ]
+    for completion, rounds, text, prompt in zip(served, expected, texts, MTP_PROMPTS, strict=True):
+        assert completion.token_ids == rounds.tokens == text[len(prompt) :]
+        accepted = clipped(rounds.accepted, steps, 30)
+        produced = 1 + sum(count + 1 for count in accepted)
+        assert completion.stats.rounds == len(accepted) + (produced < 30)  # a last round with no room to draft
+        assert list(completion.stats.accepted_per_position) == [
+            sum(count > i for count in accepted) for i in range(steps)
+        ]
+    accepted = [count for rounds in expected for count in rounds.accepted]
+    # Drafts accepted in some rounds, not in all; the centroid head's random clusters accept fewer.
+    assert min(accepted) < (1 if centroids else steps) <= max(accepted)

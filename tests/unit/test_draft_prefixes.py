@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from draft_server.formats import propose_what_fits
 from draft_server.prefixes import RequestPrefix
+from draft_server.proposals import propose_what_fits
 from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from tandem.models.eagle3 import Eagle3Draft
 from tandem.settings import KVCacheSettings

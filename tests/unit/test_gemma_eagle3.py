@@ -27,7 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from draft_server.formats import PreparedDraft, prepare_draft
+from draft_server.formats import prepare_draft
+from draft_server.proposals import PreparedDraft
 from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from draft_server.settings import DraftSettings
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
