@@ -1,5 +1,6 @@
-"""The draft's runner for a block drafter (DFlash and DSpark, tandem.models.dflash): one forward per round gives every
-request up to a block's drafts (DFlash: block_size - 1, from rows 1 ..; DSpark: block_size, from row 0).
+"""The draft's runner for a block drafter (DFlash, DFlash2 and DSpark, tandem.models.dflash and .dflash2): one forward
+per round gives every request up to a block's drafts (DFlash, DFlash2: block_size - 1, from rows 1 ..; DSpark:
+block_size, from row 0).
 
 A request's draft KV holds the projected context of every verified position, [0, P] once the rows of a round end
 at P. Each round its rows (features of positions s..P and the tokens after them) are written as context from s on
@@ -10,8 +11,10 @@ target accepts two drafts and corrects the third, so the next rows are positions
 correction), and the next block sits at 13..16.
 
 Drafts are greedy: the argmax of each drafting row's logits, which for DSpark add the Markov head's correction from
-the token before (the anchor, then the drafts, left to right); a request's penalties, bias and min_tokens shape its
-rows left to right too, each row seeing the drafts before it (draft_server.shaping). DSpark's confidence head scores
+the token before (the anchor, then the drafts, left to right); DFlash2's selector picks among each row's top
+candidates by their transition from the token before, left to right too (tandem.models.dflash2); a request's
+penalties, bias and min_tokens shape its rows' logits left to right, each row seeing the drafts before it
+(draft_server.shaping). DSpark's confidence head scores
 each draft given the token before it (DraftTree.scores): the orchestrator may verify fewer of them
 (orchestrator.loop.confidence).
 """
@@ -96,7 +99,7 @@ class BlockRunner:
         starts = [sum(counts[:i]) for i in range(len(counts))]
         anchors = [item.rows.next_tokens[-1] for item in inputs]
         model = self.model
-        if model.markov_head is None and model.confidence_head is None and all(item.shaping is None for item in inputs):
+        if not model.row_by_row and model.confidence_head is None and all(item.shaping is None for item in inputs):
             tokens = model.logits(hidden).argmax(dim=-1).tolist()
             return [DraftTree.chain(tokens[start : start + count]) for start, count in zip(starts, counts, strict=True)]
         head = model.head_logits(hidden)  # every drafting row's LM head at once; the Markov correction row by row
@@ -106,11 +109,11 @@ class BlockRunner:
             active = [i for i, count in enumerate(counts) if count > step]
             rows = [starts[i] + step for i in active]
             logits = head[rows]
+            previous = torch.tensor([proposals[i][-1] if step else anchors[i] for i in active], device=hidden.device)
             if model.markov_head is not None:
-                previous = [proposals[i][-1] if step else anchors[i] for i in active]
-                logits = logits + model.markov_head(hidden[rows], torch.tensor(previous, device=hidden.device)).float()
+                logits = logits + model.markov_head(hidden[rows], previous).float()
             shaped = shape_logits(logits, [inputs[i].shaping for i in active], [proposals[i] for i in active])
-            for i, token in zip(active, shaped.argmax(dim=-1).tolist(), strict=True):
+            for i, token in zip(active, model.choose(shaped, hidden[rows], previous).tolist(), strict=True):
                 proposals[i].append(int(token))
         before = [token for i, tokens in enumerate(proposals) for token in (anchors[i], *tokens[:-1]) if tokens]
         confidence = model.confidence(hidden, torch.tensor(before, device=hidden.device))

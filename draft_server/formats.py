@@ -7,9 +7,9 @@
   DeepSeek NextN runs on the DraftRunner, one layer reused at every step, fed the target's post-final-norm hidden;
   chained multi-layer MTP runs on the MTPRunner, fed the target's final stream before or after its norm, as the
   hidden flow (`--mtp-feedback`, "auto": the family's authors') says.
-- Block drafters, DFlash (`DFlashDraftModel`, z-lab's layout) and DSpark (`Qwen3DSparkModel`, DeepSpec's):
-  tandem.models.dflash on the BlockRunner, fed the outputs of the target layers the config names, with the target's
-  embedding and LM head pulled at start-up where the checkpoint lacks them.
+- Block drafters, DFlash and DFlash2 (`DFlashDraftModel`, `DFlash2DraftModel`, z-lab's layouts) and DSpark
+  (`Qwen3DSparkModel`, DeepSpec's): tandem.models.dflash (and .dflash2) on the BlockRunner, fed the outputs of the
+  target layers the config names, with the target's embedding and LM head pulled where the checkpoint lacks them.
 - Gemma 4's assistant (`Gemma4AssistantForCausalLM`): tandem.models.gemma4_assistant on the AssistantRunner, fed
   the target's final hidden state and the keys and values of its last K/V-keeping layer of each type.
 - Standalone draft models: a target-format checkpoint WITHOUT MTP layers (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
@@ -38,9 +38,10 @@ from draft_server.runner import DraftModel, DraftRunner
 from draft_server.settings import DraftSettings
 from draft_server.standalone_runner import StandaloneRunner
 from tandem.models.aux_layers import CaptureSpec, resolve_capture
-from tandem.models.block_format import BLOCK_ARCHITECTURES
+from tandem.models.block_format import BLOCK_ARCHITECTURES, BLOCK_NAMES
 from tandem.models.config import ConfigError, read_hf_config
-from tandem.models.dflash import DFlashConfig, load_dflash
+from tandem.models.dflash import DFlashConfig
+from tandem.models.dflash2 import load_block_draft
 from tandem.models.eagle3 import EAGLE3_LAYER_KINDS, load_eagle3
 from tandem.models.gemma4_assistant import ARCHITECTURE as ASSISTANT_ARCHITECTURE
 from tandem.models.mtp import NextNDraft, declared_mtp_layers, load_mtp
@@ -200,11 +201,11 @@ def _prepare_standalone(settings: DraftSettings, info: target_pb2.TargetInfo) ->
 
 
 def _prepare_block(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
-    model, missing = load_dflash(settings.model_dir, dtype=getattr(torch, settings.dtype), device=settings.device)
+    model, missing = load_block_draft(settings.model_dir, getattr(torch, settings.dtype), settings.device)
     config = model.config
     check_dflash(config, info, settings.num_steps)
     capture = CaptureSpec(config.capture_indices(info.num_layers), "output", config.target_layer_ids)
-    kind = "dflash" if config.dspark is None else "dspark"
+    kind = BLOCK_NAMES[config.architecture].lower()
     LOG.info(
         "%s draft: %d layers, block %d (up to %d drafts a round), mask token %d; target layer outputs %s -> "
         "capture indices %s of %d target layers; %s",
@@ -262,7 +263,7 @@ def check_dflash(config: DFlashConfig, info: target_pb2.TargetInfo, num_steps: i
             f"{config.drafts_per_block}; pass --speculative-num-steps {config.drafts_per_block} or fewer"
         )
     if problems:
-        name = "DFlash" if config.dspark is None else "DSpark"
+        name = BLOCK_NAMES[config.architecture]
         raise IncompatibleDraft(f"{name} draft does not fit the target: " + "; ".join(problems))
 
 

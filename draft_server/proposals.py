@@ -99,7 +99,7 @@ def as_draft_tree(proposal: list[int] | DraftTree) -> DraftTree:
 @dataclass(frozen=True)
 class PreparedDraft:
     architecture: str  # the checkpoint's
-    kind: str  # "eagle3", "nextn", "chained-mtp", "standalone", "dflash" or "dspark"
+    kind: str  # "eagle3", "nextn", "chained-mtp", "standalone", "dflash", "dflash2", "dspark" or "gemma4-assistant"
     capture: CaptureSpec
     missing_tables: tuple[str, ...]  # shared tables to pull from the target (its GetWeights names)
     fill_table: Callable[[str, torch.Tensor], None]  # (name, [vocab, hidden] table)

@@ -25,7 +25,7 @@ from draft_server.runner import DraftRunner, ProposeInput, TargetRows
 from tandem.models.aux_layers import resolve_capture
 from tandem.models.block_format import BLOCK_ARCHITECTURES, architecture_name
 from tandem.models.config import read_hf_config
-from tandem.models.dflash import load_dflash
+from tandem.models.dflash2 import load_block_draft
 from tandem.models.eagle3 import load_eagle3
 from tandem.models.llama import LlamaForCausalLM
 from tandem.models.mtp import load_mtp
@@ -68,7 +68,7 @@ def load_proposer(
     hf = read_hf_config(draft_dir)
     tables = {"embed_tokens": target.model.embed_tokens.weight, "lm_head": target.lm_head.weight}
     if architecture_name(hf) in BLOCK_ARCHITECTURES:
-        block, missing = load_dflash(draft_dir)
+        block, missing = load_block_draft(draft_dir)
         for name in missing:
             block.fill_table(name, tables[name].detach())
         return BlockRunner(block, cache), block.config.capture_indices(target.config.num_layers)

@@ -2,8 +2,9 @@
 serve` sets a block drafter's default draft length before any model is loaded).
 
 DFlash (z-lab, `DFlashDraftModel`) keeps `mask_token_id`, `target_layer_ids` and maybe `block_size` in
-`dflash_config`, `block_size` otherwise at the top level, and drafts B - 1 tokens a round (block rows 1 ..); DSpark
-(DeepSpec, `Qwen3DSparkModel`) keeps them at the top level of a copy of the target's config and drafts B (rows 0 ..).
+`dflash_config`, `block_size` otherwise at the top level, and drafts B - 1 tokens a round (block rows 1 ..), as does
+DFlash2 (z-lab, `DFlash2DraftModel`, with its convolution and selector fields there too); DSpark (DeepSpec,
+`Qwen3DSparkModel`) keeps them at the top level of a copy of the target's config and drafts B (rows 0 ..).
 """
 
 from __future__ import annotations
@@ -11,8 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
+DFLASH2_ARCHITECTURES = ("DFlash2DraftModel",)
 DSPARK_ARCHITECTURES = ("Qwen3DSparkModel",)
-BLOCK_ARCHITECTURES = DFLASH_ARCHITECTURES + DSPARK_ARCHITECTURES
+BLOCK_ARCHITECTURES = DFLASH_ARCHITECTURES + DFLASH2_ARCHITECTURES + DSPARK_ARCHITECTURES
+# What each is called in messages; its lower case is the kind a replica reports (GetInfo).
+BLOCK_NAMES = {
+    **dict.fromkeys(DFLASH_ARCHITECTURES, "DFlash"),
+    **dict.fromkeys(DFLASH2_ARCHITECTURES, "DFlash2"),
+    **dict.fromkeys(DSPARK_ARCHITECTURES, "DSpark"),
+}
 
 
 def architecture_name(hf: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
 """Block drafters: DFlash (z-lab's checkpoint layout, arXiv 2602.06036) and DSpark (DeepSpec's), a whole block of
-drafts from one forward.
+drafts from one forward; DFlash2 extends DFlash's layers and choice of drafts here (tandem.models.dflash2).
 
 The draft has Qwen3-style decoder layers (per-head q/k norms, rotary, SwiGLU), `fc` and `hidden_norm` over the
 target's features, a final `norm`, and no embedding or LM head of its own: it uses the target's (pulled from the
@@ -37,6 +37,7 @@ the embedding's output, index 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -336,6 +337,16 @@ class DFlashDraft(nn.Module):
             raise ValueError("a DSpark draft's logits need the token before each row")
         return logits + self.markov_head(hidden, previous).float()
 
+    @property
+    def row_by_row(self) -> bool:
+        """Whether a row's draft depends on the one before (a Markov head here; DFlash2's selector)."""
+        return self.markov_head is not None
+
+    def choose(self, logits: torch.Tensor, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """The drafts ([n]) of rows from their (shaped) logits ([n, vocab]), outputs ([n, hidden]) and the token
+        before each ([n]): the argmax here; DFlash2 walks its selector (tandem.models.dflash2)."""
+        return logits.argmax(dim=-1)
+
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # -> [n, vocab] float32
         """The LM head's logits, scaled and capped as the config says; no Markov correction."""
         config = self.config
@@ -365,10 +376,17 @@ class DFlashDraft(nn.Module):
 def load_dflash(
     model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> tuple[DFlashDraft, tuple[str, ...]]:
-    """Loads a block drafter; returns it and the shared tables its checkpoint lacks (DFlash's never has them, a
-    DSpark checkpoint may), left NaN until `fill_table` fills them from the target."""
+    """Loads a DFlash or DSpark drafter; returns it and the shared tables its checkpoint lacks (DFlash's never has
+    them, a DSpark checkpoint may), left NaN until `fill_table` fills them from the target."""
     config = DFlashConfig.from_hf(read_hf_config(model_dir))
-    model = materialized(on_meta(lambda: DFlashDraft(config)), device, dtype)
+    return load_block_weights(model_dir, lambda: DFlashDraft(config), dtype, device)
+
+
+def load_block_weights(
+    model_dir: Path, build: Callable[[], DFlashDraft], dtype: torch.dtype, device: str
+) -> tuple[DFlashDraft, tuple[str, ...]]:
+    """The drafter `build` makes, with the checkpoint's weights, and the shared tables the checkpoint lacks."""
+    model = materialized(on_meta(build), device, dtype)
     for name in SHARED_TABLES:
         getattr(model, name).weight.data.fill_(float("nan"))
     optional = frozenset(f"{name}.weight" for name in SHARED_TABLES)

@@ -1,5 +1,5 @@
-"""Tiny block drafters, DFlash in z-lab's checkpoint layout and DSpark in DeepSpec's, for a tiny target written by
-tests.helpers.checkpoints.
+"""Tiny block drafters, DFlash and DFlash2 in z-lab's checkpoint layouts and DSpark in DeepSpec's, for a tiny target
+written by tests.helpers.checkpoints.
 
 The decoder layers come from transformers' own Qwen3Model (the backbone z-lab's DFlashDraftModel is built of): its
 state dict gives `layers.N.*` and `norm.weight` without the `model.` prefix, as DFlash checkpoints store them; `fc`
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3Model
 
 from tests.helpers.checkpoints import dense_weight, norm_weight, read_target_tensor, redraw_parameters
@@ -178,4 +178,45 @@ def write_tiny_dspark(directory: Path, target_dir: Path, spec: TinyDSparkSpec = 
         "markov_head_type": spec.markov_head_type,
     }
     (directory / "config.json").write_text(json.dumps(written, indent=2))
+    return directory
+
+
+@dataclass(frozen=True)
+class TinyDFlash2Spec:
+    """A DFlash2 draft in z-lab's layout: a DFlash draft (`dflash`) with a dynamic convolution around each sublayer
+    (`layers.N.{attention,mlp}_conv.base_kernel` [2, taps, hidden] and `.kernel_projection.weight`) and a candidate
+    selector (`candidate_selector.{predecessor,successor}_codebook` [vocab, rank], `.hidden_projection.weight`), its
+    fields in `dflash_config` and `architectures: ["DFlash2DraftModel"]`."""
+
+    dflash: TinyDFlashSpec = TinyDFlashSpec()
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 8
+    selector_top_k: int = 4
+    # The codebooks' scale: large enough that the transition score reorders a row's candidates.
+    codebook_scale: float = 7.0
+
+
+def write_tiny_dflash2(directory: Path, target_dir: Path, spec: TinyDFlash2Spec = TinyDFlash2Spec()) -> Path:
+    write_tiny_dflash(directory, target_dir, spec.dflash)
+    config = json.loads((directory / "config.json").read_text())
+    tensors = load_file(str(directory / "model.safetensors"))
+    hidden, vocab, taps = config["hidden_size"], config["vocab_size"], spec.conv_kernel_size
+    generator = torch.Generator().manual_seed(spec.dflash.seed + 100)
+    for layer in range(spec.dflash.num_layers):
+        for sublayer in ("attention_conv", "mlp_conv"):
+            base = dense_weight((2, taps, hidden), generator) * 3
+            base[:, 0] += 1.0  # near the identity at tap 0, as z-lab initialises it
+            tensors[f"layers.{layer}.{sublayer}.base_kernel"] = base
+            width = 2 * taps * (hidden // spec.conv_group_size)
+            tensors[f"layers.{layer}.{sublayer}.kernel_projection.weight"] = dense_weight((width, hidden), generator)
+    rank = spec.selector_rank
+    for book in ("predecessor_codebook", "successor_codebook"):
+        tensors[f"candidate_selector.{book}"] = dense_weight((vocab, rank), generator) * spec.codebook_scale
+    tensors["candidate_selector.hidden_projection.weight"] = dense_weight((rank, hidden), generator)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    fields = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    config["dflash_config"].update({name: getattr(spec, name) for name in fields})
+    config["architectures"] = ["DFlash2DraftModel"]
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory

@@ -17,6 +17,13 @@ DSpark (a DFlash backbone; its fields at the top level of its config, its own co
 head where it ships them) drafts from every row: row j's logits are lm_head(h_j) + W2 W1[prev_j] (the gated head:
 W2 (sigmoid(gate_proj([h_j ; W1[prev_j]])) * W1[prev_j])), prev_0 the anchor and prev_j the draft of row j - 1, left
 to right; its confidence in row j is sigmoid(proj([h_j ; W1[prev_j]])) (or of h_j alone).
+DFlash2 (z-lab's DFlash2DraftModel; its paper and vLLM's qwen3_dflash2.py) wraps each sublayer of each layer in a
+dynamic convolution over the block's rows: from the sublayer's normed input x, d = kernel_projection(x) gives each
+row a pre and a post coefficient per tap and channel group; conv(y, side)[i] = sum over taps t <= i of
+(base_kernel[side][t] + d[i][side][t]) * y[i - t]; the sublayer's output is conv(sublayer(conv(x, pre)), post). Its
+drafts are chosen left to right among the selector_top_k largest logits (u) of each row: the candidate c maximising
+u[c] + sum_r predecessor_codebook[prev][r] * hidden_projection(h_j)[r] * successor_codebook[c][r], prev the anchor
+for row 1, then the draft before.
 A round verifies the drafts with the target (greedy), accepts the matching prefix, appends the target's token, and
 adds the features of the anchor and the accepted drafts to the context.
 """
@@ -24,6 +31,7 @@ adds the features of the anchor and the accepted drafts to the context.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +60,7 @@ class ReferenceDFlash:
         self.weights = load_file(str(draft_dir / "model.safetensors"))
         self.target = target
         self.dspark = self.config["architectures"] == ["Qwen3DSparkModel"]
+        self.dflash2 = self.config["architectures"] == ["DFlash2DraftModel"]
         dflash = self.config if self.dspark else self.config["dflash_config"]
         self.block_size = int(dflash.get("block_size", self.config.get("block_size")))
         self.mask_token_id = int(dflash["mask_token_id"])
@@ -104,6 +113,8 @@ class ReferenceDFlash:
     def drafts(self, features: torch.Tensor, anchor: int, k: int) -> tuple[list[int], list[float]]:
         """The first k drafts of the block, and (DSpark with a confidence head) each one's confidence."""
         hidden = self.block_hidden(features, anchor)
+        if self.dflash2:
+            return self.selected(hidden, anchor, k), []
         if not self.dspark:
             return self.head(hidden)[1:].argmax(-1)[:k].tolist(), []
         drafts: list[int] = []
@@ -130,6 +141,41 @@ class ReferenceDFlash:
             drafts.append(previous)
         return drafts, confidences
 
+    def selected(self, hidden: torch.Tensor, anchor: int, k: int) -> list[int]:
+        """DFlash2's drafts of block rows 1 .. k: the selector's greedy walk over each row's top candidates."""
+        top_k = int(self.config["dflash_config"]["selector_top_k"])
+        predecessor = self.w("candidate_selector.predecessor_codebook")
+        successor = self.w("candidate_selector.successor_codebook")
+        drafts, previous = [], anchor
+        for row in range(1, k + 1):
+            values, candidates = self.head(hidden[row]).topk(top_k)
+            projected = self.w("candidate_selector.hidden_projection.weight") @ hidden[row]
+            scores = [
+                float(values[i]) + float((predecessor[previous] * projected * successor[c]).sum())
+                for i, c in enumerate(candidates.tolist())
+            ]
+            previous = candidates.tolist()[max(range(top_k), key=lambda i: (scores[i], -i))]
+            drafts.append(previous)
+        return drafts
+
+    def around(self, prefix: str, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The sublayer of input x; for DFlash2, inside its dynamic convolution (weights under `prefix`)."""
+        if not self.dflash2:
+            return sublayer(x)
+        base = self.w(prefix + "base_kernel")  # [2, taps, hidden]
+        taps, group = base.shape[1], int(self.config["dflash_config"]["conv_group_size"])
+        dynamic = (x @ self.w(prefix + "kernel_projection.weight").T).view(len(x), 2, taps, -1)
+
+        def convolve(y: torch.Tensor, side: int) -> torch.Tensor:
+            out = torch.zeros_like(y)
+            for i in range(len(y)):
+                for t in range(min(taps, i + 1)):
+                    coefficient = base[side, t] + dynamic[i, side, t].repeat_interleave(group)
+                    out[i] += coefficient * y[i - t]
+            return out
+
+        return convolve(sublayer(convolve(x, 0)), 1)
+
     @property
     def markov(self) -> bool:
         return "markov_head.markov_w1.weight" in self.weights
@@ -138,9 +184,18 @@ class ReferenceDFlash:
         self, index: int, block: torch.Tensor, context: torch.Tensor, positions: torch.Tensor, window: int | None
     ) -> torch.Tensor:
         p = f"layers.{index}."
+        h = rms_norm(block, self.w(p + "input_layernorm.weight"), self.eps)
+        block = block + self.around(
+            p + "attention_conv.", h, lambda x: self.attention(p, x, context, positions, window)
+        )
+        x = rms_norm(block, self.w(p + "post_attention_layernorm.weight"), self.eps)
+        return block + self.around(p + "mlp_conv.", x, lambda x: self.mlp(p, x))
+
+    def attention(
+        self, p: str, h: torch.Tensor, context: torch.Tensor, positions: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
         heads, kv_heads = self.config["num_attention_heads"], self.config["num_key_value_heads"]
         dim = self.config["head_dim"]
-        h = rms_norm(block, self.w(p + "input_layernorm.weight"), self.eps)
         both = torch.cat([context, h])
         q = (h @ self.w(p + "self_attn.q_proj.weight").T).view(len(h), heads, dim)
         k = (both @ self.w(p + "self_attn.k_proj.weight").T).view(len(both), kv_heads, dim)
@@ -154,10 +209,11 @@ class ReferenceDFlash:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * dim**-0.5
         attention = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
-        block = block + attention.reshape(len(h), heads * dim) @ self.w(p + "self_attn.o_proj.weight").T
-        x = rms_norm(block, self.w(p + "post_attention_layernorm.weight"), self.eps)
+        return attention.reshape(len(h), heads * dim) @ self.w(p + "self_attn.o_proj.weight").T
+
+    def mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         gate, up = x @ self.w(p + "mlp.gate_proj.weight").T, x @ self.w(p + "mlp.up_proj.weight").T
-        return block + (F.silu(gate) * up) @ self.w(p + "mlp.down_proj.weight").T
+        return (F.silu(gate) * up) @ self.w(p + "mlp.down_proj.weight").T
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""The block drafters, DFlash and DSpark (tandem.models.dflash on draft_server.block_runner), against a plain-torch
-reference of the published semantics (tests.helpers.dflash_reference), on tiny Llama, Qwen3 and Gemma 3 targets made
-with transformers (a Gemma target's drafter scales the embedding rows and the logits): the same drafts, round after
-round, for requests batched together and for a request replayed from scratch, the same logits, and DSpark's
-confidences; and the start-up checks that refuse a draft that does not fit its target, naming both values."""
+"""The block drafters, DFlash, DFlash2 and DSpark (tandem.models.dflash and .dflash2 on draft_server.block_runner),
+against a plain-torch reference of the published semantics (tests.helpers.dflash_reference), on tiny Llama, Qwen3 and
+Gemma 3 targets made with transformers (a Gemma target's drafter scales the embedding rows and the logits): the same
+drafts, round after round, for requests batched together and for a request replayed from scratch, the same logits,
+and DSpark's confidences; and the start-up checks that refuse a draft that does not fit its target, naming both
+values."""
 
 from __future__ import annotations
 
@@ -19,11 +20,19 @@ from draft_server.compat import IncompatibleDraft
 from draft_server.formats import check_dflash
 from draft_server.runner import ProposeInput, TargetRows
 from tandem.models.config import ConfigError, read_hf_config
-from tandem.models.dflash import DFlashConfig, default_target_layer_ids, load_dflash
+from tandem.models.dflash import SHARED_TABLES, DFlashConfig, default_target_layer_ids
+from tandem.models.dflash2 import DFlash2Fields, load_block_draft
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
 from tests.helpers.checkpoints import TinyTargetSpec, read_target_tensor, write_tiny_target
-from tests.helpers.dflash_checkpoints import TinyDFlashSpec, TinyDSparkSpec, write_tiny_dflash, write_tiny_dspark
+from tests.helpers.dflash_checkpoints import (
+    TinyDFlash2Spec,
+    TinyDFlashSpec,
+    TinyDSparkSpec,
+    write_tiny_dflash,
+    write_tiny_dflash2,
+    write_tiny_dspark,
+)
 from tests.helpers.dflash_reference import ReferenceDFlash
 from tests.helpers.gemma3_checkpoints import TinyGemma3Spec, write_tiny_gemma3
 
@@ -44,6 +53,8 @@ PAIRS = {
     "llama-dflash": ("llama", lambda d, t: write_tiny_dflash(d, t, TinyDFlashSpec())),
     "qwen3-dflash": ("qwen3", lambda d, t: write_tiny_dflash(d, t, TinyDFlashSpec())),
     "gemma3-dflash": ("gemma3", lambda d, t: write_tiny_dflash(d, t, TinyDFlashSpec(dflash_fields=GEMMA_FIELDS))),
+    # DFlash2: a dynamic convolution around every sublayer, drafts chosen among each row's top 4 by the selector.
+    "qwen3-dflash2": ("qwen3", lambda d, t: write_tiny_dflash2(d, t, TinyDFlash2Spec())),
     # DSpark: drafts from every row, a Markov head (vanilla, gated), a confidence head, its own copy of the tables.
     "qwen3-dspark": ("qwen3", lambda d, t: write_tiny_dspark(d, t, TinyDSparkSpec())),
     "qwen3-dspark-gated": (
@@ -113,7 +124,7 @@ def reference_of(target_dir: Path, draft: Path) -> tuple[PreTrainedModel, Refere
 
 
 def runner_for(draft: Path, target_dir: Path) -> BlockRunner:
-    model, missing = load_dflash(draft)
+    model, missing = load_block_draft(draft)
     tables = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
     tied = read_hf_config(target_dir).get("tie_word_embeddings", False)
     for name in missing:
@@ -283,3 +294,68 @@ def test_a_config_without_what_dflash_needs_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="block_size: 1"):
         DFlashConfig.from_hf(hf | {"block_size": 1})
     check_dflash(DFlashConfig.from_hf(hf), info(), 3)  # the same draft, as written, fits
+
+
+def test_dflash2s_convolutions_and_selector_matter(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Negative control: the reference's DFlash2 logits change without either convolution's dynamic part or its
+    kernel, and its drafts without the selector's transition, so the equality of drafts above checks all three."""
+    target_dir, draft = written("qwen3-dflash2", tmp_path_factory)
+    target, reference = reference_of(target_dir, draft)
+    with torch.no_grad():
+        request = start(target, reference, "r", list(PROMPTS[0]))
+        features, anchor = request.rows.features, request.tokens[-1]
+        logits = reference.block_logits(features, anchor)
+        drafts = reference.drafts(features, anchor, 3)[0]
+        assert drafts != logits.argmax(-1).tolist()  # the selector chose other than the argmax somewhere
+        weights = dict(reference.weights)
+        for sublayer in ("attention_conv", "mlp_conv"):
+            for leaf in ("kernel_projection.weight", "base_kernel"):
+                name = f"layers.1.{sublayer}.{leaf}"
+                reference.weights = weights | {name: weights[name] * (0 if "projection" in leaf else 0.5)}
+                assert not torch.allclose(reference.block_logits(features, anchor), logits, atol=1e-3), name
+        book = "candidate_selector.successor_codebook"
+        reference.weights = weights | {book: torch.zeros_like(weights[book])}
+        assert reference.drafts(features, anchor, 3)[0] == logits.argmax(-1).tolist()
+
+
+def dflash2_written(tmp_path: Path, spec: TinyDFlash2Spec) -> dict[str, object]:
+    target = write_tiny_target(tmp_path / "target", TinyTargetSpec())
+    return read_hf_config(write_tiny_dflash2(tmp_path / "draft", target, spec))
+
+
+@pytest.mark.parametrize(
+    ("spec", "num_steps", "named"),
+    [
+        (TinyDFlash2Spec(TinyDFlashSpec(hidden_size=32)), 3, "hidden_size: the draft has 32, the target has 64"),
+        (
+            TinyDFlash2Spec(TinyDFlashSpec(vocab_size=300, mask_token_id=5)),
+            3,
+            "vocab_size: the draft has 300, the target has 320",
+        ),
+        (TinyDFlash2Spec(), 4, "speculative-num-steps: 4 drafts asked, the draft's block_size 4 gives 3"),
+    ],
+)
+def test_a_dflash2_draft_that_does_not_fit_is_refused_naming_both(
+    tmp_path: Path, spec: TinyDFlash2Spec, num_steps: int, named: str
+) -> None:
+    config = DFlashConfig.from_hf(dflash2_written(tmp_path, spec))
+    with pytest.raises(IncompatibleDraft, match="DFlash2 draft does not fit") as refused:
+        check_dflash(config, info(), num_steps)
+    assert named in str(refused.value)
+
+
+def test_a_dflash2_config_is_read_and_checked(tmp_path: Path) -> None:
+    hf = dflash2_written(tmp_path, TinyDFlash2Spec(conv_kernel_size=3, selector_top_k=6))
+    assert DFlash2Fields.from_hf(hf, 64, 320) == DFlash2Fields(taps=3, group_size=16, rank=8, top_k=6)
+    model, missing = load_block_draft(tmp_path / "draft")
+    assert (type(model).__name__, model.config.drafts_per_block, missing) == ("DFlash2Draft", 3, SHARED_TABLES)
+    dflash = hf["dflash_config"]
+    assert isinstance(dflash, dict)
+    with pytest.raises(ConfigError, match="selector_top_k: None"):
+        DFlash2Fields.from_hf(
+            hf | {"dflash_config": {k: v for k, v in dflash.items() if k != "selector_top_k"}}, 64, 320
+        )
+    with pytest.raises(ConfigError, match="conv_group_size: 16 does not divide hidden_size 40"):
+        DFlash2Fields.from_hf(hf, 40, 320)
+    with pytest.raises(ConfigError, match="selector_top_k: 6 candidates, but vocab_size is 5"):
+        DFlash2Fields.from_hf(hf, 64, 5)
