@@ -1,6 +1,6 @@
-"""DFlash block drafts through the real stack (`tandem serve`): greedy output equal to target-only and to
-transformers' greedy generate, and the rounds (how many, drafts proposed, drafts accepted) equal to a reference of
-the published DFlash loop (tests.helpers.dflash_reference) run on transformers' target.
+"""DFlash, DFlash2 and DSpark block drafts through the real stack (`tandem serve`): greedy output equal to target-only
+and to transformers' greedy generate, and the rounds (how many, drafts proposed, drafts accepted) equal to a reference
+of the published loop (tests.helpers.dflash_reference) run on transformers' target.
 
 - Llama target, random 2-layer draft (a sliding-window layer, features of layers 0, 2 and the last, whose output is
   the target's final norm's), block 4: drafts seldom accepted;
@@ -14,7 +14,9 @@ the published DFlash loop (tests.helpers.dflash_reference) run on transformers' 
 - a DSpark draft whose drafts would all be accepted but are scored 0 by its confidence head, with adaptive k: once
   measured, no draft is verified; outputs unchanged;
 - Qwen3 target, random DSpark draft (features of the embedding, layer 1 and the last, a Markov head, a confidence head,
-  its own copy of the target's tables), block 4: 4 drafts a round, each corrected by the one before.
+  its own copy of the target's tables), block 4: 4 drafts a round, each corrected by the one before;
+- Qwen3 target, random DFlash2 draft (a dynamic convolution around each sublayer, each draft chosen among its row's
+  top 4 candidates by the selector, from the one before), block 4: 3 drafts a round.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.helpers.checkpoints import TinyTargetSpec, write_tiny_target
-from tests.helpers.dflash_checkpoints import TinyDFlashSpec, TinyDSparkSpec, write_tiny_dflash, write_tiny_dspark
+from tests.helpers.dflash_checkpoints import (
+    TinyDFlash2Spec,
+    TinyDFlashSpec,
+    TinyDSparkSpec,
+    write_tiny_dflash,
+    write_tiny_dflash2,
+    write_tiny_dspark,
+)
 from tests.helpers.dflash_reference import reference_generate
 from tests.helpers.gemma3_checkpoints import TinyGemma3Spec, write_tiny_gemma3
 from tests.integration.stack import draft_info, generate, serve, service_addresses
@@ -108,14 +117,23 @@ def test_whole_blocks_accepted_with_and_without_a_penalty(accepting_pair: tuple[
     assert penalised.stats.accepted_tokens == penalised.stats.draft_tokens == plain.stats.draft_tokens
 
 
-def test_dspark_rounds_and_outputs_equal_the_reference(tmp_path: Path) -> None:
+# The kind a replica reports, its capture indices on the 4-layer target and the drafts of its whole block.
+DRAFTS_ON_QWEN3 = {
+    "dspark": (lambda d, t: write_tiny_dspark(d, t, TinyDSparkSpec()), [0, 2, 5], 4),
+    "dflash2": (lambda d, t: write_tiny_dflash2(d, t, TinyDFlash2Spec()), [1, 3, 5], 3),
+}
+
+
+@pytest.mark.parametrize("kind", list(DRAFTS_ON_QWEN3))
+def test_qwen3_block_rounds_and_outputs_equal_the_reference(kind: str, tmp_path: Path) -> None:
     target = write_tiny_target(tmp_path / "qwen3", TinyTargetSpec(family="qwen3"))
-    draft = write_tiny_dspark(tmp_path / "dspark", target, TinyDSparkSpec())
+    write_draft, capture, num_steps = DRAFTS_ON_QWEN3[kind]
+    draft = write_draft(tmp_path / kind, target)
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     with serve(target, draft, "--no-adaptive-k") as stack:
         served = [generate(stack.address, prompt=p, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True) for p in PROMPTS]
         info = draft_info(service_addresses(stack.log)["draft"])
-    assert (info.kind, list(info.capture_indices), info.num_steps) == ("dspark", [0, 2, 5], 4)
+    assert (info.kind, list(info.capture_indices), info.num_steps) == (kind, capture, num_steps)
     for prompt, completion in zip(PROMPTS, served, strict=True):
         reference = reference_generate(target, draft, tokenizer(prompt).input_ids, MAX_NEW_TOKENS)
         assert completion.token_ids == reference.tokens == reference_greedy(target, prompt, MAX_NEW_TOKENS)
