@@ -22,6 +22,8 @@ from draft_server.runner import ProposeInput, TargetRows
 from tandem.models.config import ConfigError, read_hf_config
 from tandem.models.dflash import SHARED_TABLES, DFlashConfig, default_target_layer_ids
 from tandem.models.dflash2 import DFlash2Fields, load_block_draft
+from tandem.sampling.params import SamplingParams
+from tandem.sampling.processing import Shaping
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
 from tests.helpers.checkpoints import TinyTargetSpec, read_target_tensor, write_tiny_target
@@ -359,3 +361,23 @@ def test_a_dflash2_config_is_read_and_checked(tmp_path: Path) -> None:
         DFlash2Fields.from_hf(hf, 40, 320)
     with pytest.raises(ConfigError, match="selector_top_k: 6 candidates, but vocab_size is 5"):
         DFlash2Fields.from_hf(hf, 64, 5)
+
+
+@torch.no_grad()
+def test_dflash2_chooses_among_the_shaped_candidates(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A request's logit bias shapes each row before its candidates are taken: biased away from the unshaped drafts,
+    the drafts are the reference's over the biased logits, none of them an unshaped one."""
+    target_dir, draft = written("qwen3-dflash2", tmp_path_factory)
+    target, reference = reference_of(target_dir, draft)
+    runner = runner_for(draft, target_dir)
+    request = start(target, reference, "r", list(PROMPTS[0]))
+    plain = set(runner.propose([ProposeInput("r", request.rows, 3)])[0].tokens)
+    runner.release(["r"])
+    shaping = Shaping(SamplingParams(logit_bias=tuple((t, -100.0) for t in plain)), len(PROMPTS[0]), (*request.tokens,))
+    shaped = list(runner.propose([ProposeInput("r", request.rows, 3, shaping)])[0].tokens)
+    bias = torch.zeros(runner.model.config.vocab_size)
+    bias[list(plain)] = -100.0
+    head = reference.head
+    reference.head = lambda hidden: head(hidden) + bias  # type: ignore[method-assign]
+    assert shaped == reference.drafts(request.rows.features, request.tokens[-1], 3)[0]
+    assert not set(shaped) & plain
