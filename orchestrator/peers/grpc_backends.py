@@ -19,6 +19,7 @@ from orchestrator.peers.backends import (
 )
 from tandem.grpc_util import STATUS_CODES
 from tandem.leases import session_metadata
+from tandem.models.block_format import BLOCK_NAMES
 from tandem.wire import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tandem.wire.drafts import tree_from_proto, tree_to_proto
 from tandem.wire.logprobs import logprobs_from_proto
@@ -221,8 +222,8 @@ def _step_item(item: StepItem) -> target_pb2.StepItem:
     return message
 
 
-# Draft kinds (DraftInfo.kind) that draft any k in one forward.
-BLOCK_KINDS = frozenset({"dflash", "dspark"})
+# Draft kinds (DraftInfo.kind) that draft any k in one forward: the block drafters ("dflash", "dflash2", "dspark").
+BLOCK_KINDS = frozenset(name.lower() for name in BLOCK_NAMES.values())
 
 
 class GrpcDraft:

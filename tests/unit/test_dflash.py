@@ -19,6 +19,7 @@ from draft_server.block_runner import BlockRunner
 from draft_server.compat import IncompatibleDraft
 from draft_server.formats import check_dflash
 from draft_server.runner import ProposeInput, TargetRows
+from orchestrator.peers.grpc_backends import BLOCK_KINDS
 from tandem.models.config import ConfigError, read_hf_config
 from tandem.models.dflash import SHARED_TABLES, DFlashConfig, default_target_layer_ids
 from tandem.models.dflash2 import DFlash2Fields, load_block_draft
@@ -351,6 +352,7 @@ def test_a_dflash2_config_is_read_and_checked(tmp_path: Path) -> None:
     assert DFlash2Fields.from_hf(hf, 64, 320) == DFlash2Fields(taps=3, group_size=16, rank=8, top_k=6)
     model, missing = load_block_draft(tmp_path / "draft")
     assert (type(model).__name__, model.config.drafts_per_block, missing) == ("DFlash2Draft", 3, SHARED_TABLES)
+    assert "dflash2" in BLOCK_KINDS  # the orchestrator reads its Proposes as one forward's, whatever k
     dflash = hf["dflash_config"]
     assert isinstance(dflash, dict)
     with pytest.raises(ConfigError, match="selector_top_k: None"):
