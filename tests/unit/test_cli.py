@@ -222,6 +222,8 @@ def test_a_block_drafter_drafts_its_whole_block_unless_told_otherwise(tmp_path: 
 
     assert steps() == 15
     assert steps("--speculative-num-steps", "6") == 6
+    (block / "config.json").write_text(json.dumps(config | {"architectures": ["DFlash2DraftModel"]}))
+    assert steps() == 15  # DFlash2 drafts from block rows 1 .., as DFlash does
     assert serve_settings().scheduler.num_steps == SchedulerSettings.num_steps  # a draft that is no block drafter
 
 
