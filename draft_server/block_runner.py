@@ -14,9 +14,8 @@ Drafts are greedy: the argmax of each drafting row's logits, which for DSpark ad
 the token before (the anchor, then the drafts, left to right); DFlash2's selector picks among each row's top
 candidates by their transition from the token before, left to right too (tandem.models.dflash2); a request's
 penalties, bias and min_tokens shape its rows' logits left to right, each row seeing the drafts before it
-(draft_server.shaping). DSpark's confidence head scores
-each draft given the token before it (DraftTree.scores): the orchestrator may verify fewer of them
-(orchestrator.loop.confidence).
+(draft_server.shaping). DSpark's confidence head scores each draft given the token before it (DraftTree.scores): the
+orchestrator may verify fewer of them (orchestrator.loop.confidence).
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.block_format import (
     BLOCK_ARCHITECTURES,
+    DFLASH2_ARCHITECTURES,
     DFLASH_ARCHITECTURES,
     DSPARK_ARCHITECTURES,
     architecture_name,
@@ -379,6 +380,8 @@ def load_dflash(
     """Loads a DFlash or DSpark drafter; returns it and the shared tables its checkpoint lacks (DFlash's never has
     them, a DSpark checkpoint may), left NaN until `fill_table` fills them from the target."""
     config = DFlashConfig.from_hf(read_hf_config(model_dir))
+    if config.architecture in DFLASH2_ARCHITECTURES:  # its convolutions and selector would go unread
+        raise ConfigError(f"{model_dir}: a DFlash2 draft; load it with tandem.models.dflash2.load_block_draft")
     return load_block_weights(model_dir, lambda: DFlashDraft(config), dtype, device)
 
 

@@ -21,7 +21,7 @@ from draft_server.formats import check_dflash
 from draft_server.runner import ProposeInput, TargetRows
 from orchestrator.peers.grpc_backends import BLOCK_KINDS
 from tandem.models.config import ConfigError, read_hf_config
-from tandem.models.dflash import SHARED_TABLES, DFlashConfig, default_target_layer_ids
+from tandem.models.dflash import SHARED_TABLES, DFlashConfig, default_target_layer_ids, load_dflash
 from tandem.models.dflash2 import DFlash2Fields, load_block_draft
 from tandem.sampling.params import SamplingParams
 from tandem.sampling.processing import Shaping
@@ -353,6 +353,8 @@ def test_a_dflash2_config_is_read_and_checked(tmp_path: Path) -> None:
     model, missing = load_block_draft(tmp_path / "draft")
     assert (type(model).__name__, model.config.drafts_per_block, missing) == ("DFlash2Draft", 3, SHARED_TABLES)
     assert "dflash2" in BLOCK_KINDS  # the orchestrator reads its Proposes as one forward's, whatever k
+    with pytest.raises(ConfigError, match="a DFlash2 draft; load it with"):
+        load_dflash(tmp_path / "draft")  # DFlash's loader would leave the convolutions and selector unread
     dflash = hf["dflash_config"]
     assert isinstance(dflash, dict)
     with pytest.raises(ConfigError, match="selector_top_k: None"):
