@@ -127,6 +127,12 @@ class AssistantRunner:
             )
         if not item.rows.next_tokens:
             raise DraftRequestError(f"request {item.request_id!r}: rows at {item.rows.start_position} carry no tokens")
+        width = self.model.config.backbone_hidden_size + 2 * sum(self.widths)
+        if item.rows.features.shape[-1] != width:
+            raise DraftRequestError(
+                f"request {item.request_id!r}: rows of {item.rows.features.shape[-1]} values, the assistant reads "
+                f"{width} (the hidden state, then each kept layer's keys and values)"
+            )
 
     def _plan(self, item: ProposeInput) -> tuple[SequenceKV | None, int, int]:
         request = self.requests.get(item.request_id)

@@ -271,11 +271,6 @@ class TargetService(target_pb2_grpc.TargetServicer):
         num_layers = self.runner.model.config.num_layers
         kept = {num_layers + 2 + kept.layer for kept in self.runner.model.kept_kv}
         for index in capture:
-            if index in kept and self.runner.ranks.group.world_size > 1:
-                return (
-                    f"capture_indices: {index} asks for layer {index - num_layers - 2}'s keys and values, which this "
-                    f"target serves at --tp 1 only (it runs --tp {self.runner.ranks.group.world_size})"
-                )
             # num_layers + 1 is the final norm's output (see tandem.models.stack.run_layers).
             if not 0 <= index <= num_layers + 1 and index not in kept:
                 where = f" or one of {sorted(kept)} (kept keys and values)" if kept else ""

@@ -41,7 +41,7 @@ from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.gemma4_config import Gemma4Config, kv_row_layout
 from tandem.models.gemma4_layers import Gemma4Attention, Gemma4Experts, Gemma4Router, ProducedKV
 from tandem.models.stack import Backbone, CausalLM, Embeddings, KeptKV, TargetOutput, replaced, run_layers
-from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup
+from tandem.parallel.group import SINGLE_PROCESS, ParallelGroup, all_gather
 
 
 def scaled(embedded: torch.Tensor, scale: float) -> torch.Tensor:
@@ -176,7 +176,8 @@ class Gemma4ForCausalLM(CausalLM[Gemma4Config]):
         output = run_layers(embedded, calls, self.model.norm, metadata, cache, capture)
         for index in capture:
             if index >= self.config.num_layers + 2:  # a kept layer's keys and values (kept_kv)
-                key, value = produced[index - self.config.num_layers - 2]
+                key, value = produced[index - self.config.num_layers - 2]  # this rank's heads
+                key, value = all_gather(key, self.group, dim=1), all_gather(value, self.group, dim=1)
                 output.captured[index] = torch.cat([key.flatten(1), value.flatten(1)], dim=-1)
         return output
 
@@ -184,7 +185,8 @@ class Gemma4ForCausalLM(CausalLM[Gemma4Config]):
     def kept_kv(self) -> tuple[KeptKV, ...]:
         """The last layer of each type that keeps its own keys and values: what Gemma 4's assistant reads. Capture
         index num_layers + 2 + layer gives its rows, [num_tokens, 2 * num_kv_heads * head_dim] (keys, then values),
-        as the cache keeps them: keys normed and rotated, values normed."""
+        as the cache keeps them: keys normed and rotated, values normed; under tensor parallel every rank's heads,
+        gathered in rank order (every rank captures the same indices, so every rank takes part)."""
         last = {spec.sliding: index for index, spec in enumerate(self.config.layers) if spec.kv_source == index}
         return tuple(
             KeptKV(index, sliding, self.config.layers[index].num_kv_heads, self.config.layers[index].head_dim)

@@ -212,11 +212,14 @@ def test_served_mtp_rounds_equal_transformers_use_mtp(
     assert min(accepted) < steps <= max(accepted)  # trained enough to accept, not so much that it always does
 
 
-@pytest.mark.parametrize("centroids", [False, True], ids=["LM head", "centroid head"])
-def test_served_gemma4_assistant_rounds_equal_transformers_assisted_generation(tmp_path: Path, centroids: bool) -> None:
-    """Gemma 4's own drafter as a replica, reading the target's K/V rows off the hidden-state stream: greedy output
-    equal to transformers' target-only `generate`, and each request's rounds and accepted drafts at a fixed k equal
-    to transformers' assisted generation with the same assistant."""
+@pytest.mark.parametrize(("centroids", "tp"), [(False, 1), (True, 2)], ids=["LM head", "centroid head, tp 2"])
+def test_served_gemma4_assistant_rounds_equal_transformers_assisted_generation(
+    tmp_path: Path, centroids: bool, tp: int
+) -> None:
+    """Gemma 4's own drafter as a replica, reading the target's K/V rows off the hidden-state stream (under --tp 2
+    gathered from both ranks' heads): greedy output equal to transformers' target-only `generate`, and each
+    request's rounds and accepted drafts at a fixed k equal to transformers' assisted generation with the same
+    assistant."""
     spec, steps = SPECS["dense"], 3
     write_tiny_gemma4(tmp_path / "target", spec)
     target = Gemma4ForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32).eval()
@@ -224,7 +227,7 @@ def test_served_gemma4_assistant_rounds_equal_transformers_assisted_generation(t
     write_fitted_assistant(tmp_path / "assistant", spec, target, texts, centroids)
     assistant = Gemma4AssistantForCausalLM.from_pretrained(tmp_path / "assistant", dtype=torch.float32).eval()
     expected = [assisted_rounds(target, assistant, prompt, 30, steps) for prompt in MTP_PROMPTS]
-    options = ("--speculative-num-steps", str(steps), "--draft-ahead", "0")
+    options = ("--speculative-num-steps", str(steps), "--draft-ahead", "0", "--tp", str(tp))
     with serve(tmp_path / "target", tmp_path / "assistant", *options) as stack:
         served = [
             generate(stack.address, input_ids=prompt, max_new_tokens=30, ignore_eos=True) for prompt in MTP_PROMPTS

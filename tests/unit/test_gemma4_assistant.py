@@ -14,7 +14,7 @@ from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM
 
 from draft_server.assistant_runner import AssistantRunner, check_assistant
 from draft_server.compat import IncompatibleDraft
-from draft_server.runner import ProposeInput, TargetRows
+from draft_server.runner import DraftRequestError, ProposeInput, TargetRows
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.models.gemma4_assistant import load_assistant
 from tandem.models.registry import load_target
@@ -106,6 +106,11 @@ def test_drafts_from_the_targets_captured_rows_equal_transformers(written: Path,
         drafts = runner.propose([ProposeInput("r", rows, STEPS)])
         assert drafts == [reference_drafts(reference_target, reference.eval(), end)], end
         start = end - 1 if end == 10 else end  # a rejected round: the next rows start one position back
+    assert runner.requests["r"].kv.length == 17
+    # Rows of another width (a target that sent one rank's heads) are refused before anything changes.
+    narrow = TargetRows(17, TEXT[1:2], features[:1, :-1])
+    with pytest.raises(DraftRequestError, match=f"rows of {features.shape[1] - 1} values, the assistant reads"):
+        runner.propose([ProposeInput("r", narrow, STEPS)])
     assert runner.requests["r"].kv.length == 17
 
 
