@@ -17,7 +17,7 @@ from typing import Any
 from unittest import mock
 
 import torch
-from transformers import Gemma4ForCausalLM, Gemma4TextConfig, PreTrainedModel
+from transformers import Gemma4TextConfig, PreTrainedModel
 from transformers.generation.candidate_generator import SinglePositionMultiTokenCandidateGenerator
 from transformers.models.gemma4_assistant import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
@@ -59,7 +59,9 @@ def assistant_config(spec: TinyGemma4Spec, centroids: bool = False) -> Gemma4Ass
 def greedy_texts(target: PreTrainedModel, prompts: Sequence[Sequence[int]], new_tokens: int) -> list[list[int]]:
     with torch.no_grad():
         return [
-            target.generate(torch.tensor([list(prompt)]), max_new_tokens=new_tokens, do_sample=False)[0].tolist()
+            target.generate(
+                torch.tensor([list(prompt)]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None
+            )[0].tolist()
             for prompt in prompts
         ]
 
@@ -67,7 +69,7 @@ def greedy_texts(target: PreTrainedModel, prompts: Sequence[Sequence[int]], new_
 def write_fitted_assistant(
     directory: Path,
     spec: TinyGemma4Spec,
-    target: Gemma4ForCausalLM,
+    target: PreTrainedModel,  # Gemma4ForCausalLM, or the multimodal Gemma4ForConditionalGeneration
     texts: Sequence[Sequence[int]],
     centroids: bool = False,
 ) -> Path:
@@ -80,14 +82,14 @@ def write_fitted_assistant(
         for text in texts:
             ids = torch.tensor([list(text)])
             hidden = target(ids, output_hidden_states=True).hidden_states[-1][0]  # [n, hidden] normed
-            embedded = target.model.embed_tokens(ids)[0]  # scaled, as the assistant's input takes it
+            embedded = target.get_input_embeddings()(ids)[0]  # scaled, as the assistant's input takes it
             inputs.append(torch.cat([embedded[1:], hidden[:-1]], dim=-1))
             outputs.append(hidden[1:])
         solution = torch.linalg.lstsq(torch.cat(inputs).double(), torch.cat(outputs).double()).solution
         assistant.pre_projection.weight.copy_(solution.T.float())
         assistant.post_projection.weight.copy_(torch.eye(assistant.config.backbone_hidden_size))
         assistant.model.norm.weight.fill_(1.0)
-        assistant.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        assistant.model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         for name, parameter in assistant.named_parameters():
             if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
                 parameter.mul_(LAYER_SCALE)

@@ -212,17 +212,28 @@ def test_served_mtp_rounds_equal_transformers_use_mtp(
     assert min(accepted) < steps <= max(accepted)  # trained enough to accept, not so much that it always does
 
 
-@pytest.mark.parametrize(("centroids", "tp"), [(False, 1), (True, 2)], ids=["LM head", "centroid head, tp 2"])
+@pytest.mark.parametrize(
+    ("centroids", "tp", "multimodal"),
+    [(False, 1, False), (True, 2, True)],
+    ids=["LM head", "centroid head, multimodal target, tp 2"],
+)
 def test_served_gemma4_assistant_rounds_equal_transformers_assisted_generation(
-    tmp_path: Path, centroids: bool, tp: int
+    tmp_path: Path, centroids: bool, tp: int, multimodal: bool
 ) -> None:
     """Gemma 4's own drafter as a replica, reading the target's K/V rows off the hidden-state stream (under --tp 2
-    gathered from both ranks' heads): greedy output equal to transformers' target-only `generate`, and each
-    request's rounds and accepted drafts at a fixed k equal to transformers' assisted generation with the same
-    assistant."""
+    gathered from both ranks' heads; of a multimodal checkpoint's text model): greedy output equal to transformers'
+    target-only `generate`, and each request's rounds and accepted drafts at a fixed k equal to transformers'
+    assisted generation with the same assistant."""
     spec, steps = SPECS["dense"], 3
-    write_tiny_gemma4(tmp_path / "target", spec)
-    target = Gemma4ForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32).eval()
+    if multimodal:
+        write_tiny_gemma4_multimodal(tmp_path / "target", spec)
+        target: PreTrainedModel = Gemma4ForConditionalGeneration.from_pretrained(
+            tmp_path / "target", dtype=torch.float32
+        )
+    else:
+        write_tiny_gemma4(tmp_path / "target", spec)
+        target = Gemma4ForCausalLM.from_pretrained(tmp_path / "target", dtype=torch.float32)
+    target.eval()
     texts = greedy_texts(target, MTP_PROMPTS, 30)
     write_fitted_assistant(tmp_path / "assistant", spec, target, texts, centroids)
     assistant = Gemma4AssistantForCausalLM.from_pretrained(tmp_path / "assistant", dtype=torch.float32).eval()
