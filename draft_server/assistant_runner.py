@@ -25,7 +25,7 @@ import torch
 from draft_server.compat import IncompatibleDraft
 from draft_server.prefixes import DraftNames, DraftPrefixes
 from draft_server.proposals import PreparedDraft
-from draft_server.runner import DraftRequestError, ProposeInput, check_batch_fits, release_requests
+from draft_server.runner import DraftRequestError, ProposeInput, check_batch_fits, check_continues, release_requests
 from draft_server.settings import DraftSettings
 from draft_server.shaping import shape_logits
 from tandem.layers.kv_cache import CacheLayout, PagedKVCache, SequenceKV
@@ -119,14 +119,7 @@ class AssistantRunner:
 
     def _check(self, item: ProposeInput) -> None:
         """Raises DraftRequestError unless the item's rows carry tokens and continue its request's rows."""
-        held = self.requests[item.request_id].kv.length if item.request_id in self.requests else 0
-        if held < item.rows.start_position:
-            raise DraftRequestError(
-                f"request {item.request_id!r}: rows start at position {item.rows.start_position} "
-                f"but the draft holds positions up to {held}"
-            )
-        if not item.rows.next_tokens:
-            raise DraftRequestError(f"request {item.request_id!r}: rows at {item.rows.start_position} carry no tokens")
+        check_continues(self.requests, item)
         width = self.model.config.backbone_hidden_size + 2 * sum(self.widths)
         if item.rows.features.shape[-1] != width:
             raise DraftRequestError(

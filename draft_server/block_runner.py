@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_server.prefixes import DraftNames, DraftPrefixes
-from draft_server.runner import DraftRequestError, ProposeInput, check_batch_fits, release_requests
+from draft_server.runner import ProposeInput, check_batch_fits, check_continues, release_requests
 from draft_server.shaping import shape_logits
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.layers.matmul import prepack
@@ -124,14 +124,7 @@ class BlockRunner:
 
     def _check(self, item: ProposeInput) -> None:
         """Raises DraftRequestError unless the item's rows carry tokens and continue its request's context."""
-        held = self.requests[item.request_id].kv.length if item.request_id in self.requests else 0
-        if held < item.rows.start_position:
-            raise DraftRequestError(
-                f"request {item.request_id!r}: rows start at position {item.rows.start_position} "
-                f"but the draft holds positions up to {held}"
-            )
-        if not item.rows.next_tokens:
-            raise DraftRequestError(f"request {item.request_id!r}: rows at {item.rows.start_position} carry no tokens")
+        check_continues(self.requests, item)
 
     def _steps(self, item: ProposeInput) -> int:
         """The drafts the item gets: as many as it asks for, up to the block's."""

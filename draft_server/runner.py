@@ -12,7 +12,7 @@ Draft KV written by steps j >= 2 is speculative: the next ingest truncates back 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -299,6 +299,18 @@ def release_requests(cache: PagedKVCache, requests: dict[str, Request], request_
         request = requests.pop(request_id, None)
         if request is not None:
             cache.release(request.kv)
+
+
+def check_continues(requests: Mapping[str, HoldsKV], item: ProposeInput) -> None:
+    """Raises DraftRequestError unless the item's rows carry tokens and continue what its request holds."""
+    held = requests[item.request_id].kv.length if item.request_id in requests else 0
+    if held < item.rows.start_position:
+        raise DraftRequestError(
+            f"request {item.request_id!r}: rows start at position {item.rows.start_position} "
+            f"but the draft holds positions up to {held}"
+        )
+    if not item.rows.next_tokens:
+        raise DraftRequestError(f"request {item.request_id!r}: rows at {item.rows.start_position} carry no tokens")
 
 
 def check_batch_fits(cache: PagedKVCache, plans: Sequence[tuple[SequenceKV | None, int, int]]) -> None:

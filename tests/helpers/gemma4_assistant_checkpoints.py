@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 from transformers import Gemma4TextConfig, PreTrainedModel
@@ -23,7 +22,7 @@ from transformers.models.gemma4_assistant import Gemma4AssistantConfig, Gemma4As
 
 from tests.helpers.gemma3_checkpoints import GLOBAL, LOCAL
 from tests.helpers.gemma4_checkpoints import VOCAB, TinyGemma4Spec, gemma4_text_config, redraw_gemma4
-from tests.helpers.step3p5_mtp_checkpoints import Rounds, accepted_counts
+from tests.helpers.step3p5_mtp_checkpoints import Rounds, recorded_rounds
 
 LAYER_SCALE = 0.05  # the assistant layers' norms after attention and MLP are scaled by this
 
@@ -105,25 +104,7 @@ def assisted_rounds(
 ) -> Rounds:
     """transformers' greedy assisted generation with the assistant at a constant `steps`, each round's drafts
     recorded."""
-    drafts: list[list[int]] = []
-    original = SinglePositionMultiTokenCandidateGenerator.get_candidates
-
-    def recording(self: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        candidates, logits = original(self, input_ids, *args, **kwargs)
-        if logits is not None:  # None: the first call, which lets the prefill run
-            drafts.append(candidates[0, input_ids.shape[1] :].tolist())
-        return candidates, logits
-
     assistant.generation_config.num_assistant_tokens = steps
     assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    generate: Any = target.generate
-    with mock.patch.object(SinglePositionMultiTokenCandidateGenerator, "get_candidates", recording), torch.no_grad():
-        output = generate(
-            torch.tensor([list(prompt)]),
-            assistant_model=assistant,
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            eos_token_id=None,
-        )
-    tokens = output[0, len(prompt) :].tolist()
-    return Rounds(tokens, drafts, accepted_counts(drafts, tokens))
+    generator = SinglePositionMultiTokenCandidateGenerator
+    return recorded_rounds(generator, target, prompt, new_tokens, assistant_model=assistant)

@@ -189,29 +189,32 @@ def accepted_counts(drafts: Sequence[Sequence[int]], tokens: Sequence[int]) -> l
     return counts
 
 
-def transformers_rounds(model: PreTrainedModel, prompt: Sequence[int], new_tokens: int, **options: Any) -> Rounds:
-    """transformers' greedy `generate(use_mtp=True)`, with each round's candidate tokens recorded."""
+def recorded_rounds(
+    generator: type, model: PreTrainedModel, prompt: Sequence[int], new_tokens: int, **options: Any
+) -> Rounds:
+    """transformers' greedy `generate` with `options` that pick the candidate generator `generator`, each round's
+    candidate tokens recorded."""
     drafts: list[list[int]] = []
-    original = MTPCandidateGenerator.get_candidates
+    original = generator.get_candidates
 
-    def recording(self: MTPCandidateGenerator, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def recording(self: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         candidates, logits = original(self, input_ids, *args, **kwargs)
         if logits is not None:  # None: the first call, which lets the prefill run
             drafts.append(candidates[0, input_ids.shape[1] :].tolist())
         return candidates, logits
 
     generate: Any = model.generate  # not typed
-    with mock.patch.object(MTPCandidateGenerator, "get_candidates", recording), torch.no_grad():
+    with mock.patch.object(generator, "get_candidates", recording), torch.no_grad():
         output = generate(
-            torch.tensor([list(prompt)]),
-            use_mtp=True,
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            eos_token_id=None,
-            **options,
+            torch.tensor([list(prompt)]), do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, **options
         )
     tokens = output[0, len(prompt) :].tolist()
     return Rounds(tokens, drafts, accepted_counts(drafts, tokens))
+
+
+def transformers_rounds(model: PreTrainedModel, prompt: Sequence[int], new_tokens: int, **options: Any) -> Rounds:
+    """transformers' greedy `generate(use_mtp=True)`, with each round's candidate tokens recorded."""
+    return recorded_rounds(MTPCandidateGenerator, model, prompt, new_tokens, use_mtp=True, **options)
 
 
 def target_pass(target: TargetModel, tokens: Sequence[int], capture_index: int) -> tuple[torch.Tensor, torch.Tensor]:
