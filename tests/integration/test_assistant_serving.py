@@ -1,7 +1,7 @@
 """Gemma 4's assistant through `tandem serve` with everything a request may ask: penalties, logit bias, min_tokens
-and a grammar, adaptive k, the prefix caches of the target and of the replica, and a replica killed mid-stream
-(its requests move to the other replica, which needs their K/V rows again: the target replays them). The tokens are
-always the target-only ones, and the assistant's drafts are accepted."""
+and a grammar, adaptive k, the Ray launcher, the prefix caches of the target and of the replica, and a replica
+killed mid-stream (its requests move to the other replica, which needs their K/V rows again: the target replays
+them). The tokens are always the target-only ones, and the assistant's drafts are accepted."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def both(stack: Stack, **options: Any) -> tuple[Any, Any]:
 
 
 def test_request_options_and_a_grammar_keep_the_target_only_tokens(checkpoints: Path) -> None:
-    """With adaptive k: rounds of k = 0 join their rows to the next round the replica is asked about."""
+    """With adaptive k (rounds of k = 0 join their rows to the next round the replica is asked about), and the
+    services started as Ray actors."""
     asks: list[dict[str, Any]] = [
         {"input_ids": PROMPTS[0], "ignore_eos": True},
         {"input_ids": PROMPTS[1], "ignore_eos": True, "frequency_penalty": 0.6, "presence_penalty": 0.4},
@@ -62,7 +63,7 @@ def test_request_options_and_a_grammar_keep_the_target_only_tokens(checkpoints: 
         {"input_ids": PROMPTS[0], "regex": "[a-f]{4}( [0-9]{2,3}){3}"},
     ]
     accepted = 0
-    with serve(checkpoints / "target", checkpoints / "assistant", "--adaptive-k") as stack:
+    with serve(checkpoints / "target", checkpoints / "assistant", "--adaptive-k", "--launcher", "ray") as stack:
         for ask in asks:
             speculative, alone = both(stack, **ask)
             assert speculative.token_ids == alone.token_ids, ask
