@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from transformers import Gemma4TextConfig, PreTrainedModel
@@ -103,8 +104,26 @@ def assisted_rounds(
     target: PreTrainedModel, assistant: PreTrainedModel, prompt: Sequence[int], new_tokens: int, steps: int
 ) -> Rounds:
     """transformers' greedy assisted generation with the assistant at a constant `steps`, each round's drafts
-    recorded."""
+    recorded, the assistant reading the target's rows of verified tokens only.
+
+    After a round that rejected a draft, transformers' candidate generator keeps one row of the verification pass
+    past the verified tokens (the first rejected draft's K/V, at the position its drafts then sit at); Tandem never
+    reads a rejected draft's row, so that row is dropped here (docs/drafting.md). Past the sliding window the
+    sliding layer's shared rows are not position-aligned either: round by round comparisons use LONG_WINDOW."""
     assistant.generation_config.num_assistant_tokens = steps
     assistant.generation_config.num_assistant_tokens_schedule = "constant"
     generator = SinglePositionMultiTokenCandidateGenerator
-    return recorded_rounds(generator, target, prompt, new_tokens, assistant_model=assistant)
+    original = generator.get_candidates
+
+    def verified_rows(self: Any, input_ids: torch.Tensor, model_kwargs: Any, model_outputs: Any, **kwargs: Any) -> Any:
+        if model_outputs is not None and getattr(model_outputs, "shared_kv_states", None) is not None:
+            rows = model_outputs.shared_kv_states
+            extra = rows["full_attention"][0].shape[2] - (input_ids.shape[1] - 1)  # rows past the verified tokens
+            if extra > 0:
+                model_outputs.shared_kv_states = {
+                    kind: (keys[:, :, :-extra], values[:, :, :-extra]) for kind, (keys, values) in rows.items()
+                }
+        return original(self, input_ids, model_kwargs=model_kwargs, model_outputs=model_outputs, **kwargs)
+
+    with mock.patch.object(generator, "get_candidates", verified_rows):
+        return recorded_rounds(generator, target, prompt, new_tokens, assistant_model=assistant)

@@ -11,7 +11,7 @@ weight or a scalar applied in the wrong place shows. The sliding window (8) is s
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ class TinyGemma4Spec:
     attention_bias: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    sliding_window: int = WINDOW
 
 
 SPECS = {
@@ -78,6 +79,8 @@ SPECS = {
         seed=1,
     ),
 }
+# The dense target with a window longer than the tests' sequences: every layer sees every row.
+LONG_WINDOW = replace(SPECS["dense"], sliding_window=64)
 
 
 def gemma4_text_config(spec: TinyGemma4Spec) -> Gemma4TextConfig:
@@ -99,7 +102,7 @@ def gemma4_text_config(spec: TinyGemma4Spec) -> Gemma4TextConfig:
         head_dim=16,
         attention_k_eq_v=spec.attention_k_eq_v,
         max_position_embeddings=512,
-        sliding_window=WINDOW,
+        sliding_window=spec.sliding_window,
         layer_types=list(spec.layer_types),
         rope_parameters={
             GLOBAL: {

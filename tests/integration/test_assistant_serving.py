@@ -17,21 +17,23 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import Gemma4ForCausalLM
+from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM
 
-from tests.helpers.gemma4_assistant_checkpoints import greedy_texts, write_fitted_assistant
-from tests.helpers.gemma4_checkpoints import SPECS, write_tiny_gemma4
+from tests.helpers.gemma4_assistant_checkpoints import assisted_rounds, greedy_texts, write_fitted_assistant
+from tests.helpers.gemma4_checkpoints import LONG_WINDOW, write_tiny_gemma4
 from tests.integration.stack import Stack, generate, serve
+from tests.integration.test_families_served import MTP_PROMPTS, assert_served_rounds
 from tests.integration.test_replicas import replica_pid
 
 BLOCK = 16  # --block-size's default
-PROMPTS = [[5, 17, 42, 99, 7, 250], [12, 3, 77, 140, 9, 61], [33, 91, 150, 6, 201, 48]]
+PROMPTS = [*MTP_PROMPTS, [33, 91, 150, 6, 201, 48]]
 LONG = [(7 * index + 11) % 300 + 10 for index in range(41)]  # two whole blocks and more
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("assistant-serving")
-    spec = SPECS["dense"]
+    spec = LONG_WINDOW  # round by round comparisons (tests.helpers.gemma4_assistant_checkpoints.assisted_rounds)
     write_tiny_gemma4(root / "target", spec)
     target = Gemma4ForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
     write_fitted_assistant(root / "assistant", spec, target, greedy_texts(target, [*PROMPTS[:2], LONG], 30))
@@ -40,8 +42,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(checkpoints: Path) -> Iterator[Stack]:
-    """Two replicas at a fixed k of 3."""
-    options = ("--draft-replicas", "2", "--speculative-num-steps", "3", "--http-port", "0")
+    """Two replicas at a fixed k of 3, drafting only when asked (rounds as transformers counts them)."""
+    options = ("--draft-replicas", "2", "--speculative-num-steps", "3", "--draft-ahead", "0", "--http-port", "0")
     with serve(checkpoints / "target", checkpoints / "assistant", *options) as served:
         yield served
 
@@ -69,6 +71,16 @@ def test_request_options_and_a_grammar_keep_the_target_only_tokens(checkpoints: 
             assert speculative.token_ids == alone.token_ids, ask
             accepted += speculative.stats.accepted_tokens
     assert accepted > 0
+
+
+def test_rounds_equal_transformers_assisted_generation(stack: Stack, checkpoints: Path) -> None:
+    target = Gemma4ForCausalLM.from_pretrained(checkpoints / "target", dtype=torch.float32).eval()
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(checkpoints / "assistant", dtype=torch.float32).eval()
+    texts = greedy_texts(target, MTP_PROMPTS, 30)
+    expected = [assisted_rounds(target, assistant, prompt, 30, 3) for prompt in MTP_PROMPTS]
+    assert_served_rounds(stack.address, expected, texts, 3)
+    accepted = [count for rounds in expected for count in rounds.accepted]
+    assert min(accepted) < 2 <= max(accepted)  # drafts accepted in some rounds, two in a row in some
 
 
 def draft_prefix_counts(stack: Stack) -> tuple[float, float]:
