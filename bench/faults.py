@@ -27,6 +27,9 @@ from bench.orchestrator_faults import drain, takeover
 from launch.model_dirs import shown
 
 Fault = Callable[[], Signalled | None]  # what it saw of the service it signalled, if it did
+# How long a link refuses connections: past the first reconnect attempts (backoff 0.1 s up to 1 s,
+# tandem.grpc_util.channel_options) and the first probe of a demoted replica (after 1 s), which fail.
+REFUSAL_S = 1.5
 
 
 def latency(stack: FaultStack, link: str) -> Fault:
@@ -49,7 +52,7 @@ def refusal(stack: FaultStack, link: str) -> Fault:
     def fault() -> None:
         stack.proxies[link].refusing = True
         stack.proxies[link].reset()
-        time.sleep(3.0)
+        time.sleep(REFUSAL_S)
         stack.proxies[link].refusing = False
 
     return fault
