@@ -23,7 +23,8 @@ from bench.fault_proxy import FaultProxy
 LINKS = ("orchestrator-target", "orchestrator-replica", "replica-target")
 READY_TIMEOUT_S = 120.0
 # What the stack runs with beside --keepalive-timeout, written into the report: small KV blocks and a 1 s orphan
-# timeout so that what a fault leaves held is let go soon, a fixed k so that each scenario drafts alike.
+# timeout so that what a fault leaves held is let go soon, a fixed k so that each scenario drafts alike, and a demoted
+# replica probed again every 0.5 s so that it drafts again soon after its fault ends.
 CACHE_FLAGS = ("--block-size", "8", "--orphan-timeout", "1")
 SHORT_SHUTDOWN_S = 0.5  # the second orchestrator's --shutdown-timeout: streams of 32 tokens are still running then
 ORCHESTRATOR_FLAGS = (
@@ -34,6 +35,8 @@ ORCHESTRATOR_FLAGS = (
     "30",
     "--draft-timeout",
     "2",
+    "--reprobe-max-interval",
+    "0.5",
 )
 
 

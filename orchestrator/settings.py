@@ -124,7 +124,16 @@ class SchedulerSettings:
     )
     # A Propose that takes longer costs its round's drafts and demotes the replica.
     draft_timeout_s: float = field(default=10.0, metadata=flag("--draft-timeout", "seconds per Propose"))
-    reprobe_s: float = 1.0  # first wait before a demoted replica is probed again (doubling, up to 30 s)
+    # A demoted replica is probed again after 1 s (or this, if shorter), the wait doubling up to this.
+    reprobe_max_s: float = field(
+        default=30.0,
+        metadata=flag(
+            "--reprobe-max-interval",
+            "the longest wait in seconds between probes of a demoted draft replica (the first is 1 s, or this if "
+            "shorter; the wait doubles up to this)",
+            parse=positive_seconds,
+        ),
+    )
     # Health reports NOT_SERVING when the loop has held work this long (since it arrived, or since the last step)
     # without finishing a step.
     stall_s: float = field(

@@ -23,7 +23,7 @@ from tandem.background import in_background
 from tandem.layers.block_pool import Marks
 
 LOG = logging.getLogger(__name__)
-MAX_REPROBE_S = 30.0
+FIRST_REPROBE_S = 1.0  # the first wait before a demoted replica is probed again (or --reprobe-max-interval)
 
 
 class Placement:
@@ -90,15 +90,16 @@ class Placement:
             self._probes[replica_id] = asyncio.get_running_loop().create_task(self._reprobe(replica_id))
 
     async def _reprobe(self, replica_id: str) -> None:
-        wait = self.settings.reprobe_s
+        longest = self.settings.reprobe_max_s
+        wait = min(FIRST_REPROBE_S, longest)
         try:
             while (replica := self.replicas.get(replica_id)) is not None and replica.demoted:
                 await asyncio.sleep(wait)
                 try:
                     await replica.backend.probe()
                 except BackendError as error:
-                    wait = min(2 * wait, MAX_REPROBE_S)
-                    LOG.info("draft replica %s still failing (%s); next probe in %.0f s", replica_id, error, wait)
+                    wait = min(2 * wait, longest)
+                    LOG.info("draft replica %s still failing (%s); next probe in %.1f s", replica_id, error, wait)
                     continue
                 LOG.info("draft replica %s answers again: it serves new requests", replica_id)
                 self.replicas.restore(replica_id)
