@@ -32,12 +32,14 @@ ORPHAN_TIMEOUT = "1"
 TARGET_TIMEOUT = "3"
 DRAFT_TIMEOUT = "1"
 CACHE = ("--block-size", str(BLOCK_SIZE), "--orphan-timeout", ORPHAN_TIMEOUT)  # target's and replicas' alike
+# A demoted replica is probed again every 0.5 s (1 s doubling to 30 s by default): once it answers, it drafts soon.
+REPROBE = ("--reprobe-max-interval", "0.5")
 
 
 def orchestrator_command(target: Service, drafts: list[str], tokenizer: Path, *flags: str) -> list[str]:
     arguments = ["orchestrator", "--target-address", target.address, "--tokenizer", str(tokenizer), *flags]
     arguments += ["--speculative-num-steps", "3", "--no-adaptive-k", "--port", "0", "--admin-port", "0"]
-    arguments += ["--target-timeout", TARGET_TIMEOUT, "--draft-timeout", DRAFT_TIMEOUT]
+    arguments += ["--target-timeout", TARGET_TIMEOUT, "--draft-timeout", DRAFT_TIMEOUT, *REPROBE]
     for address in drafts:
         arguments += ["--draft-address", address]
     return tandem_command(*arguments)

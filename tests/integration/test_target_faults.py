@@ -38,6 +38,8 @@ from tests.integration.fault_streams import (
 from tests.integration.stack import Service, generate, serve, service, tandem_command, target_info
 
 CACHE = ("--block-size", "8", "--orphan-timeout", "1")
+# A demoted replica is probed again every 0.5 s (1 s doubling to 30 s by default): once it answers, it drafts soon.
+REPROBE = ("--reprobe-max-interval", "0.5")
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -68,7 +70,7 @@ def orchestrator_command(model: Path, draft: Service, target_address: str, *flag
     return tandem_command(
         "orchestrator", "--target-address", target_address, "--tokenizer", str(model),
         "--draft-address", draft.address, "--speculative-num-steps", "3", "--no-adaptive-k",
-        "--port", "0", "--admin-port", "0", "--target-timeout", "5", "--draft-timeout", "2", *flags,
+        "--port", "0", "--admin-port", "0", "--target-timeout", "5", "--draft-timeout", "2", *REPROBE, *flags,
     )  # fmt: skip
 
 
@@ -217,7 +219,7 @@ def child_pids(stack: ServeProcess, service_name: str) -> list[int]:
 def test_tandem_serve_starts_a_killed_target_and_replica_again_at_their_addresses(
     llama_target: Path, random_draft: Path
 ) -> None:
-    with serve(llama_target, random_draft, "--speculative-num-steps", "3") as served:
+    with serve(llama_target, random_draft, "--speculative-num-steps", "3", *REPROBE) as served:
         expected = target_only(served.address)
         target = child_pid(served, "target")
         streams = streams_through(served.address, lambda: os.kill(target, signal.SIGKILL))
