@@ -32,7 +32,7 @@ READY_TIMEOUT_S = 180.0
 SERVING = re.compile(r"tandem serve: (\S+) serving on (\S+):\d+ \(Ray actor")
 STATS = re.compile(r"draft_tokens=(\d+)")
 TOKENS = ("--max-new-tokens", "128")
-PARTITION_S = 6.0  # three keepalive timeouts (--keepalive-timeout 2)
+PARTITION_S = 3.0  # three keepalive timeouts (--keepalive-timeout 1)
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 for network namespaces"
@@ -186,7 +186,8 @@ def test_the_stack_spans_two_hosts_and_a_partition_between_them_costs_only_draft
         # One CPU a host: the target's bundle takes one, the two replicas (half a CPU each) the other.
         serve = start(a, [sys.executable, "-m", "launch.cli", "serve", "--launcher", "ray", "--ray-address",
                           f"{a.address}:6390", "--host", a.address, "--port", "0", "--no-http",
-                          "--draft-replicas", "2", "--keepalive-timeout", "2"], environment)  # fmt: skip
+                          "--draft-replicas", "2", "--keepalive-timeout", "1", "--reprobe-max-interval", "0.5"],
+                         environment)  # fmt: skip
         processes.callback(serve.stop)
         serve.wait_for("tandem ready: Generate on")
         hosts = {m.group(1): m.group(2) for m in map(SERVING.search, serve.lines) if m}
@@ -204,7 +205,7 @@ def test_the_stack_spans_two_hosts_and_a_partition_between_them_costs_only_draft
         # (and the target too, where it is on the other host: the stream then waits for it).
         in_flight, failures = stream_through_partition(a, b, address)
         assert not failures and in_flight[0][0] == expected, (failures, "".join(serve.lines[-30:]))
-        # Healed: a demoted replica is probed again (1 s doubling) and rejoins.
+        # Healed: a demoted replica is probed again (every 0.5 s: --reprobe-max-interval) and rejoins.
         deadline = time.monotonic() + 90
         while (again := generate(a, address, *TOKENS))[1] == 0:
             assert time.monotonic() < deadline, "".join(serve.lines[-30:])
