@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,20 @@ def _start_stack(settings: BenchSettings, kind: DraftKind, *extra: str) -> Serve
     )  # fmt: skip
 
 
+def _start_stacks(settings: BenchSettings, kinds: Sequence[DraftKind]) -> list[ServeProcess]:
+    """A stack for each kind, in their order, all started at once: each waits only for its own services, and none
+    serves a request before every one is up. If one does not start, those that did are stopped."""
+    with ThreadPoolExecutor(max(1, len(kinds))) as pool:
+        starting = [pool.submit(_start_stack, settings, kind) for kind in kinds]
+    started = [future.result() for future in starting if future.exception() is None]
+    failed = [error for future in starting if (error := future.exception()) is not None]
+    if failed:
+        for stack in started:
+            stack.stop()
+        raise failed[0]
+    return started
+
+
 def _colocated(settings: BenchSettings, kind: DraftKind) -> ColocatedEngine:
     return ColocatedEngine(
         ColocatedSettings(
@@ -149,10 +164,10 @@ async def _benchmark(
     # The colocated engine and transformers compute on this thread with the target service's thread count.
     torch.set_num_threads(settings.target_threads or default_intra_op_threads(applied_limit()))
     try:
-        for kind in kinds:
-            if settings.address is None:
-                stacks.append(_start_stack(settings, kind))
-            clients.append(GrpcGenerate(settings.address or stacks[-1].address))
+        if settings.address is None:
+            stacks += _start_stacks(settings, kinds)
+        for index in range(len(kinds)):
+            clients.append(GrpcGenerate(settings.address or stacks[index].address))
         # A stack of our own is measured process by process; a running one (--address) is not ours to look into.
         meters: list[CpuMeter | None] = [CpuMeter(stack.process.pid, tree=True) for stack in stacks]
         if not meters:
