@@ -123,9 +123,10 @@ class Launcher:
             metadata = self._security.admin_metadata()
             with self._security.admin_client().channel(self.admin_address) as channel:
                 admin = orchestrator_pb2_grpc.OrchestratorAdminStub(channel)
-                for _ in range(count - len(running)):
-                    replica = f"draft-{next(self._replica_ids)}"
-                    ready_file = self._spawn(replica, self.draft_arguments(replica))
+                # New replicas start at once, as at start-up; each joins once it serves.
+                added = [f"draft-{next(self._replica_ids)}" for _ in range(count - len(running))]
+                ready_files = {replica: self._spawn(replica, self.draft_arguments(replica)) for replica in added}
+                for replica, ready_file in ready_files.items():
                     address = self._wait_ready(replica, ready_file)
                     admin.AddReplica(orchestrator_pb2.AddReplicaRequest(address=address), metadata=metadata)
                 for child in reversed(running[count:]):
