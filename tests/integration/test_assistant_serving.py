@@ -1,7 +1,9 @@
-"""Gemma 4's assistant through `tandem serve` with everything a request may ask: penalties, logit bias, min_tokens
-and a grammar, adaptive k, the Ray launcher, the prefix caches of the target and of the replica, and a replica
-killed mid-stream (its requests move to the other replica, which needs their K/V rows again: the target replays
-them). The tokens are always the target-only ones, and the assistant's drafts are accepted."""
+"""Gemma 4's assistant through `tandem serve`, for a multimodal checkpoint's text model: its rounds against
+transformers' assisted generation (centroid head, the target at --tp 2), and everything a request may ask:
+penalties, logit bias, min_tokens and a grammar, adaptive k, the Ray launcher (LM head), the prefix caches of the
+target and of the replica, and a replica killed mid-stream (its requests move to the other replica, which needs
+their K/V rows again: the target replays them). The tokens are always the target-only ones, and the assistant's
+drafts are accepted."""
 
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import Gemma4ForCausalLM
+from transformers import Gemma4ForConditionalGeneration, PreTrainedModel
 from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM
 
 from tests.helpers.gemma4_assistant_checkpoints import assisted_rounds, greedy_texts, write_fitted_assistant
-from tests.helpers.gemma4_checkpoints import LONG_WINDOW, write_tiny_gemma4
+from tests.helpers.gemma4_checkpoints import LONG_WINDOW, write_tiny_gemma4_multimodal
 from tests.integration.stack import Stack, generate, serve
 from tests.integration.test_families_served import MTP_PROMPTS, assert_served_rounds
 from tests.integration.test_replicas import replica_pid
@@ -32,19 +34,28 @@ LONG = [(7 * index + 11) % 300 + 10 for index in range(41)]  # two whole blocks 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A multimodal Gemma 4 (its window longer than the sequences: round by round comparisons,
+    tests.helpers.gemma4_assistant_checkpoints.assisted_rounds), and two assistants fitted to its texts: one with
+    the LM head ("assistant"), one with the centroid head ("centroids")."""
     root = tmp_path_factory.mktemp("assistant-serving")
-    spec = LONG_WINDOW  # round by round comparisons (tests.helpers.gemma4_assistant_checkpoints.assisted_rounds)
-    write_tiny_gemma4(root / "target", spec)
-    target = Gemma4ForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
-    write_fitted_assistant(root / "assistant", spec, target, greedy_texts(target, [*PROMPTS[:2], LONG], 30))
+    write_tiny_gemma4_multimodal(root / "target", LONG_WINDOW)
+    target = reference_target(root)
+    texts = greedy_texts(target, [*MTP_PROMPTS, LONG], 30)
+    write_fitted_assistant(root / "assistant", LONG_WINDOW, target, texts)
+    write_fitted_assistant(root / "centroids", LONG_WINDOW, target, texts[:-1], centroids=True)
     return root
+
+
+def reference_target(root: Path) -> PreTrainedModel:
+    return Gemma4ForConditionalGeneration.from_pretrained(root / "target", dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
 def stack(checkpoints: Path) -> Iterator[Stack]:
-    """Two replicas at a fixed k of 3, drafting only when asked (rounds as transformers counts them)."""
-    options = ("--draft-replicas", "2", "--speculative-num-steps", "3", "--draft-ahead", "0", "--http-port", "0")
-    with serve(checkpoints / "target", checkpoints / "assistant", *options) as served:
+    """The centroid head's two replicas for a target at --tp 2, at a fixed k of 3, drafting only when asked (rounds
+    as transformers counts them)."""
+    options = ("--draft-replicas", "2", "--speculative-num-steps", "3", "--draft-ahead", "0", "--tp", "2")
+    with serve(checkpoints / "target", checkpoints / "centroids", *options, "--http-port", "0") as served:
         yield served
 
 
@@ -64,23 +75,25 @@ def test_request_options_and_a_grammar_keep_the_target_only_tokens(checkpoints: 
         {"input_ids": PROMPTS[2], "min_tokens": 20},
         {"input_ids": PROMPTS[0], "regex": "[a-f]{4}( [0-9]{2,3}){3}"},
     ]
-    accepted = 0
-    with serve(checkpoints / "target", checkpoints / "assistant", "--adaptive-k", "--launcher", "ray") as stack:
-        for ask in asks:
-            speculative, alone = both(stack, **ask)
-            assert speculative.token_ids == alone.token_ids, ask
-            accepted += speculative.stats.accepted_tokens
-    assert accepted > 0
+    with (
+        serve(checkpoints / "target", checkpoints / "assistant", "--adaptive-k", "--launcher", "ray") as stack,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        answers = list(pool.map(lambda ask: both(stack, **ask), asks))
+    for ask, (speculative, alone) in zip(asks, answers, strict=True):
+        assert speculative.token_ids == alone.token_ids, ask
+    assert sum(speculative.stats.accepted_tokens for speculative, _ in answers) > 0
 
 
 def test_rounds_equal_transformers_assisted_generation(stack: Stack, checkpoints: Path) -> None:
-    target = Gemma4ForCausalLM.from_pretrained(checkpoints / "target", dtype=torch.float32).eval()
-    assistant = Gemma4AssistantForCausalLM.from_pretrained(checkpoints / "assistant", dtype=torch.float32).eval()
+    """The kept K/V heads gathered from both ranks, drafted from by the centroid head."""
+    target = reference_target(checkpoints)
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(checkpoints / "centroids", dtype=torch.float32).eval()
     texts = greedy_texts(target, MTP_PROMPTS, 30)
     expected = [assisted_rounds(target, assistant, prompt, 30, 3) for prompt in MTP_PROMPTS]
     assert_served_rounds(stack.address, expected, texts, 3)
-    accepted = [count for rounds in expected for count in rounds.accepted]
-    assert min(accepted) < 2 <= max(accepted)  # drafts accepted in some rounds, two in a row in some
+    # Drafts accepted in some rounds; the centroid head's random clusters leave out some of the target's choices.
+    assert max(count for rounds in expected for count in rounds.accepted) > 0
 
 
 def draft_prefix_counts(stack: Stack) -> tuple[float, float]:
@@ -108,10 +121,14 @@ def test_a_repeated_prompt_is_taken_from_both_caches(stack: Stack) -> None:
 
 
 def test_a_killed_replica_moves_its_requests_and_their_rows_are_replayed(stack: Stack) -> None:
-    prompts = [[*prompt, index] for index in range(2) for prompt in PROMPTS]
-    expected = [generate(stack.address, input_ids=p, max_new_tokens=80, disable_speculation=True) for p in prompts]
+    prompts = [[*prompt, index] for index in range(2) for prompt in MTP_PROMPTS]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(generate, stack.address, input_ids=p, max_new_tokens=80) for p in prompts]
+        expected = list(
+            pool.map(
+                lambda p: generate(stack.address, input_ids=p, max_new_tokens=60, disable_speculation=True), prompts
+            )
+        )
+        futures = [pool.submit(generate, stack.address, input_ids=p, max_new_tokens=60) for p in prompts]
         os.kill(replica_pid(stack, "draft-1"), signal.SIGKILL)
         served = [future.result(timeout=300) for future in futures]
     assert [completion.token_ids for completion in served] == [completion.token_ids for completion in expected]

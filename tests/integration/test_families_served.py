@@ -24,12 +24,9 @@ from transformers import (
     PreTrainedModel,
     Step3p7ForConditionalGeneration,
 )
-from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM
 
 from tests.helpers.deepseek_checkpoints import DEEPSEEK_NEXTN, TinyDeepseekSpec, write_tiny_deepseek
-from tests.helpers.gemma4_assistant_checkpoints import assisted_rounds, greedy_texts, write_fitted_assistant
 from tests.helpers.gemma4_checkpoints import (
-    LONG_WINDOW,
     SPECS,
     write_tiny_gemma3_multimodal,
     write_tiny_gemma4,
@@ -225,21 +222,3 @@ def assert_served_rounds(address: str, expected: list[Rounds], texts: list[list[
         assert list(completion.stats.accepted_per_position) == [
             sum(count > i for count in accepted) for i in range(steps)
         ]
-
-
-def test_served_gemma4_assistant_with_a_centroid_head_for_a_multimodal_target_at_tp2(tmp_path: Path) -> None:
-    """Gemma 4's own drafter, its centroid head, for a multimodal checkpoint's text model whose kept K/V heads are
-    gathered from two ranks: tokens, rounds and accepted drafts equal transformers' assisted generation at k = 3
-    (tests/integration/test_assistant_serving.py has the LM head)."""
-    spec, steps = LONG_WINDOW, 3
-    write_tiny_gemma4_multimodal(tmp_path / "target", spec)
-    target = Gemma4ForConditionalGeneration.from_pretrained(tmp_path / "target", dtype=torch.float32).eval()
-    texts = greedy_texts(target, MTP_PROMPTS, 30)
-    write_fitted_assistant(tmp_path / "assistant", spec, target, texts, centroids=True)
-    assistant = Gemma4AssistantForCausalLM.from_pretrained(tmp_path / "assistant", dtype=torch.float32).eval()
-    expected = [assisted_rounds(target, assistant, prompt, 30, steps) for prompt in MTP_PROMPTS]
-    options = ("--speculative-num-steps", str(steps), "--draft-ahead", "0", "--tp", "2")
-    with serve(tmp_path / "target", tmp_path / "assistant", *options) as stack:
-        assert_served_rounds(stack.address, expected, texts, steps)
-    # Drafts accepted in some rounds; the centroid head's random clusters leave out some of the target's choices.
-    assert max(count for rounds in expected for count in rounds.accepted) > 0
