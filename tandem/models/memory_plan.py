@@ -205,17 +205,33 @@ def _count_rank(
     quantized: set[int] = set()  # ids of the parameters that quantized weights fill
     totals = {"quantized": 0, "float": 0, "dequantized": 0}
     cuts: list[CutBlock] = []
+    # What a weight's slice holds follows from its shapes and its spec alone: DeepSeek-V3's 45,000 weights have a
+    # few dozen of those between them (the experts of 58 layers alike), so each is counted once.
+    counted: dict[tuple[object, ...], tuple[int, int | None]] = {}
     for weight, found in used:
-        slot = found if found.spec is None else replace(found, spec=found.spec.on_rank(rank, group.world_size))
-        held = _slice_values(slot) * slots.parameters[slot.parameter_name].element_size()
+        parameter = slots.parameters[found.parameter_name]
+        owner_name, _, leaf = found.parameter_name.rpartition(".")
+        as_stored = weight.quantized and leaf == "weight" and isinstance(slots.modules[owner_name], Linear)
+        shapes = tuple((part, header.shape, header.nbytes) for part, header in weight.parts.items())
+        key = (found.full_shape, found.spec, parameter.element_size(), as_stored, shapes)
+        if key not in counted:
+            slot = found if found.spec is None else replace(found, spec=found.spec.on_rank(rank, group.world_size))
+            held, stored = _slice_values(slot) * parameter.element_size(), None
+            if as_stored:  # kept as stored
+                assert quantization is not None
+                stored, cut = _stored_slice(weight, slot, quantization, rank)
+                if cut:  # named by weight: counted again for each weight that cuts
+                    cuts.extend(cut)
+                    totals["dequantized"] += held
+                    totals["quantized"] += stored
+                    quantized.add(id(parameter))
+                    continue
+            counted[key] = (held, stored)
+        held, stored = counted[key]
         totals["dequantized"] += held
-        owner_name, _, leaf = slot.parameter_name.rpartition(".")
-        if weight.quantized and leaf == "weight" and isinstance(slots.modules[owner_name], Linear):  # kept as stored
-            assert quantization is not None
-            stored, cut = _stored_slice(weight, slot, quantization, rank)
+        if stored is not None:
             totals["quantized"] += stored
-            cuts.extend(cut)
-            quantized.add(id(slots.parameters[slot.parameter_name]))
+            quantized.add(id(parameter))
         else:
             totals["float"] += held
     layout = model.cache_layout
