@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
@@ -83,9 +83,7 @@ class Launcher:
         self._security = StackSecurity.prepare(s.security, workdir)
         target = self._spawn("target", self.target_arguments())
         self._target_address = self._wait_ready("target", target)
-        replicas = [f"draft-{next(self._replica_ids)}" for _ in range(s.draft_replicas)] if s.draft_dir else []
-        ready_files = {replica: self._spawn(replica, self.draft_arguments(replica)) for replica in replicas}
-        draft_addresses = [self._wait_ready(replica, ready_file) for replica, ready_file in ready_files.items()]
+        draft_addresses = list(self._new_replicas(s.draft_replicas if s.draft_dir else 0))
         # The launcher starts new replicas on free loopback ports: AddReplica must accept any of them.
         admin = s.admin_settings(ready_file=workdir / "orchestrator-admin.address", allowed=["127.0.0.1:*"])
         http_ready_file = workdir / "orchestrator-http.url"
@@ -123,11 +121,7 @@ class Launcher:
             metadata = self._security.admin_metadata()
             with self._security.admin_client().channel(self.admin_address) as channel:
                 admin = orchestrator_pb2_grpc.OrchestratorAdminStub(channel)
-                # New replicas start at once, as at start-up; each joins once it serves.
-                added = [f"draft-{next(self._replica_ids)}" for _ in range(count - len(running))]
-                ready_files = {replica: self._spawn(replica, self.draft_arguments(replica)) for replica in added}
-                for replica, ready_file in ready_files.items():
-                    address = self._wait_ready(replica, ready_file)
+                for address in self._new_replicas(count - len(running)):  # each joins once it serves
                     admin.AddReplica(orchestrator_pb2.AddReplicaRequest(address=address), metadata=metadata)
                 for child in reversed(running[count:]):
                     request = orchestrator_pb2.RemoveReplicaRequest(replica_id=child.name)
@@ -135,6 +129,13 @@ class Launcher:
                     self.children.remove(child)  # a planned stop, not a death to restart
                     child.process.send_signal(signal.SIGTERM)
                     child.process.wait(timeout=STOP_TIMEOUT_S)
+
+    def _new_replicas(self, count: int) -> Iterator[str]:
+        """Starts `count` new draft replicas at once; yields each one's address, in order, once it serves."""
+        added = [f"draft-{next(self._replica_ids)}" for _ in range(count)]
+        ready_files = {replica: self._spawn(replica, self.draft_arguments(replica)) for replica in added}
+        for replica, ready_file in ready_files.items():
+            yield self._wait_ready(replica, ready_file)
 
     def target_arguments(self) -> list[str]:
         return [*service_arguments("target", self.settings.target_settings()), *self._tls_arguments()]
