@@ -42,7 +42,6 @@ GEMMA4_TARGETS = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
 @dataclass
 class AssistantRequest:
     kv: SequenceKV = field(default_factory=SequenceKV)  # the target's K/V rows of positions [0, kv.length)
-    hidden: torch.Tensor | None = None  # [backbone] the target's final hidden state of the last row
     names: DraftNames | None = None  # what names its blocks (draft_server.prefixes)
 
 
@@ -70,15 +69,16 @@ class AssistantRunner:
             self._check(item)
         check_batch_fits(self.cache, [self._plan(item) for item in inputs])
         requests = [self._request_for(item.request_id) for item in inputs]
+        last_rows = []  # each request's target hidden state of its last row, which the first step takes
         for request, item in zip(requests, inputs, strict=True):
-            self._write(request, item)
+            last_rows.append(self._write(request, item))
             if self.prefixes is not None:
                 self.prefixes.ingested(request, item.rows)
         device = self.cache.device
         rows = [self._held(request) for request in requests]
         positions = torch.tensor([request.kv.length for request in requests], device=device)
         tokens = torch.tensor([item.rows.next_tokens[-1] for item in inputs], device=device)
-        hidden = torch.stack([request.hidden for request in requests if request.hidden is not None])
+        hidden = torch.stack(last_rows)
         proposals: list[list[int]] = [[] for _ in inputs]
         shapings = [item.shaping for item in inputs]
         for step in range(max(item.num_steps for item in inputs)):
@@ -89,21 +89,21 @@ class AssistantRunner:
                     proposals[index].append(int(token))
         return proposals
 
-    def _write(self, request: AssistantRequest, item: ProposeInput) -> None:
-        """The item's rows written from their start on; its last row's hidden kept for the first step."""
+    def _write(self, request: AssistantRequest, item: ProposeInput) -> torch.Tensor:  # -> [backbone]
+        """The item's rows written from their start on; returns its last row's hidden state."""
         start, count = item.rows.start_position, len(item.rows.next_tokens)
         self.cache.truncate(request.kv, start)
         self.cache.reserve(request.kv, start + count)
         slots = self.cache.slots(request.kv, start, start + count).to(self.cache.device)
         features = item.rows.features.to(device=self.cache.device, dtype=self.cache.keys.dtype)
         backbone = self.model.config.backbone_hidden_size
-        request.hidden = features[-1, :backbone]
         column = backbone
         for layer, width in enumerate(self.widths):
             self.cache.keys[layer, slots, 0, :width] = features[:, column : column + width]
             self.cache.values[layer, slots, 0, :width] = features[:, column + width : column + 2 * width]
             column += 2 * width
         request.kv.length = start + count
+        return features[-1, :backbone]
 
     def _held(self, request: AssistantRequest) -> dict[bool, Rows]:
         """The request's rows of each layer type, [rows, num_kv_heads, head_dim] keys and values (a sliding layer
