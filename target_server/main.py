@@ -57,12 +57,7 @@ def target_info(runner: TargetRunner, dtype: str) -> target_pb2.TargetInfo:
         tp_size=runner.ranks.group.world_size,
         instance=uuid.uuid4().hex,
         images=images,
-        kept_kv=[
-            target_pb2.KeptKV(
-                layer=kept.layer, sliding=kept.sliding, num_kv_heads=kept.num_kv_heads, head_dim=kept.head_dim
-            )
-            for kept in runner.model.kept_kv
-        ],
+        kept_kv=[target_pb2.KeptKV(**asdict(kept)) for kept in runner.model.kept_kv],
     )
 
 

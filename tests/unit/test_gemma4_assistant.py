@@ -5,6 +5,7 @@ generation, both head kinds, with random weights (every layer's attention counts
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from draft_server.compat import IncompatibleDraft
 from draft_server.runner import DraftRequestError, ProposeInput, TargetRows
 from tandem.layers.kv_cache import PagedKVCache, SequenceKV
 from tandem.models.gemma4_assistant import load_assistant
-from tandem.models.registry import load_target
+from tandem.models.registry import TargetModel, load_target
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
 from tests.helpers.gemma4_assistant_checkpoints import assistant_config
@@ -66,26 +67,22 @@ def reference_drafts(target: Gemma4ForCausalLM, assistant: Gemma4AssistantForCau
     return drafts
 
 
-def info_of(directory: Path) -> target_pb2.TargetInfo:
-    target = load_target(directory)
-    kept = [
-        target_pb2.KeptKV(layer=k.layer, sliding=k.sliding, num_kv_heads=k.num_kv_heads, head_dim=k.head_dim)
-        for k in target.kept_kv
-    ]
+def info_of(target: TargetModel) -> target_pb2.TargetInfo:
+    """What the target's GetInfo tells a draft about it (target_server.main.target_info), of a loaded model."""
     config = target.config
     return target_pb2.TargetInfo(
         architecture=config.architecture,
         hidden_size=config.hidden_size,
         vocab_size=config.vocab_size,
         num_layers=config.num_layers,
-        kept_kv=kept,
+        kept_kv=[target_pb2.KeptKV(**asdict(kept)) for kept in target.kept_kv],
     )
 
 
 @pytest.mark.parametrize("centroids", [False, True], ids=["lm-head", "centroid-head"])
 def test_drafts_from_the_targets_captured_rows_equal_transformers(written: Path, centroids: bool) -> None:
     target = load_target(written / "target")
-    info = info_of(written / "target")
+    info = info_of(target)
     assistant = load_assistant(written / f"assistant-{centroids}")
     kept = check_assistant(assistant.config, info)
     assert [layer.layer for layer in kept] == [2, 3]  # the last K/V-keeping full and sliding layers
@@ -115,7 +112,7 @@ def test_drafts_from_the_targets_captured_rows_equal_transformers(written: Path,
 
 
 def test_an_assistant_that_does_not_fit_is_refused_naming_both_values(written: Path) -> None:
-    info = info_of(written / "target")
+    info = info_of(load_target(written / "target"))
     config = load_assistant(written / "assistant-False").config
     other = target_pb2.TargetInfo()
     other.CopyFrom(info)
