@@ -214,20 +214,19 @@ def _count_rank(
         as_stored = weight.quantized and leaf == "weight" and isinstance(slots.modules[owner_name], Linear)
         shapes = tuple((part, header.shape, header.nbytes) for part, header in weight.parts.items())
         key = (found.full_shape, found.spec, parameter.element_size(), as_stored, shapes)
-        if key not in counted:
+        counts = counted.get(key)
+        if counts is None:
             slot = found if found.spec is None else replace(found, spec=found.spec.on_rank(rank, group.world_size))
             held, stored = _slice_values(slot) * parameter.element_size(), None
+            cut: list[CutBlock] = []
             if as_stored:  # kept as stored
                 assert quantization is not None
                 stored, cut = _stored_slice(weight, slot, quantization, rank)
-                if cut:  # named by weight: counted again for each weight that cuts
-                    cuts.extend(cut)
-                    totals["dequantized"] += held
-                    totals["quantized"] += stored
-                    quantized.add(id(parameter))
-                    continue
-            counted[key] = (held, stored)
-        held, stored = counted[key]
+            counts = (held, stored)
+            if not cut:  # a cut names its weight: each weight that cuts is counted on its own
+                counted[key] = counts
+            cuts.extend(cut)
+        held, stored = counts
         totals["dequantized"] += held
         if stored is not None:
             totals["quantized"] += stored
