@@ -180,6 +180,21 @@ def clipped(accepted: list[int], steps: int, new_tokens: int) -> list[int]:
     return counts
 
 
+def assert_served_rounds(address: str, expected: list[Rounds], target_only: list[list[int]], steps: int) -> None:
+    """Each of MTP_PROMPTS served greedily for 30 tokens: the tokens equal transformers' target-only ones
+    and speculative ones (`expected`), and the rounds and accepted drafts per position equal `expected`'s at a fixed k
+    of `steps`."""
+    served = [generate(address, input_ids=prompt, max_new_tokens=30, ignore_eos=True) for prompt in MTP_PROMPTS]
+    for completion, rounds, tokens in zip(served, expected, target_only, strict=True):
+        assert completion.token_ids == rounds.tokens == tokens
+        accepted = clipped(rounds.accepted, steps, 30)
+        produced = 1 + sum(count + 1 for count in accepted)
+        assert completion.stats.rounds == len(accepted) + (produced < 30)  # a last round with no room to draft
+        assert list(completion.stats.accepted_per_position) == [
+            sum(count > i for count in accepted) for i in range(steps)
+        ]
+
+
 @pytest.mark.parametrize(
     ("write", "reference", "steps"),
     [(fitted_step3p5, step3p5_reference, NUM_MTP), (fitted_nextn, nextn_reference, 1)],
@@ -196,29 +211,6 @@ def test_served_mtp_rounds_equal_transformers_use_mtp(
     expected = [transformers_rounds(model, prompt, 30) for prompt in MTP_PROMPTS]
     options = ("--speculative-num-steps", str(steps), "--mtp-feedback", "post_norm", "--draft-ahead", "0")
     with serve(directory, directory, *options) as stack:
-        served = [
-            generate(stack.address, input_ids=prompt, max_new_tokens=30, ignore_eos=True) for prompt in MTP_PROMPTS
-        ]
-    for completion, rounds in zip(served, expected, strict=True):
-        assert completion.token_ids == rounds.tokens == greedy(model, MTP_PROMPTS[expected.index(rounds)], 30)
-        accepted = clipped(rounds.accepted, steps, 30)
-        assert completion.stats.rounds == len(accepted)
-        assert list(completion.stats.accepted_per_position) == [
-            sum(count > i for count in accepted) for i in range(steps)
-        ]
+        assert_served_rounds(stack.address, expected, [greedy(model, prompt, 30) for prompt in MTP_PROMPTS], steps)
     accepted = [count for rounds in expected for count in rounds.accepted]
     assert min(accepted) < steps <= max(accepted)  # trained enough to accept, not so much that it always does
-
-
-def assert_served_rounds(address: str, expected: list[Rounds], texts: list[list[int]], steps: int) -> None:
-    """Each of MTP_PROMPTS served greedily for 30 tokens: the tokens equal transformers' (`texts`, `expected`), and
-    the rounds and accepted drafts per position equal the `expected` assisted generation's at a fixed k of `steps`."""
-    served = [generate(address, input_ids=prompt, max_new_tokens=30, ignore_eos=True) for prompt in MTP_PROMPTS]
-    for completion, rounds, text, prompt in zip(served, expected, texts, MTP_PROMPTS, strict=True):
-        assert completion.token_ids == rounds.tokens == text[len(prompt) :]
-        accepted = clipped(rounds.accepted, steps, 30)
-        produced = 1 + sum(count + 1 for count in accepted)
-        assert completion.stats.rounds == len(accepted) + (produced < 30)  # a last round with no room to draft
-        assert list(completion.stats.accepted_per_position) == [
-            sum(count > i for count in accepted) for i in range(steps)
-        ]
