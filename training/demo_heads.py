@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from tandem.models.dflash import feature_capture
-from tandem.models.llama import LlamaForCausalLM
+from tandem.models.registry import TargetModel
 from training.dflash import (
     DFlashShape,
     DSparkShape,
@@ -74,7 +74,7 @@ class HeadContext:
     """What a head's training reads: the served target and its greedy continuations with their features."""
 
     settings: HeadSettings
-    target: LlamaForCausalLM
+    target: TargetModel
     target_config: dict[str, Any]  # the target's config.json
     data: DraftData
     capture: tuple[int, ...]  # the capture indices data.features was collected at, in order

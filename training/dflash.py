@@ -29,7 +29,7 @@ import torch
 from torch.nn.functional import binary_cross_entropy_with_logits
 
 from tandem.models.dflash import DFlashConfig, DFlashDraft, DFlashLayer
-from tandem.models.llama import LlamaForCausalLM
+from tandem.models.registry import TargetModel
 from training.checkpoint import checkpoint_tensors, save_tensors
 from training.dense import attend, project_qkv
 from training.eagle3 import DraftData, rope_theta
@@ -71,7 +71,8 @@ class DFlashShape:
             "use_sliding_window": False,
             "block_size": self.block_size,
             "num_target_layers": target_config["num_hidden_layers"],
-            "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+            | gemma_fields(target_config),
             "torch_dtype": "bfloat16",
         }
 
@@ -105,6 +106,18 @@ class DSparkShape(DFlashShape):
         return self.block_size
 
 
+def gemma_fields(target_config: dict[str, Any]) -> dict[str, Any]:
+    """What a Gemma target applies inside its model that the drafter, reading its raw table and LM head, must apply
+    too: the embedding's sqrt(hidden) and the logits' softcap (z-lab's `input_embedding_scale` and
+    `final_logit_softcapping`)."""
+    if not str(target_config.get("model_type", "")).startswith("gemma"):
+        return {}
+    cap = target_config.get("final_logit_softcapping")
+    return {"input_embedding_scale": target_config["hidden_size"] ** 0.5} | (
+        {"final_logit_softcapping": cap} if cap else {}
+    )
+
+
 def dflash_training_defaults() -> DraftTraining:
     return DraftTraining(
         epochs=16,  # the budget stops it first on 2 cores (6 epochs, about 5 minutes, left the loss falling)
@@ -115,7 +128,7 @@ def dflash_training_defaults() -> DraftTraining:
     )
 
 
-def build_dflash(hf_config: dict[str, Any], target: LlamaForCausalLM, seed: int) -> DFlashDraft:
+def build_dflash(hf_config: dict[str, Any], target: TargetModel, seed: int) -> DFlashDraft:
     """A freshly initialised draft with the target's embedding and LM head, frozen."""
     model = DFlashDraft(DFlashConfig.from_hf(hf_config))
     draw_matrices(model, seed)
@@ -140,7 +153,7 @@ def block_hidden(
     offsets = torch.arange(size)
     block_ids = torch.full((batch, len(anchors), size), mask_id)
     block_ids[:, :, 0] = tokens[:, anchors]
-    block = model.embed_tokens(block_ids).flatten(1, 2)  # [batch, anchors * B, hidden]
+    block = model.embed_tokens(block_ids).flatten(1, 2) * model.config.embedding_scale  # [batch, anchors * B, hidden]
     positions = torch.cat([torch.arange(time), (anchors[:, None] + offsets).flatten()])
     own = torch.arange(len(anchors)).repeat_interleave(size)
     sees_context = torch.arange(time)[None, :] < anchors.repeat_interleave(size)[:, None]

@@ -28,9 +28,8 @@ from typing import Any
 
 import torch
 
-from tandem.models.llama import LlamaForCausalLM
 from tandem.models.mtp import MTPConfig, MTPModel
-from tandem.models.registry import target_architecture
+from tandem.models.registry import TargetModel, target_architecture
 from training.checkpoint import checkpoint_tensors, save_tensors
 from training.dense import unrolled_mtp_outputs
 from training.eagle3 import IGNORED_LABEL, DraftData, shifted
@@ -60,7 +59,7 @@ def mtp_training_defaults() -> DraftTraining:
     )
 
 
-def build_mtp(hf_config: dict[str, Any], target: LlamaForCausalLM, seed: int) -> MTPModel:
+def build_mtp(hf_config: dict[str, Any], target: TargetModel, seed: int) -> MTPModel:
     """Fresh MTP layers (N(0, 0.02) weights, residual output projections scaled as the target's) on the target's
     embedding and LM head, which stay frozen."""
     model = MTPModel(MTPConfig.from_hf(hf_config))

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
@@ -142,12 +143,17 @@ def language_model_loss(
     return F.cross_entropy(logits.flatten(0, 1).float(), blocks[:, 1:].flatten())
 
 
+# A model's scalar mean next-token cross-entropy on blocks [batch, length + 1].
+BlockLoss = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
 def train_target(
-    model: LlamaForCausalLM,
+    model: nn.Module,
     train_blocks: torch.Tensor,  # [num_blocks, block_length + 1]
     held_out_blocks: torch.Tensor,  # [num_held_out, block_length + 1]
     settings: TargetTraining,
     on_point: Callable[[LossPoint], None] = lambda point: None,
+    loss_of: BlockLoss = language_model_loss,  # the model's next-token loss on a batch of blocks
 ) -> TrainingRecord:
     generator = torch.Generator().manual_seed(settings.seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -173,7 +179,7 @@ def train_target(
         for group in optimiser.param_groups:
             group["lr"] = settings.optimiser.rate(step, progress)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16_autocast):
-            loss = language_model_loss(model, batch)
+            loss = loss_of(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.optimiser.gradient_clip)
         optimiser.step()
@@ -192,21 +198,22 @@ def train_target(
         seconds=time.monotonic() - start,
         curve=tuple(curve),
         final_loss=sum(p.loss for p in tail) / max(len(tail), 1),
-        held_out_loss=evaluate_loss(model, held_out_blocks, settings.batch_size, settings.bf16_autocast),
+        held_out_loss=evaluate_loss(model, held_out_blocks, settings.batch_size, settings.bf16_autocast, loss_of),
     )
 
 
 @torch.no_grad()
 def evaluate_loss(
-    model: LlamaForCausalLM,
+    model: nn.Module,
     blocks: torch.Tensor,  # [num_blocks, length + 1]
     batch_size: int,
     bf16_autocast: bool,
+    loss_of: BlockLoss = language_model_loss,
 ) -> float:
     losses = []
     for first in range(0, blocks.shape[0], batch_size):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
-            losses.append(float(language_model_loss(model, blocks[first : first + batch_size])))
+            losses.append(float(loss_of(model, blocks[first : first + batch_size])))
     return sum(losses) / max(len(losses), 1)
 
 

@@ -46,7 +46,12 @@ SHAPES = {"dflash": TINY_DFLASH, "dspark": TINY_DSPARK}
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
+# A Gemma target's drafter (the same tiny Llama target, its config read as a Gemma's) scales the table's rows by
+# sqrt(hidden) and softcaps the logits, as the target does inside (training.dflash.gemma_fields).
+GEMMA_TARGET = {"model_type": "gemma4_text", "final_logit_softcapping": 3.0}
+
+
+@pytest.fixture(scope="module", params=[*SHAPES, "dflash-gemma"])
 def saved_draft(
     request: pytest.FixtureRequest,
     saved_target: Path,  # noqa: F811
@@ -54,7 +59,9 @@ def saved_draft(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Path:
     target = load_llama_target(saved_target)
-    hf_config = SHAPES[request.param].hf_config(target_config, mask_token_id=1)
+    gemma = request.param == "dflash-gemma"
+    shape = TINY_DFLASH if gemma else SHAPES[request.param]
+    hf_config = shape.hf_config(target_config | (GEMMA_TARGET if gemma else {}), mask_token_id=1)
     directory = tmp_path_factory.mktemp(request.param)
     model = build_dflash(hf_config, target, seed=0)
     if model.markov_head is not None:  # drawn at N(0, 0.02) the correction is too small to show in a test
@@ -71,6 +78,9 @@ def test_saved_files_are_the_z_lab_layout(saved_draft: Path) -> None:
     assert not any(name.startswith(("embed_tokens", "lm_head", "model.")) for name in names)
     model, missing = load_dflash(saved_draft)
     assert model.config.capture_indices(3) == (1, 2, 4) and missing == ("embed_tokens", "lm_head")
+    gemma = saved_draft.name.startswith("dflash-gemma")
+    assert model.config.embedding_scale == (TINY_TARGET.hidden_size**0.5 if gemma else 1.0)
+    assert model.config.logit_softcap == (3.0 if gemma else None)
     if model.config.dspark is not None:
         assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.bias"} <= names
         assert model.config.drafts_per_block == 3
