@@ -181,11 +181,7 @@ def run_demo(
     context = HeadContext(
         settings.heads, target, target_config, data, capture, pad_id, settings.continuation_prompt_tokens
     )
-    trained: dict[str, dict[str, Any]] = {}
-    for name in heads:
-        with clock.stage(name):
-            curves[name] = []
-            trained[name] = DEMO_HEADS[name].train(context, out / name, curves[name].append)
+    trained = train_heads(context, heads, out, clock, curves)
     del context, data, target
 
     with clock.stage("evaluate"):
@@ -215,6 +211,22 @@ def run_demo(
     notes = {"target": TARGET_NOTE} | {name: head.note(settings.heads) for name, head in DEMO_HEADS.items()}
     write_curves(out, curves, notes)
     return metadata
+
+
+def train_heads(
+    context: HeadContext,
+    names: Sequence[str],
+    out: Path,
+    clock: StageClock,
+    curves: dict[str, list[LossPoint]],
+) -> dict[str, dict[str, Any]]:
+    """Each named head trained on the context, one stage each, into out/<name>; their records by name."""
+    trained: dict[str, dict[str, Any]] = {}
+    for name in names:
+        with clock.stage(name):
+            curves[name] = []
+            trained[name] = DEMO_HEADS[name].train(context, out / name, curves[name].append)
+    return trained
 
 
 def train_target_stage(

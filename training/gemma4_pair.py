@@ -33,7 +33,7 @@ from training.data import (
     stdlib_root,
     token_id,
 )
-from training.demo import StageClock
+from training.demo import StageClock, train_heads
 from training.demo_heads import DEMO_HEADS, HeadContext, HeadSettings, chain_note, record_summary
 from training.eagle3 import captured_features
 from training.gemma4_target import Gemma4Shape, build_gemma4_target, gemma4_loss, save_gemma4_target
@@ -133,11 +133,7 @@ def train_heads_stage(
     context = HeadContext(
         settings.heads, target, target_config, data, capture, pad_id, settings.continuation_prompt_tokens
     )
-    trained: dict[str, dict[str, Any]] = {}
-    for name in BESIDE:
-        with clock.stage(name):
-            curves[name] = []
-            trained[name] = DEMO_HEADS[name].train(context, out / name, curves[name].append)
+    trained = train_heads(context, BESIDE, out, clock, curves)
     with clock.stage("assistant"):
         hf_config = settings.assistant_shape.hf_config(target_config, target.kept_kv)
         model = build_assistant(hf_config, target.model.embed_tokens.weight.detach(), settings.seed)
