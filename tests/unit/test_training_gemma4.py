@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Gemma4ForCausalLM
+from transformers import Gemma4ForCausalLM, PreTrainedTokenizerFast
 from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM
 
 from tandem.models.gemma4_assistant import load_assistant
@@ -112,8 +112,6 @@ def test_a_trained_assistant_is_read_back_by_tandem_and_transformers(
 
 
 def test_a_trained_gemma4_target_serves_as_transformers_runs_it(tmp_path: Path) -> None:
-    from transformers import PreTrainedTokenizerFast
-
     shape = Gemma4Shape(
         hidden_size=64,
         intermediate_size=96,
