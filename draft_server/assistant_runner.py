@@ -31,7 +31,14 @@ from draft_server.shaping import shape_logits
 from tandem.layers.kv_cache import CacheLayout, PagedKVCache, SequenceKV
 from tandem.layers.matmul import prepack
 from tandem.models.aux_layers import CaptureSpec
-from tandem.models.gemma4_assistant import ARCHITECTURE, AssistantConfig, Gemma4Assistant, Rows, load_assistant
+from tandem.models.gemma4_assistant import (
+    ARCHITECTURE,
+    AssistantConfig,
+    Gemma4Assistant,
+    Rows,
+    capture_indices,
+    load_assistant,
+)
 from tandem.settings import KVCacheSettings
 from tandem.wire import target_pb2
 
@@ -173,7 +180,7 @@ def check_assistant(config: AssistantConfig, info: target_pb2.TargetInfo) -> lis
 def prepare_assistant(settings: DraftSettings, info: target_pb2.TargetInfo) -> PreparedDraft:
     model = load_assistant(settings.model_dir, dtype=getattr(torch, settings.dtype), device=settings.device)
     kept = check_assistant(model.config, info)
-    indices = (info.num_layers + 1, *(info.num_layers + 2 + layer.layer for layer in kept))
+    indices = capture_indices(info.num_layers, (layer.layer for layer in kept))
     LOG.info(
         "Gemma 4 assistant: %d layers, hidden %d; reads the target's final hidden state and the K/V of layers %s; "
         "%s head",

@@ -25,15 +25,21 @@ import torch.nn.functional as F
 from transformers import Gemma4TextConfig
 from transformers.models.gemma4_assistant import Gemma4AssistantConfig
 
-from tandem.models.gemma4_assistant import AssistantAttention, AssistantConfig, AssistantLayer, Gemma4Assistant
+from tandem.models.gemma4_assistant import (
+    AssistantAttention,
+    AssistantConfig,
+    AssistantLayer,
+    Gemma4Assistant,
+    capture_indices,
+)
 from tandem.models.registry import TargetModel
 from tandem.models.stack import KeptKV
 from training.checkpoint import checkpoint_tensors, save_tensors
 from training.eagle3 import IGNORED_LABEL, DraftData, shifted
+from training.gemma4_target import FULL, SLIDING
 from training.heads import DraftRecord, DraftTraining, draw_matrices, step_losses, train_head
 from training.target import LossPoint
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [batch, time, kv heads, head_dim]
 
 
@@ -201,7 +207,5 @@ def save_assistant(model: Gemma4Assistant, hf_config: dict[str, Any], directory:
 
 
 def assistant_capture(target: TargetModel) -> tuple[int, ...]:
-    """The capture indices of the rows an assistant reads, in the order the replica lays them out: the final normed
-    hidden, then each kept layer's keys and values."""
-    layers = target.config.num_layers
-    return (layers + 1, *(layers + 2 + kept.layer for kept in target.kept_kv))
+    """The capture indices of the rows an assistant of this target reads (tandem.models.gemma4_assistant)."""
+    return capture_indices(target.config.num_layers, (kept.layer for kept in target.kept_kv))

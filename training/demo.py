@@ -63,6 +63,7 @@ from training.target import (
     build_target,
     load_llama_target,
     save_target,
+    target_summary,
     train_target,
 )
 
@@ -244,12 +245,7 @@ def train_target_stage(
     target = build_target(target_config, settings.seed)
     record = train_target(target, train_blocks, held_out_blocks, settings.target_training, on_point)
     save_target(target, target_config, tokenizer, target_dir)
-    return {
-        "steps": record.steps_done,
-        "tokens_seen": record.steps_done * settings.target_training.batch_size * (block - 1),
-        "final_train_loss": round(record.final_loss, 4),
-        "held_out_loss": round(record.held_out_loss, 4),
-    }
+    return target_summary(record, settings.target_training)
 
 
 def head_names(text: str) -> tuple[str, ...]:

@@ -40,7 +40,7 @@ from training.gemma4_target import Gemma4Shape, build_gemma4_target, gemma4_loss
 from training.heads import DraftTraining
 from training.records import merge_metadata, read_curves, read_metadata, write_curves
 from training.served_data import served_continuations
-from training.target import LossPoint, OptimiserSettings, TargetTraining, train_target
+from training.target import LossPoint, OptimiserSettings, TargetTraining, target_summary, train_target
 
 LOG = logging.getLogger("training.gemma4_pair")
 STAGES = ("target", "heads")
@@ -102,12 +102,7 @@ def train_target_stage(
     training = settings.target_training
     record = train_target(model, pack_blocks(corpus.train, block), held_out, training, curve.append, gemma4_loss)
     save_gemma4_target(model, corpus.tokenizer, directory)
-    return {
-        "steps": record.steps_done,
-        "tokens_seen": record.steps_done * training.batch_size * (block - 1),
-        "final_train_loss": round(record.final_loss, 4),
-        "held_out_loss": round(record.held_out_loss, 4),
-    }
+    return target_summary(record, training)
 
 
 def train_heads_stage(

@@ -107,6 +107,16 @@ class TrainingRecord:
     held_out_loss: float  # mean loss on held-out blocks after training
 
 
+def target_summary(record: TrainingRecord, settings: TargetTraining) -> dict[str, Any]:
+    """What the metadata records of a target's training."""
+    return {
+        "steps": record.steps_done,
+        "tokens_seen": record.steps_done * settings.batch_size * settings.block_length,
+        "final_train_loss": round(record.final_loss, 4),
+        "held_out_loss": round(record.held_out_loss, 4),
+    }
+
+
 def training_progress(step: int, steps: int, elapsed: float, budget_seconds: float) -> float:
     """The larger of the step fraction and the time fraction, so the schedule completes whichever limit binds."""
     return max(step / steps, elapsed / budget_seconds)

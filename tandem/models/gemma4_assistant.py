@@ -22,6 +22,7 @@ those scores minus 1.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,6 +225,12 @@ class Gemma4Assistant(nn.Module):
         heads = self.masked_embedding
         logits = F.linear(x, table) if heads is None else heads(x, table)
         return logits, self.post_projection(x)
+
+
+def capture_indices(num_layers: int, kept_layers: Iterable[int]) -> tuple[int, ...]:
+    """The target capture indices of the rows an assistant reads, in the order its replica lays them out: the final
+    normed hidden (num_layers + 1), then each kept layer's keys and values (num_layers + 2 + layer)."""
+    return (num_layers + 1, *(num_layers + 2 + layer for layer in kept_layers))
 
 
 def load_assistant(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Gemma4Assistant:
